@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code for the kvstore API (see protos/)."""

@@ -1,0 +1,251 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LayerSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class PutHeader(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "layers", "parent_hash")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    parent_hash: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+
+class LayerChunk(_message.Message):
+    __slots__ = ("layer_index", "first_block", "data")
+    LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer_index: int
+    first_block: int
+    data: bytes
+    def __init__(self, layer_index: _Optional[int] = ..., first_block: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutCommit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("header", "chunk", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    chunk: LayerChunk
+    commit: PutCommit
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[LayerChunk, _Mapping]] = ..., commit: _Optional[_Union[PutCommit, _Mapping]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("blocks_written", "blocks_skipped", "bytes_written", "blocks_evicted")
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    blocks_written: int
+    blocks_skipped: int
+    bytes_written: int
+    blocks_evicted: int
+    def __init__(self, blocks_written: _Optional[int] = ..., blocks_skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., blocks_evicted: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "max_chunk_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    max_chunk_bytes: int
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class DropSelectRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "wait_seconds", "max_chunk_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    wait_seconds: float
+    max_chunk_bytes: int
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., wait_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetHeader(_message.Message):
+    __slots__ = ("num_blocks", "layers")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    def __init__(self, num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: GetHeader
+    chunk: LayerChunk
+    def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., chunk: _Optional[_Union[LayerChunk, _Mapping]] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("all", "namespace", "block", "older_than_seconds", "target_bytes")
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    OLDER_THAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    all: bool
+    namespace: bytes
+    block: BlockRef
+    older_than_seconds: float
+    target_bytes: int
+    def __init__(self, all: _Optional[bool] = ..., namespace: _Optional[bytes] = ..., block: _Optional[_Union[BlockRef, _Mapping]] = ..., older_than_seconds: _Optional[float] = ..., target_bytes: _Optional[int] = ...) -> None: ...
+
+class BlockRef(_message.Message):
+    __slots__ = ("namespace", "block_hash")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hash: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("blocks_evicted", "bytes_freed")
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    blocks_evicted: int
+    bytes_freed: int
+    def __init__(self, blocks_evicted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    bytes_used: int
+    capacity_bytes: int
+    namespaces: int
+    backend: str
+    version: str
+    uptime_seconds: float
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    puts: int
+    blocks_written: int
+    bytes_written: int
+    bytes_read: int
+    evictions: int
+    checksum_failures: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+
+class BlockInfo(_message.Message):
+    __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_AT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    size_bytes: int
+    num_layers: int
+    created_at: float
+    last_access_at: float
+    num_children: int
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access_at: _Optional[float] = ..., num_children: _Optional[int] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("namespace", "limit", "page_token")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    limit: int
+    page_token: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., limit: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("blocks", "next_page_token")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    next_page_token: bytes
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("namespace", "block_hash")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hash: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class LayerInfo(_message.Message):
+    __slots__ = ("spec", "nbytes", "checksum")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    spec: LayerSpec
+    nbytes: int
+    checksum: int
+    def __init__(self, spec: _Optional[_Union[LayerSpec, _Mapping]] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("block", "layers")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    block: BlockInfo
+    layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
+    def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,182 @@
+"""Shared wire facts: limits, dtypes and the fast codec for bulk data messages.
+
+The bulk messages (PutRequest and GetResponse carrying a LayerChunk) are
+encoded and decoded here by hand, with memoryviews instead of protobuf bytes
+fields, so a chunk's payload is copied once per side instead of three times.
+The bytes on the wire are exactly the protobuf encoding of the messages in
+protos/kvstore/v1/kvstore.proto: a client built from the generated stubs alone
+interoperates with the daemon, and the daemon with it. Every other message goes
+through the generated protobuf classes.
+
+Used by both the daemon and the client; imports neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from kvstore.v1 import kvstore_pb2 as pb
+
+# ---- limits (documented in README "Limits"); the daemon may lower some by config
+HASH_BYTES: Final = 32
+MAX_NAMESPACE_BYTES: Final = 256
+MAX_LAYER_NAME_BYTES: Final = 256
+MAX_LAYERS: Final = 1024
+MAX_SHAPE_DIMS: Final = 8
+MAX_BLOCKS_PER_LOOKUP: Final = 65536
+MAX_BLOCKS_PER_PUT: Final = 8192
+DEFAULT_CHUNK_BYTES: Final = 4 << 20
+# gRPC message cap on both sides; a chunk plus its few bytes of framing must fit.
+MAX_MESSAGE_BYTES: Final = 64 << 20
+MAX_CHUNK_BYTES: Final = MAX_MESSAGE_BYTES - 1024
+
+# torch dtype name -> (element size, safetensors dtype code)
+DTYPES: Final[dict[str, tuple[int, str]]] = {
+    "bool": (1, "BOOL"),
+    "uint8": (1, "U8"),
+    "int8": (1, "I8"),
+    "int16": (2, "I16"),
+    "uint16": (2, "U16"),
+    "int32": (4, "I32"),
+    "uint32": (4, "U32"),
+    "int64": (8, "I64"),
+    "uint64": (8, "U64"),
+    "float16": (2, "F16"),
+    "bfloat16": (2, "BF16"),
+    "float32": (4, "F32"),
+    "float64": (8, "F64"),
+    "float8_e4m3fn": (1, "F8_E4M3"),
+    "float8_e5m2": (1, "F8_E5M2"),
+}
+
+
+def layer_block_bytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes of one block of one layer (shape excludes the block dimension)."""
+    size = DTYPES[dtype][0]
+    for dim in shape:
+        size *= dim
+    return size
+
+
+# ---- fast codec for LayerChunk-carrying messages --------------------------------
+# PutRequest.chunk and GetResponse.chunk are both field 2, length-delimited.
+_TAG_CHUNK: Final = 0x12
+_TAG_LAYER: Final = 0x08  # LayerChunk.layer_index, varint
+_TAG_FIRST: Final = 0x10  # LayerChunk.first_block, varint
+_TAG_DATA: Final = 0x1A  # LayerChunk.data, length-delimited
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A decoded LayerChunk whose data is a view into the received message."""
+
+    layer_index: int
+    first_block: int
+    data: memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A message that did not decode; the servicer answers INVALID_ARGUMENT."""
+
+    reason: str
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_chunk(layer_index: int, first_block: int, parts: Sequence[memoryview | bytes]) -> bytes:
+    """Encode PutRequest{chunk} / GetResponse{chunk} whose data is `parts` joined.
+
+    One copy of the payload: the parts go straight into the message bytes.
+    """
+    nbytes = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+    inner_head = b"".join(
+        (
+            bytes((_TAG_LAYER,)),
+            _varint(layer_index),
+            bytes((_TAG_FIRST,)),
+            _varint(first_block),
+            bytes((_TAG_DATA,)),
+            _varint(nbytes),
+        )
+    )
+    return b"".join((bytes((_TAG_CHUNK,)), _varint(len(inner_head) + nbytes), inner_head, *parts))
+
+
+def _decode_chunk(buf: memoryview) -> Chunk:
+    # buf holds one message whose only field is the chunk (field 2)
+    if buf[0] != _TAG_CHUNK:
+        raise ValueError("not a chunk")
+    length, pos = _read_varint(buf, 1)
+    if pos + length != len(buf):
+        raise ValueError("chunk length does not match the message")
+    layer = first = 0
+    data = memoryview(b"")
+    while pos < len(buf):
+        tag, pos = _read_varint(buf, pos)
+        if tag == _TAG_LAYER:
+            layer, pos = _read_varint(buf, pos)
+        elif tag == _TAG_FIRST:
+            first, pos = _read_varint(buf, pos)
+        elif tag == _TAG_DATA:
+            size, pos = _read_varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError("truncated chunk data")
+            data = buf[pos : pos + size]
+            pos += size
+        else:
+            raise ValueError(f"unexpected field tag {tag} in LayerChunk")
+    return Chunk(layer, first, data)
+
+
+def decode_put_request(raw: bytes) -> pb.PutRequest | Chunk | Malformed:
+    """gRPC request deserializer for Put: chunks by hand, the rest by protobuf."""
+    try:
+        if raw[:1] == bytes((_TAG_CHUNK,)):
+            return _decode_chunk(memoryview(raw))
+        return pb.PutRequest.FromString(raw)
+    except Exception as exc:  # noqa: BLE001 - any decode failure becomes INVALID_ARGUMENT
+        return Malformed(f"undecodable PutRequest: {exc}")
+
+
+def encode_put_request(msg: pb.PutRequest | bytes) -> bytes:
+    """gRPC request serializer for Put: pre-encoded chunks pass through."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def decode_get_response(raw: bytes) -> pb.GetResponse | Chunk:
+    """gRPC response deserializer for Get/DropSelect."""
+    if raw[:1] == bytes((_TAG_CHUNK,)):
+        return _decode_chunk(memoryview(raw))
+    return pb.GetResponse.FromString(raw)
+
+
+def encode_get_response(msg: pb.GetResponse | bytes) -> bytes:
+    """gRPC response serializer for Get/DropSelect: pre-encoded chunks pass through."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()

@@ -1,0 +1,471 @@
+"""KVStoreClient: the Python client, and the only code that speaks gRPC to the store.
+
+    with KVStoreClient("127.0.0.1:50051") as kv:
+        kv.insert("ns", hashes, {"layer.0": t0, "layer.1": t1})   # non-blocking -> Future
+        n = kv.lookup("ns", hashes)                                # blocks stored as a prefix
+        layers = kv.select("ns", hashes)                           # {} on a miss
+        layers = kv.drop_select("ns", hashes, timeout=5.0)         # waits, then consumes
+
+Tensors: one per layer, dim 0 indexes blocks, every layer with the same
+number of blocks; contiguous CPU tensors (copy device tensors to pinned host
+memory first). Streaming forms, one layer at a time: `put_stream` (write each
+layer when it is ready, then commit) and `get_stream` (iterate layers as they
+arrive).
+
+Thread-safe: one client may be shared by threads. Every call has a deadline
+(`timeout`, default from the constructor). Errors are kvstore_client.errors.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client import errors
+from kvstore_client.tensors import byte_view, dtype_name, torch_dtype, writable_view
+
+if TYPE_CHECKING:
+    import torch
+
+_SERVICE = "/kvstore.v1.KVStore/"
+
+
+def _ns(namespace: str | bytes) -> bytes:
+    return namespace.encode() if isinstance(namespace, str) else bytes(namespace)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One layer's per-block slice: a layer tensor of N blocks is [N, *shape]."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return wire.layer_block_bytes(self.dtype, self.shape)
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> LayerSpec:
+        return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    blocks_written: int
+    blocks_skipped: int
+    bytes_written: int
+    blocks_evicted: int
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    blocks_evicted: int
+    bytes_freed: int
+
+
+_END = object()
+
+
+class PutStream:
+    """An open Put: write each layer once (any order), then `commit()`.
+
+    Nothing is visible on the store until commit returns. `abort()` (or leaving
+    a `with` block by an exception) cancels it and leaves nothing behind.
+    write_layer never waits for the network: chunks queue for gRPC's sender.
+    """
+
+    def __init__(
+        self,
+        client: KVStoreClient,
+        header: pb.PutHeader,
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        timeout: float,
+    ) -> None:
+        self.layers = list(layers)
+        self.num_blocks = num_blocks
+        self._index = {spec.name: i for i, spec in enumerate(self.layers)}
+        self._written: set[int] = set()
+        self._chunk_bytes = client.chunk_bytes
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queue.put(pb.PutRequest(header=header))
+        self._future = client._put.future(self._requests(), timeout=timeout)
+        self._done = False
+
+    def _requests(self) -> Iterator[Any]:
+        while (item := self._queue.get()) is not _END:
+            yield item
+
+    def write_layer(self, layer: str | int, tensor: torch.Tensor) -> None:
+        """Send one layer's [num_blocks, *shape] CPU tensor. Returns at once."""
+        index = self._index[layer] if isinstance(layer, str) else layer
+        spec = self.layers[index]
+        if index in self._written:
+            raise ValueError(f"layer {spec.name!r} was already written")
+        if tuple(tensor.shape) != (self.num_blocks, *spec.shape) or dtype_name(tensor.dtype) != spec.dtype:
+            raise ValueError(
+                f"layer {spec.name!r}: expected {spec.dtype} {[self.num_blocks, *spec.shape]}, "
+                f"got {dtype_name(tensor.dtype)} {list(tensor.shape)}"
+            )
+        view = byte_view(tensor)
+        per_block = spec.block_bytes
+        per_chunk = max(1, self._chunk_bytes // per_block)
+        for first in range(0, self.num_blocks, per_chunk):
+            end = min(self.num_blocks, first + per_chunk)
+            self._queue.put(wire.encode_chunk(index, first, [view[first * per_block : end * per_block]]))
+        self._written.add(index)
+
+    def commit(self) -> PutResult:
+        """Commit and wait for the store's answer. Raises KVStoreError on failure."""
+        missing = [s.name for i, s in enumerate(self.layers) if i not in self._written]
+        if missing:
+            self.abort()
+            raise ValueError(f"commit without layers {missing[:4]}")
+        self._queue.put(pb.PutRequest(commit=pb.PutCommit()))
+        self._queue.put(_END)
+        self._done = True
+        try:
+            resp = self._future.result()
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from exc
+        return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
+
+    def abort(self) -> None:
+        """Cancel the put; the store keeps nothing of it. Safe to call twice."""
+        if not self._done:
+            self._done = True
+            self._future.cancel()
+            self._queue.put(_END)
+
+    def __enter__(self) -> PutStream:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None or not self._done:
+            self.abort()
+
+
+class LayerStream:
+    """A Get in progress: `num_blocks`, `layers`, then iterate (name, tensor) per layer.
+
+    Layer i is yielded as soon as its bytes arrived, while later layers are
+    still in flight. `allocate(spec, num_blocks)` may supply each destination
+    tensor (e.g. pinned memory); by default a new CPU tensor is made.
+    """
+
+    def __init__(
+        self,
+        call: Any,
+        allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+    ) -> None:
+        self._call = call
+        self._allocate = allocate
+        try:
+            first = next(call)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from exc
+        except StopIteration:
+            raise errors.StoreInternalError("empty Get stream") from None
+        if not isinstance(first, pb.GetResponse) or first.WhichOneof("msg") != "header":
+            raise errors.StoreInternalError("Get stream did not start with a header")
+        self.num_blocks: int = first.header.num_blocks
+        self.layers = [LayerSpec(s.name, s.dtype, tuple(s.shape)) for s in first.header.layers]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.num_blocks == 0:
+            return
+        import torch
+
+        try:
+            for index, spec in enumerate(self.layers):
+                shape = (self.num_blocks, *spec.shape)
+                if self._allocate is not None:
+                    tensor = self._allocate(spec, self.num_blocks)
+                    if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != spec.dtype:
+                        raise ValueError(f"allocate gave {tensor.dtype} {list(tensor.shape)} for {spec}")
+                else:
+                    tensor = torch.empty(shape, dtype=torch_dtype(spec.dtype))
+                dest = writable_view(tensor)
+                filled = 0
+                total = spec.block_bytes * self.num_blocks
+                while filled < total:
+                    chunk = next(self._call)
+                    if (
+                        not isinstance(chunk, wire.Chunk)
+                        or chunk.layer_index != index
+                        or chunk.first_block * spec.block_bytes != filled
+                        or filled + len(chunk.data) > total
+                    ):
+                        raise errors.StoreInternalError(f"out-of-order data in Get stream at layer {spec.name!r}")
+                    size = len(chunk.data)
+                    dest[filled : filled + size] = np.frombuffer(chunk.data, dtype=np.uint8)
+                    filled += size
+                yield spec.name, tensor
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from exc
+        except StopIteration:
+            raise errors.StoreInternalError("Get stream ended early") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        return dict(self)
+
+
+class KVStoreClient:
+    """Client for one kvstore daemon. Use as a context manager or call close()."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        timeout: float = 10.0,
+        chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
+        insert_workers: int = 2,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        if not 0 < chunk_bytes <= wire.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk_bytes must be in 1..{wire.MAX_CHUNK_BYTES}")
+        self.address = address
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        options = [
+            ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
+            *channel_options,
+        ]
+        self._channel = grpc.insecure_channel(address, options=options)
+        unary = self._channel.unary_unary
+        self._lookup = unary(_SERVICE + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString)
+        self._put = self._channel.stream_unary(
+            _SERVICE + "Put", wire.encode_put_request, pb.PutResponse.FromString
+        )
+        self._get = self._channel.unary_stream(
+            _SERVICE + "Get", pb.GetRequest.SerializeToString, wire.decode_get_response
+        )
+        self._drop_select = self._channel.unary_stream(
+            _SERVICE + "DropSelect", pb.DropSelectRequest.SerializeToString, wire.decode_get_response
+        )
+        self._evict = unary(_SERVICE + "Evict", pb.EvictRequest.SerializeToString, pb.EvictResponse.FromString)
+        self._stats = unary(_SERVICE + "Stats", pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString)
+        self._list = unary(_SERVICE + "List", pb.ListRequest.SerializeToString, pb.ListResponse.FromString)
+        self._describe = unary(
+            _SERVICE + "Describe", pb.DescribeRequest.SerializeToString, pb.DescribeResponse.FromString
+        )
+        self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
+        self._closed = threading.Event()
+
+    # ---- lifecycle
+    def close(self) -> None:
+        """Wait for pending inserts, then close the channel. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._inserts.shutdown(wait=True)
+        self._channel.close()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from exc
+
+    # ---- serving path
+    def lookup(self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None) -> int:
+        """How many leading blocks of `block_hashes` are stored. One round trip."""
+        req = pb.LookupRequest(namespace=_ns(namespace), block_hashes=block_hashes)
+        return int(self._unary(self._lookup, req, timeout).num_blocks)
+
+    def put_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+    ) -> PutStream:
+        """Open a Put for `block_hashes`; write each layer with write_layer, then commit."""
+        if not layers:
+            raise ValueError("a put needs at least one layer")
+        header = pb.PutHeader(
+            namespace=_ns(namespace),
+            block_hashes=block_hashes,
+            parent_hash=parent_hash,
+            layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
+        )
+        return PutStream(self, header, layers, len(block_hashes), timeout or max(self.timeout, 60.0))
+
+    def put(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Mapping[str, torch.Tensor],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+    ) -> PutResult:
+        """Store blocks and wait for the commit."""
+        if not layers:
+            raise ValueError("a put needs at least one layer")
+        specs = [LayerSpec.of(name, t) for name, t in layers.items()]
+        with self.put_stream(namespace, block_hashes, specs, parent_hash=parent_hash, timeout=timeout) as stream:
+            for name, tensor in layers.items():
+                stream.write_layer(name, tensor.contiguous())
+            return stream.commit()
+
+    def insert(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Mapping[str, torch.Tensor],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+    ) -> Future[PutResult]:
+        """LookupBuffer insert: store in the background and return at once.
+
+        The tensors are read by a background thread: do not modify them until
+        the returned future is done. Blocks already stored are skipped.
+        """
+        if self._closed.is_set():
+            raise errors.StoreUnavailable("client is closed")
+        return self._inserts.submit(
+            self.put, namespace, block_hashes, layers, parent_hash=parent_hash, timeout=timeout
+        )
+
+    def get_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+        allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+    ) -> LayerStream:
+        """Start reading the stored prefix of `block_hashes`, one layer at a time."""
+        req = pb.GetRequest(namespace=_ns(namespace), block_hashes=block_hashes, max_chunk_bytes=self.chunk_bytes)
+        return LayerStream(self._get(req, timeout=timeout or max(self.timeout, 60.0)), allocate)
+
+    def select(
+        self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The stored prefix of `block_hashes` as {layer: [n, ...]}; {} on a miss. Non-destructive."""
+        return self.get_stream(namespace, block_hashes, timeout=timeout).read_all()
+
+    def drop_select(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        timeout: float,
+        *,
+        transfer_timeout: float | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """LookupBuffer drop_select: wait up to `timeout` s for all blocks, take them, remove them.
+
+        Raises StoreTimeout if they are not all stored in time (nothing is removed then).
+        """
+        if not timeout >= 0:
+            raise ValueError("timeout must be a non-negative number of seconds")
+        req = pb.DropSelectRequest(
+            namespace=_ns(namespace), block_hashes=block_hashes, wait_seconds=timeout, max_chunk_bytes=self.chunk_bytes
+        )
+        call = self._drop_select(req, timeout=timeout + (transfer_timeout or max(self.timeout, 60.0)))
+        return LayerStream(call).read_all()
+
+    # ---- operators
+    def evict(
+        self,
+        *,
+        all: bool = False,
+        namespace: str | bytes | None = None,
+        block_hash: bytes | None = None,
+        older_than: float | None = None,
+        target_bytes: int | None = None,
+        timeout: float | None = None,
+    ) -> EvictResult:
+        """Evict by exactly one selector: all=True; namespace; namespace + block_hash (with
+        descendants); older_than seconds since last use; down to target_bytes."""
+        given = [all, namespace is not None and block_hash is None, block_hash is not None,
+                 older_than is not None, target_bytes is not None]  # fmt: skip
+        if sum(bool(g) for g in given) != 1:
+            raise ValueError("evict needs exactly one of: all, namespace, block_hash, older_than, target_bytes")
+        if block_hash is not None:
+            if namespace is None:
+                raise ValueError("block_hash needs its namespace")
+            req = pb.EvictRequest(block=pb.BlockRef(namespace=_ns(namespace), block_hash=block_hash))
+        elif namespace is not None:
+            req = pb.EvictRequest(namespace=_ns(namespace))
+        elif older_than is not None:
+            req = pb.EvictRequest(older_than_seconds=older_than)
+        elif target_bytes is not None:
+            req = pb.EvictRequest(target_bytes=target_bytes)
+        else:
+            req = pb.EvictRequest(all=True)
+        resp = self._unary(self._evict, req, timeout)
+        return EvictResult(resp.blocks_evicted, resp.bytes_freed)
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """Store totals and counters (see StatsResponse in the proto)."""
+        from google.protobuf.json_format import MessageToDict
+
+        resp = self._unary(self._stats, pb.StatsRequest(), timeout)
+        out = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        for field in resp.DESCRIPTOR.fields:
+            if field.type in (field.TYPE_UINT64, field.TYPE_UINT32):
+                out[field.name] = int(out[field.name])
+        return out
+
+    def list_blocks(
+        self, namespace: str | bytes | None = None, *, limit: int = 1000, page_token: bytes = b"",
+        timeout: float | None = None,
+    ) -> tuple[list[pb.BlockInfo], bytes]:  # fmt: skip
+        """One page of stored blocks and the token for the next page (b"" at the end)."""
+        req = pb.ListRequest(namespace=_ns(namespace) if namespace else b"", limit=limit, page_token=page_token)
+        resp = self._unary(self._list, req, timeout)
+        return list(resp.blocks), resp.next_page_token
+
+    def iter_blocks(self, namespace: str | bytes | None = None, *, page_size: int = 1000) -> Iterator[pb.BlockInfo]:
+        token = b""
+        while True:
+            blocks, token = self.list_blocks(namespace, limit=page_size, page_token=token)
+            yield from blocks
+            if not token:
+                return
+
+    def describe(
+        self, namespace: str | bytes, block_hash: bytes, *, timeout: float | None = None
+    ) -> pb.DescribeResponse:
+        req = pb.DescribeRequest(namespace=_ns(namespace), block_hash=block_hash)
+        return self._unary(self._describe, req, timeout)
+
+    def health(self, *, timeout: float | None = None) -> str:
+        """The standard gRPC health status of the KVStore service: 'SERVING', 'NOT_SERVING', ..."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"),
+                              timeout=timeout or self.timeout)  # fmt: skip
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from exc
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

@@ -1,0 +1,89 @@
+"""Every exception the client raises, in one tree.
+
+    KVStoreError                    base; catch this to catch them all
+    ├── StoreUnavailable            daemon unreachable or shutting down (UNAVAILABLE).
+    │                               Nothing changed on the store; retry later or recompute.
+    ├── StoreTimeout                deadline passed (DEADLINE_EXCEEDED); also a TimeoutError.
+    │                               A put may or may not have committed; a drop_select
+    │                               removed nothing.
+    ├── InvalidRequest              the daemon refused the request (INVALID_ARGUMENT);
+    │                               also a ValueError. Fix the call; nothing was stored.
+    ├── CapacityExceeded            over a server limit or no room (RESOURCE_EXHAUSTED).
+    │                               Nothing was stored; smaller or later may succeed.
+    ├── BlockNotFound               describe of a block that is not stored (NOT_FOUND).
+    ├── PutAborted                  a put stream ended without commit (ABORTED, CANCELLED);
+    │                               nothing was stored.
+    ├── AuthError                   UNAUTHENTICATED or PERMISSION_DENIED
+    └── StoreInternalError          anything else the daemon reported (INTERNAL, ...)
+
+Who catches what: serving code (the vLLM connector) catches KVStoreError and
+recomputes; tools (the CLI) print the message and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVStoreError(Exception):
+    """Base class. `code` is the gRPC status code name when one was received."""
+
+    code: str | None = None
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StoreUnavailable(KVStoreError):
+    pass
+
+
+class StoreTimeout(KVStoreError, TimeoutError):
+    pass
+
+
+class InvalidRequest(KVStoreError, ValueError):
+    pass
+
+
+class CapacityExceeded(KVStoreError):
+    pass
+
+
+class BlockNotFound(KVStoreError):
+    pass
+
+
+class PutAborted(KVStoreError):
+    pass
+
+
+class AuthError(KVStoreError):
+    pass
+
+
+class StoreInternalError(KVStoreError):
+    pass
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: StoreTimeout,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceeded,
+    grpc.StatusCode.NOT_FOUND: BlockNotFound,
+    grpc.StatusCode.ABORTED: PutAborted,
+    grpc.StatusCode.CANCELLED: PutAborted,
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthError,
+}
+
+
+def from_rpc_error(exc: grpc.RpcError) -> KVStoreError:
+    """The client exception for a gRPC error; raise it `from exc`."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else None
+    kind = _BY_CODE.get(code, StoreInternalError) if code is not None else StoreInternalError
+    name = code.name if code is not None else None
+    return kind(f"{name}: {details}" if details else str(name or exc), name)

@@ -1,0 +1,4 @@
+from kvstore_server.main import main
+import sys
+
+sys.exit(main())

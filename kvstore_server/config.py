@@ -1,0 +1,141 @@
+"""Typed daemon configuration: defaults, a TOML file, then flags.
+
+Precedence: built-in defaults < `--config FILE` (TOML, keys as below with `_`
+or `-`) < command-line flags actually given. `kvstore-server --print-config`
+prints the effective result as TOML.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+BACKENDS = ("lmdb", "disk")
+
+
+def parse_size(value: str | int) -> int:
+    """'512MiB' -> 536870912. Binary units (KiB, MiB, GiB, TiB; K, M, G, T), decimal KB/MB/GB/TB."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value}")
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"invalid size {value!r}; expected e.g. 512MiB, 64GiB, 10GB or a byte count")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "kvstore"
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:50051"
+    """HOST:PORT to serve gRPC on; port 0 picks a free port (printed in the ready line)."""
+    data_dir: Path = field(default_factory=default_data_dir)
+    """Where the backend keeps its files; created if missing; one daemon per directory."""
+    backend: str = "lmdb"
+    """'lmdb' (embedded, default) or 'disk' (one safetensors file per block)."""
+    capacity: int = 8 << 30
+    """Byte budget for stored KV data (units accepted: 512MiB, 64GiB). Eviction keeps usage under it."""
+    sync: bool = False
+    """fsync every commit, so acknowledged blocks survive power loss too (slower).
+    Without it they survive any process crash; after an OS crash the store starts empty."""
+    workers: int = 64
+    """gRPC worker threads."""
+    max_concurrent_rpcs: int = 512
+    """Calls beyond this are refused with RESOURCE_EXHAUSTED."""
+    max_put_bytes: int = 2 << 30
+    """Largest single Put (all its blocks and layers)."""
+    max_inflight_put_bytes: int = 4 << 30
+    """Bytes of Puts buffered at once across all clients; beyond it Puts get RESOURCE_EXHAUSTED."""
+    max_waiting_drop_selects: int = 32
+    """DropSelect calls allowed to wait at once (each holds a worker thread)."""
+    grace_seconds: float = 10.0
+    """On SIGTERM/SIGINT, how long in-flight calls may take to finish."""
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir).expanduser()
+        self.capacity = parse_size(self.capacity)
+        self.max_put_bytes = parse_size(self.max_put_bytes)
+        self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        if self.capacity <= 0:
+            raise ValueError("capacity must be positive")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
+        for name in ("workers", "max_concurrent_rpcs", "max_waiting_drop_selects"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.grace_seconds < 0:
+            raise ValueError("grace_seconds must not be negative")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise ValueError("log_level must be DEBUG, INFO, WARNING or ERROR")
+
+    @classmethod
+    def load(cls, path: Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
+        values: dict[str, Any] = {}
+        if path is not None:
+            with open(path, "rb") as f:
+                doc = tomllib.load(f)
+            known = {f.name for f in fields(cls)}
+            for key, value in doc.items():
+                name = key.replace("-", "_")
+                if name not in known:
+                    raise ValueError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+                values[name] = value
+        values.update(overrides or {})
+        return cls(**values)
+
+    def to_toml(self) -> str:
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (int, float)):
+                text = str(value)
+            else:
+                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            lines.append(f"{f.name} = {text}")
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,85 @@
+"""The data directory's guard: one daemon per directory, and honest recovery.
+
+`STATE` records whether the last daemon stopped cleanly and on which boot it
+ran. Without `sync`, commits reach the OS page cache but not the disk: they
+survive any process crash (SIGKILL, OOM), but an OS crash or power loss can
+lose or tear the newest writes. So when the last run did not stop cleanly
+*and* the machine has rebooted since, the store cannot vouch for its files: it
+moves them aside and starts empty (a cache may forget; it must not lie).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+class DataDirInUse(RuntimeError):
+    """Another kvstore-server holds this data directory."""
+
+
+def _boot_id() -> str:
+    try:
+        return _BOOT_ID.read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+class DataDir:
+    def __init__(self, path: Path, *, sync: bool) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            os.close(self._lock_fd)
+            raise DataDirInUse(f"{path} is in use by another kvstore-server") from exc
+        self._recover(sync)
+        self._write_state(clean=False, sync=sync)
+
+    def _recover(self, sync: bool) -> None:
+        state_path = self.path / "STATE"
+        try:
+            state = json.loads(state_path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable %s (%s); treating the last stop as unclean", state_path, exc)
+            state = {"clean": False, "boot_id": "unknown", "sync": False}
+        if state.get("clean"):
+            return
+        if state.get("boot_id") == _boot_id():
+            log.info("last run did not stop cleanly (process crash); committed data is intact")
+            return
+        if state.get("sync"):
+            log.info("last run did not stop cleanly before a reboot; its commits were fsynced")
+            return
+        aside = self.path / f"discarded-{int(time.time())}"
+        aside.mkdir()
+        for entry in self.path.iterdir():
+            if entry.name in ("lmdb", "blocks"):
+                entry.rename(aside / entry.name)
+        log.warning(
+            "the last run stopped uncleanly before an OS restart without sync=true: unsynced writes may be "
+            "torn, so the old data was moved to %s and the store starts empty",
+            aside,
+        )
+
+    def _write_state(self, *, clean: bool, sync: bool) -> None:
+        tmp = self.path / "STATE.tmp"
+        tmp.write_text(json.dumps({"clean": clean, "boot_id": _boot_id(), "sync": sync, "pid": os.getpid()}))
+        os.replace(tmp, self.path / "STATE")
+
+    def close(self, *, sync: bool) -> None:
+        """Record a clean stop (after the backend is closed) and release the lock."""
+        self._write_state(clean=True, sync=sync)
+        os.close(self._lock_fd)

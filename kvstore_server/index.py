@@ -1,0 +1,151 @@
+"""The block-hash prefix index: what is stored, chained how, used when.
+
+In memory, rebuilt from the backend's metadata at start. Answers Lookup
+without touching storage, and keeps what eviction needs: sizes, parent/child
+links and the least-recently-used order of chain tails (leaves).
+
+Not thread-safe: `Store` holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from kvstore_server.storage import BlockKey
+
+
+class Entry:
+    __slots__ = ("parent", "size", "created_at", "last_access")
+
+    def __init__(self, parent: bytes, size: int, created_at: float, last_access: float) -> None:
+        self.parent = parent
+        self.size = size
+        self.created_at = created_at
+        self.last_access = last_access
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._blocks: dict[bytes, dict[bytes, Entry]] = {}
+        # children by parent key, whether or not the parent is stored: a block
+        # scanned before its parent at start still links up.
+        self._children: dict[BlockKey, set[bytes]] = {}
+        # stored blocks without stored children, least recently used first
+        self._leaves: OrderedDict[BlockKey, None] = OrderedDict()
+        self.bytes_used = 0
+        self.num_blocks = 0
+
+    # ---- queries
+    def get(self, namespace: bytes, block_hash: bytes) -> Entry | None:
+        blocks = self._blocks.get(namespace)
+        return blocks.get(block_hash) if blocks else None
+
+    def prefix_len(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        blocks = self._blocks.get(namespace)
+        if not blocks:
+            return 0
+        for i, block_hash in enumerate(hashes):
+            if block_hash not in blocks:
+                return i
+        return len(hashes)
+
+    def num_children(self, namespace: bytes, block_hash: bytes) -> int:
+        return len(self._children.get((namespace, block_hash), ()))
+
+    def namespaces(self) -> list[bytes]:
+        return list(self._blocks)
+
+    def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
+        spaces = [namespace] if namespace is not None else list(self._blocks)
+        for ns in spaces:
+            for block_hash in self._blocks.get(ns, ()):
+                yield (ns, block_hash)
+
+    def descendants(self, namespace: bytes, block_hash: bytes) -> list[BlockKey]:
+        """Stored descendants of a block, deepest first (a safe removal order)."""
+        out: list[BlockKey] = []
+        stack = [block_hash]
+        while stack:
+            for child in self._children.get((namespace, stack.pop()), ()):
+                if self.get(namespace, child) is not None:
+                    out.append((namespace, child))
+                    stack.append(child)
+        out.reverse()
+        return out
+
+    def eviction_order(self, protect: set[BlockKey] = frozenset()) -> Iterator[BlockKey]:  # type: ignore[assignment]
+        """Leaves, least recently used first. Safe to remove each key as it is yielded."""
+        while True:
+            for key in self._leaves:
+                if key not in protect:
+                    break
+            else:
+                return
+            yield key
+
+    # ---- updates
+    def add(self, namespace: bytes, block_hash: bytes, parent: bytes, size: int, created_at: float) -> bool:
+        blocks = self._blocks.setdefault(namespace, {})
+        if block_hash in blocks:
+            return False
+        blocks[block_hash] = Entry(parent, size, created_at, created_at)
+        self.bytes_used += size
+        self.num_blocks += 1
+        key = (namespace, block_hash)
+        if parent:
+            self._children.setdefault((namespace, parent), set()).add(block_hash)
+            self._leaves.pop((namespace, parent), None)
+        if not self._children.get(key):
+            self._leaves[key] = None
+        return True
+
+    def remove(self, namespace: bytes, block_hash: bytes) -> Entry | None:
+        blocks = self._blocks.get(namespace)
+        entry = blocks.pop(block_hash, None) if blocks is not None else None
+        if entry is None:
+            return None
+        if not blocks:
+            del self._blocks[namespace]
+        self.bytes_used -= entry.size
+        self.num_blocks -= 1
+        key = (namespace, block_hash)
+        self._leaves.pop(key, None)
+        if entry.parent:
+            parent_key = (namespace, entry.parent)
+            siblings = self._children.get(parent_key)
+            if siblings is not None:
+                siblings.discard(block_hash)
+                if not siblings:
+                    del self._children[parent_key]
+                    if self.get(*parent_key) is not None:
+                        # the parent is now a chain tail: trim this chain next
+                        self._leaves[parent_key] = None
+                        self._leaves.move_to_end(parent_key, last=False)
+        if self._children.get(key):
+            # What hung below this block can no longer be reached as a prefix:
+            # let eviction take it first.
+            for orphan in self.descendants(namespace, block_hash):
+                if orphan in self._leaves:
+                    self._leaves.move_to_end(orphan, last=False)
+        return entry
+
+    def touch(self, namespace: bytes, hashes: Sequence[bytes], now: float | None = None) -> None:
+        blocks = self._blocks.get(namespace)
+        if not blocks:
+            return
+        now = time.time() if now is None else now
+        for block_hash in hashes:
+            entry = blocks.get(block_hash)
+            if entry is None:
+                continue
+            entry.last_access = now
+            key = (namespace, block_hash)
+            if key in self._leaves:
+                self._leaves.move_to_end(key)
+
+    def sort_leaves(self) -> None:
+        """Order leaves by last access; after a bulk load at start."""
+        order = sorted(self._leaves, key=lambda key: self._blocks[key[0]][key[1]].last_access)
+        self._leaves = OrderedDict.fromkeys(order)

@@ -1,0 +1,151 @@
+"""Entry point of `kvstore-server`.
+
+    kvstore-server [--listen HOST:PORT] [--data-dir DIR] [--backend lmdb|disk]
+                   [--capacity SIZE] [--sync] [--config FILE] [--print-config]
+
+`create_server(config, store)` builds a server bound to its port without
+starting signal handling, so tests can run one in-process on port 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2
+from kvstore_server import __version__
+from kvstore_server.config import ServerConfig, format_size
+from kvstore_server.datadir import DataDir, DataDirInUse
+from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
+from kvstore_server.storage import open_backend
+from kvstore_server.store import Store
+
+log = logging.getLogger("kvstore_server")
+
+
+@dataclass
+class Running:
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    store: Store
+
+
+def create_server(config: ServerConfig, store: Store) -> Running:
+    """A bound, not yet started server for `store`; port 0 binds a free port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        options=[
+            ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    server.add_generic_rpc_handlers((generic_handler(Servicer(store, config)),))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise OSError(f"could not bind {config.listen}")
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return Running(server, port, health_servicer, store)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvstore-server",
+        description="KV-cache store daemon for disaggregated LLM serving (gRPC).",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", type=Path, help="TOML file with any of the settings below")
+    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051)")
+    p.add_argument("--data-dir", dest="data_dir", type=Path, help="data directory (default ~/.local/share/kvstore)")
+    p.add_argument("--backend", choices=("lmdb", "disk"), help="storage backend (default lmdb)")
+    p.add_argument("--capacity", help="byte budget, e.g. 512MiB, 64GiB (default 8GiB)")
+    p.add_argument("--sync", action="store_true", help="fsync every commit (survives power loss)")
+    p.add_argument("--workers", type=int, help="gRPC worker threads (default 64)")
+    p.add_argument("--max-put-bytes", dest="max_put_bytes", help="largest single put (default 2GiB)")
+    p.add_argument("--max-inflight-put-bytes", dest="max_inflight_put_bytes", help="default 4GiB")
+    p.add_argument("--grace-seconds", dest="grace_seconds", type=float, help="shutdown grace (default 10)")
+    p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args: dict[str, Any] = vars(_parser().parse_args(argv))
+    config_path = args.pop("config", None)
+    print_config = args.pop("print_config", False)
+    try:
+        config = ServerConfig.load(config_path, args)
+    except (ValueError, OSError) as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 2
+    if print_config:
+        sys.stdout.write(config.to_toml())
+        return 0
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        datadir = DataDir(config.data_dir, sync=config.sync)
+    except DataDirInUse as exc:
+        log.error("%s", exc)
+        return 1
+    store = Store(
+        open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync),
+        config.capacity,
+    )
+    try:
+        running = create_server(config, store)
+    except (OSError, RuntimeError) as exc:
+        log.error("cannot listen on %s: %s", config.listen, exc)
+        store.close()
+        datadir.close(sync=config.sync)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    running.server.start()
+    host = config.listen.rpartition(":")[0]
+    print(
+        f"kvstore-server ready on {host}:{running.port} (backend={config.backend}, "
+        f"data_dir={config.data_dir}, capacity={format_size(config.capacity)})",
+        flush=True,
+    )
+    stop.wait()
+    log.info("shutting down: NOT_SERVING, finishing in-flight calls (grace %.1fs)", config.grace_seconds)
+    running.health.enter_graceful_shutdown()
+    store.begin_shutdown()
+    running.server.stop(config.grace_seconds).wait()
+    store.close()
+    datadir.close(sync=config.sync)
+    log.info("stopped cleanly")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,419 @@
+"""The gRPC servicer: validation at the edge, store calls, status codes.
+
+Every request is checked before it reaches the store; every store error is
+translated to a status code here and nowhere else:
+
+    INVALID_ARGUMENT    malformed request (sizes, counts, dtypes, shapes, keys)
+    RESOURCE_EXHAUSTED  over a documented limit, or no room in the store
+    DEADLINE_EXCEEDED   DropSelect waited its full time
+    NOT_FOUND           Describe of a block that is not stored
+    ABORTED             Put stream closed before its commit (nothing stored)
+    UNAVAILABLE         the daemon is shutting down
+    INTERNAL            the backend failed (logged with details)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_server import __version__, eviction
+from kvstore_server.config import ServerConfig
+from kvstore_server.storage import LayerSpec, StorageError
+from kvstore_server.store import (
+    CapacityError,
+    NotFoundError,
+    ReadResult,
+    ShuttingDown,
+    Store,
+    WaitTimeout,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvstore.v1.KVStore"
+DEFAULT_LIST_LIMIT = 1000
+MAX_LIST_LIMIT = 10000
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class InvalidRequest(Exception):
+    """A request failed validation; answered with INVALID_ARGUMENT."""
+
+
+_STATUS = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            context.abort(code, str(exc))
+    log.error("backend failure: %s", exc)
+    context.abort(grpc.StatusCode.INTERNAL, f"storage failure: {exc}")
+
+
+def translated(method: F) -> F:
+    """Map store and validation errors to status codes (unary and streaming methods)."""
+    errors = (InvalidRequest, CapacityError, WaitTimeout, NotFoundError, ShuttingDown, StorageError)
+
+    @functools.wraps(method)
+    def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except errors as exc:
+            _abort_for(context, exc)
+
+    @functools.wraps(method)
+    def streaming(self: Servicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from method(self, request, context)
+        except errors as exc:
+            _abort_for(context, exc)
+
+    return streaming if inspect.isgeneratorfunction(method) else unary  # type: ignore[return-value]
+
+
+# ---- validation ------------------------------------------------------------------
+def check_namespace(namespace: bytes) -> bytes:
+    if not namespace:
+        raise InvalidRequest("namespace must not be empty")
+    if len(namespace) > wire.MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(f"namespace is {len(namespace)} bytes; the limit is {wire.MAX_NAMESPACE_BYTES}")
+    return namespace
+
+
+def check_hash(block_hash: bytes, what: str = "block hash") -> bytes:
+    if len(block_hash) != wire.HASH_BYTES:
+        raise InvalidRequest(f"{what} must be {wire.HASH_BYTES} bytes, got {len(block_hash)}")
+    return block_hash
+
+
+def check_hashes(hashes: Sequence[bytes], limit: int, allow_empty: bool = False) -> list[bytes]:
+    if not hashes and not allow_empty:
+        raise InvalidRequest("block_hashes must not be empty")
+    if len(hashes) > limit:
+        raise InvalidRequest(f"{len(hashes)} block hashes; the limit is {limit} per call")
+    out = [check_hash(h) for h in hashes]
+    if len(set(out)) != len(out):
+        raise InvalidRequest("block_hashes repeats a hash; a chain never does")
+    return out
+
+
+def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
+    if not specs:
+        raise InvalidRequest("a put needs at least one layer")
+    if len(specs) > wire.MAX_LAYERS:
+        raise InvalidRequest(f"{len(specs)} layers; the limit is {wire.MAX_LAYERS}")
+    out = []
+    names = set()
+    for spec in specs:
+        name = spec.name
+        if not name or len(name.encode()) > wire.MAX_LAYER_NAME_BYTES:
+            raise InvalidRequest(f"layer name must be 1..{wire.MAX_LAYER_NAME_BYTES} bytes: {name[:64]!r}")
+        if name == "__metadata__" or name in names:
+            raise InvalidRequest(f"layer name {name!r} is reserved or repeated")
+        names.add(name)
+        if spec.dtype not in wire.DTYPES:
+            raise InvalidRequest(
+                f"layer {name!r}: unsupported dtype {spec.dtype!r}; supported: {', '.join(wire.DTYPES)}"
+            )
+        shape = tuple(spec.shape)
+        if not shape or len(shape) > wire.MAX_SHAPE_DIMS or any(d == 0 for d in shape):
+            raise InvalidRequest(
+                f"layer {name!r}: shape {list(shape)} must have 1..{wire.MAX_SHAPE_DIMS} non-zero dims"
+            )
+        nbytes = wire.layer_block_bytes(spec.dtype, shape)
+        if nbytes > wire.MAX_CHUNK_BYTES:
+            raise InvalidRequest(f"layer {name!r}: {nbytes} bytes per block; the limit is {wire.MAX_CHUNK_BYTES}")
+        out.append(LayerSpec(name, spec.dtype, shape, nbytes))
+    return tuple(out)
+
+
+def _chunk_size(requested: int) -> int:
+    return min(requested or wire.DEFAULT_CHUNK_BYTES, wire.MAX_CHUNK_BYTES)
+
+
+class ByteBudget:
+    """Bytes of in-flight puts; acquiring never waits (callers get RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def try_acquire(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+class Servicer:
+    """Implements kvstore.v1.KVStore on a Store. One instance per server."""
+
+    def __init__(self, store: Store, config: ServerConfig) -> None:
+        self.store = store
+        self.config = config
+        self._put_budget = ByteBudget(config.max_inflight_put_bytes)
+        self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
+
+    # ---- serving path
+    @translated
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        namespace = check_namespace(request.namespace)
+        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP, allow_empty=True)
+        return pb.LookupResponse(num_blocks=self.store.lookup(namespace, hashes))
+
+    @translated
+    def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:
+        first = next(requests, None)
+        if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
+            raise InvalidRequest("a Put stream must start with a header")
+        header = first.header
+        namespace = check_namespace(header.namespace)
+        hashes = check_hashes(header.block_hashes, wire.MAX_BLOCKS_PER_PUT)
+        parent = check_hash(header.parent_hash, "parent_hash") if header.parent_hash else b""
+        layers = check_layers(header.layers)
+        total = sum(layer.nbytes for layer in layers) * len(hashes)
+        if total > self.config.max_put_bytes:
+            raise CapacityError(f"put of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
+        if not self._put_budget.try_acquire(total):
+            raise CapacityError("too many bytes of puts in flight; retry later")
+        try:
+            data = self._receive(requests, layers, len(hashes), context)
+            if data is None:
+                context.abort(grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored")
+            result = self.store.put(namespace, parent, hashes, layers, data)
+        finally:
+            self._put_budget.release(total)
+        return pb.PutResponse(
+            blocks_written=result.blocks_written,
+            blocks_skipped=result.blocks_skipped,
+            bytes_written=result.bytes_written,
+            blocks_evicted=result.blocks_evicted,
+        )
+
+    def _receive(
+        self, requests: Iterator[Any], layers: Sequence[LayerSpec], num_blocks: int, context: grpc.ServicerContext
+    ) -> list[list[memoryview]] | None:
+        """Collect chunks until the commit; None if the stream ends first."""
+        data: list[list[memoryview]] = [[] for _ in layers]
+        try:
+            for msg in requests:
+                if isinstance(msg, wire.Chunk):
+                    self._accept_chunk(msg, layers, num_blocks, data)
+                    continue
+                if isinstance(msg, wire.Malformed):
+                    raise InvalidRequest(msg.reason)
+                kind = msg.WhichOneof("msg")
+                if kind == "chunk":  # a chunk the fast decoder left to protobuf
+                    chunk = msg.chunk
+                    view = wire.Chunk(chunk.layer_index, chunk.first_block, memoryview(chunk.data))
+                    self._accept_chunk(view, layers, num_blocks, data)
+                elif kind == "commit":
+                    missing = [layers[i].name for i, got in enumerate(data) if len(got) != num_blocks]
+                    if missing:
+                        raise InvalidRequest(
+                            f"commit before all data arrived: layers {missing[:4]} are incomplete"
+                        )
+                    return data
+                else:
+                    raise InvalidRequest(f"unexpected {kind or 'empty'} message inside a Put stream")
+        except grpc.RpcError:
+            # The client went away mid-stream: drop what arrived, store nothing.
+            log.info("put stream broken by the client; nothing stored")
+            context.abort(grpc.StatusCode.CANCELLED, "client cancelled the put")
+        return None
+
+    @staticmethod
+    def _accept_chunk(
+        chunk: wire.Chunk, layers: Sequence[LayerSpec], num_blocks: int, data: list[list[memoryview]]
+    ) -> None:
+        if chunk.layer_index >= len(layers):
+            raise InvalidRequest(f"chunk for layer {chunk.layer_index}; the header declared {len(layers)}")
+        spec = layers[chunk.layer_index]
+        got = data[chunk.layer_index]
+        if chunk.first_block != len(got):
+            raise InvalidRequest(
+                f"layer {spec.name!r}: chunk starts at block {chunk.first_block}, expected {len(got)}"
+            )
+        size = len(chunk.data)
+        if size == 0 or size % spec.nbytes:
+            raise InvalidRequest(
+                f"layer {spec.name!r}: chunk of {size} bytes is not a whole number of "
+                f"{spec.nbytes}-byte blocks ({spec.dtype} {list(spec.shape)})"
+            )
+        count = size // spec.nbytes
+        if len(got) + count > num_blocks:
+            raise InvalidRequest(f"layer {spec.name!r}: more data than the {num_blocks} declared blocks")
+        for i in range(count):
+            got.append(chunk.data[i * spec.nbytes : (i + 1) * spec.nbytes])
+
+    @translated
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
+        namespace = check_namespace(request.namespace)
+        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
+        with self.store.read(namespace, hashes) as result:
+            yield from _stream(result, _chunk_size(request.max_chunk_bytes))
+
+    @translated
+    def DropSelect(
+        self, request: pb.DropSelectRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GetResponse | bytes]:
+        namespace = check_namespace(request.namespace)
+        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
+        if not request.wait_seconds >= 0:  # also refuses NaN
+            raise InvalidRequest("wait_seconds must be a non-negative number")
+        wait = request.wait_seconds
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait = min(wait, remaining)
+        if not self._waiters.acquire(blocking=False):
+            raise CapacityError(f"more than {self.config.max_waiting_drop_selects} DropSelect calls waiting")
+        try:
+            with self.store.take(namespace, hashes, wait, context.is_active) as result:
+                yield from _stream(result, _chunk_size(request.max_chunk_bytes))
+        finally:
+            self._waiters.release()
+
+    # ---- operators
+    @translated
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        which = request.WhichOneof("selector")
+        if which == "all":
+            if not request.all:
+                raise InvalidRequest("all must be true to evict everything")
+            count, freed = self.store.evict(lambda index: eviction.namespace(index, None))
+        elif which == "namespace":
+            ns = check_namespace(request.namespace)
+            count, freed = self.store.evict(lambda index: eviction.namespace(index, ns))
+        elif which == "block":
+            ns = check_namespace(request.block.namespace)
+            block_hash = check_hash(request.block.block_hash)
+            count, freed = self.store.evict(lambda index: eviction.subtree(index, ns, block_hash))
+        elif which == "older_than_seconds":
+            if not request.older_than_seconds >= 0:
+                raise InvalidRequest("older_than_seconds must be a non-negative number")
+            cutoff = time.time() - request.older_than_seconds
+            count, freed = self.store.evict(lambda index: eviction.older_than(index, cutoff))
+        elif which == "target_bytes":
+            target = request.target_bytes
+            count, freed = self.store.evict(lambda index: eviction.down_to(index, target))
+        else:
+            raise InvalidRequest("Evict needs a selector: all, namespace, block, older_than_seconds or target_bytes")
+        return pb.EvictResponse(blocks_evicted=count, bytes_freed=freed)
+
+    @translated
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(version=__version__, **self.store.stats())  # type: ignore[arg-type]
+
+    @translated
+    def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        namespace = check_namespace(request.namespace) if request.namespace else None
+        if request.limit > MAX_LIST_LIMIT:
+            raise InvalidRequest(f"limit {request.limit} is above {MAX_LIST_LIMIT}")
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        after = _decode_page_token(request.page_token) if request.page_token else None
+        infos = self.store.list_blocks(namespace, limit, after)
+        token = b""
+        if len(infos) == limit:
+            last = infos[-1]
+            token = len(last.namespace).to_bytes(2, "big") + last.namespace + last.block_hash
+        return pb.ListResponse(blocks=[_block_info(i) for i in infos], next_page_token=token)
+
+    @translated
+    def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
+        namespace = check_namespace(request.namespace)
+        block_hash = check_hash(request.block_hash)
+        info, meta = self.store.describe(namespace, block_hash)
+        block = _block_info(info)
+        block.num_layers = len(meta.layers)
+        return pb.DescribeResponse(
+            block=block,
+            layers=[
+                pb.LayerInfo(
+                    spec=pb.LayerSpec(name=layer.name, dtype=layer.dtype, shape=layer.shape),
+                    nbytes=layer.nbytes,
+                    checksum=crc,
+                )
+                for layer, crc in zip(meta.layers, meta.checksums, strict=True)
+            ],
+        )
+
+
+def _stream(result: ReadResult, chunk_bytes: int) -> Iterator[pb.GetResponse | bytes]:
+    """GetHeader, then each layer's blocks in chunks of at most `chunk_bytes`."""
+    yield pb.GetResponse(
+        header=pb.GetHeader(
+            num_blocks=result.num_blocks,
+            layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in result.layers],
+        )
+    )
+    for index, spec in enumerate(result.layers):
+        per_chunk = max(1, chunk_bytes // spec.nbytes)
+        for first in range(0, result.num_blocks, per_chunk):
+            blocks = result.blocks[first : first + per_chunk]
+            yield wire.encode_chunk(index, first, [b.layers[index] for b in blocks])
+
+
+def _decode_page_token(token: bytes) -> tuple[bytes, bytes]:
+    size = int.from_bytes(token[:2], "big")
+    if len(token) != 2 + size + wire.HASH_BYTES:
+        raise InvalidRequest("invalid page_token; pass the one from the previous ListResponse")
+    return token[2 : 2 + size], token[2 + size :]
+
+
+def _block_info(info: Any) -> pb.BlockInfo:
+    return pb.BlockInfo(
+        namespace=info.namespace,
+        block_hash=info.block_hash,
+        parent_hash=info.entry.parent,
+        size_bytes=info.entry.size,
+        num_layers=0,
+        created_at=info.entry.created_at,
+        last_access_at=info.entry.last_access,
+        num_children=info.num_children,
+    )
+
+
+def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
+    """Method handlers; Put, Get and DropSelect use the fast codec in kvstore.wire."""
+    unary = grpc.unary_unary_rpc_method_handler
+    handlers = {
+        "Lookup": unary(servicer.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
+        "Put": grpc.stream_unary_rpc_method_handler(
+            servicer.Put, wire.decode_put_request, pb.PutResponse.SerializeToString
+        ),
+        "Get": grpc.unary_stream_rpc_method_handler(
+            servicer.Get, pb.GetRequest.FromString, wire.encode_get_response
+        ),
+        "DropSelect": grpc.unary_stream_rpc_method_handler(
+            servicer.DropSelect, pb.DropSelectRequest.FromString, wire.encode_get_response
+        ),
+        "Evict": unary(servicer.Evict, pb.EvictRequest.FromString, pb.EvictResponse.SerializeToString),
+        "Stats": unary(servicer.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
+        "List": unary(servicer.List, pb.ListRequest.FromString, pb.ListResponse.SerializeToString),
+        "Describe": unary(servicer.Describe, pb.DescribeRequest.FromString, pb.DescribeResponse.SerializeToString),
+    }
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,170 @@
+"""One safetensors file per block: `<root>/<ns digest>/<hh>/<hash>.safetensors`.
+
+Each file is a valid safetensors file (readable by the `safetensors` library
+as-is): one tensor per layer, named by the layer, with the block's metadata
+record under `__metadata__["kvstore"]`. Files are written to a temporary name,
+optionally fsynced, and renamed into place, so a reader sees a whole block or
+none; leftovers of a crash are removed by `scan`.
+
+Paths are derived from hex digests only; the namespace itself lives in the
+metadata record.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvstore.wire import DTYPES
+from kvstore_server.storage.base import (
+    Backend,
+    BlockKey,
+    BlockMeta,
+    BlockWrite,
+    StorageError,
+    StorageFullError,
+    StoredBlock,
+)
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = ".safetensors"
+_TMP_SUFFIX = ".tmp"
+_IOV_MAX = 512
+
+
+def _header(meta: BlockMeta) -> bytes:
+    doc: dict[str, object] = {"__metadata__": {"kvstore": meta.to_json().decode()}}
+    offset = 0
+    for layer in meta.layers:
+        doc[layer.name] = {
+            "dtype": DTYPES[layer.dtype][1],
+            "shape": list(layer.shape),
+            "data_offsets": [offset, offset + layer.nbytes],
+        }
+        offset += layer.nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _parse(buf: bytearray) -> tuple[BlockMeta, list[memoryview]]:
+    size = int.from_bytes(buf[:8], "little")
+    if size > len(buf) - 8:
+        raise ValueError("header longer than the file")
+    header = json.loads(bytes(buf[8 : 8 + size]))
+    meta = BlockMeta.from_json(header["__metadata__"]["kvstore"])
+    data = memoryview(buf)[8 + size :]
+    views = []
+    for layer in meta.layers:
+        start, end = header[layer.name]["data_offsets"]
+        if end - start != layer.nbytes or end > len(data):
+            raise ValueError(f"layer {layer.name!r} does not match its metadata")
+        views.append(data[start:end])
+    return meta, views
+
+
+class DiskBackend(Backend):
+    name = "disk"
+
+    def __init__(self, root: Path, *, sync: bool) -> None:
+        self._root = root
+        self._sync = sync
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, namespace: bytes, block_hash: bytes) -> Path:
+        ns_dir = hashlib.sha256(namespace).hexdigest()[:32]
+        name = block_hash.hex()
+        return self._root / ns_dir / name[:2] / (name + _SUFFIX)
+
+    def scan(self) -> Iterator[BlockMeta]:
+        for dirpath, _dirs, files in os.walk(self._root):
+            for name in files:
+                path = Path(dirpath) / name
+                if name.endswith(_TMP_SUFFIX):
+                    log.info("removing partial write %s", path)
+                    path.unlink(missing_ok=True)
+                    continue
+                if not name.endswith(_SUFFIX):
+                    continue
+                try:
+                    with open(path, "rb") as f:
+                        size = int.from_bytes(f.read(8), "little")
+                        header = json.loads(f.read(size))
+                    yield BlockMeta.from_json(header["__metadata__"]["kvstore"])
+                except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
+                    log.warning("skipping unreadable block file %s: %s", path, exc)
+
+    def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        for namespace, block_hash in deletes:
+            self._path(namespace, block_hash).unlink(missing_ok=True)
+        dirs: set[Path] = set()
+        for block in puts:
+            path = self._path(block.meta.namespace, block.meta.block_hash)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
+            try:
+                self._write_file(tmp, [_header(block.meta), *block.layers])
+                os.replace(tmp, path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                if exc.errno in (28, 122):  # ENOSPC, EDQUOT
+                    raise StorageFullError(f"no space for {path}: {exc}") from exc
+                raise StorageError(f"writing {path} failed: {exc}") from exc
+            dirs.add(path.parent)
+        if self._sync:
+            for directory in dirs:
+                fd = os.open(directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+    def _write_file(self, path: Path, parts: list[memoryview | bytes]) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for start in range(0, len(parts), _IOV_MAX):
+                batch = parts[start : start + _IOV_MAX]
+                want = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in batch)
+                done = os.writev(fd, batch)
+                if done != want:  # short write: finish the batch the slow way
+                    rest = memoryview(b"".join(batch))[done:]
+                    while rest:
+                        rest = rest[os.write(fd, rest) :]
+            if self._sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
+        blocks: list[StoredBlock | None] = []
+        for namespace, block_hash in keys:
+            path = self._path(namespace, block_hash)
+            try:
+                with open(path, "rb") as f:
+                    buf = bytearray(os.fstat(f.fileno()).st_size)
+                    f.readinto(buf)
+                meta, views = _parse(buf)
+            except FileNotFoundError:
+                blocks.append(None)
+                continue
+            except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
+                log.warning("unreadable block file %s: %s", path, exc)
+                blocks.append(None)
+                continue
+            if meta.key != (namespace, block_hash):
+                log.warning("block file %s holds another block", path)
+                blocks.append(None)
+                continue
+            blocks.append(StoredBlock(meta, views))
+        yield blocks
+
+    def close(self) -> None:
+        """Nothing to release: every file is closed after each call."""

@@ -1,0 +1,124 @@
+"""The default backend: one embedded LMDB environment holding metadata and data.
+
+Two named databases share one environment so a block's metadata and bytes are
+written in the same transaction: a block is either wholly visible or absent,
+after any crash. Keys are `len(ns) (2 bytes) || ns || hash`.
+
+NOTE: writemap stays off. With MDB_WRITEMAP a full filesystem turns into a
+SIGBUS inside the daemon instead of an error we can answer with.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+
+from kvstore_server.storage.base import (
+    Backend,
+    BlockKey,
+    BlockMeta,
+    BlockWrite,
+    StorageError,
+    StorageFullError,
+    StoredBlock,
+)
+
+log = logging.getLogger(__name__)
+
+# LMDB needs room beyond the payload: B-tree pages, per-value page rounding and
+# free pages that a long reader keeps pinned. The map is sparse, so a generous
+# size costs address space, not disk.
+_MAP_OVERHEAD_FACTOR = 2
+_MAP_MIN_BYTES = 1 << 30
+
+
+def _key(namespace: bytes, block_hash: bytes) -> bytes:
+    return len(namespace).to_bytes(2, "big") + namespace + block_hash
+
+
+def _split(data: memoryview, meta: BlockMeta) -> list[memoryview] | None:
+    views = []
+    offset = 0
+    for layer in meta.layers:
+        views.append(data[offset : offset + layer.nbytes])
+        offset += layer.nbytes
+    return views if offset == len(data) else None
+
+
+class LmdbBackend(Backend):
+    name = "lmdb"
+
+    def __init__(self, path: Path, *, capacity_bytes: int, sync: bool) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        map_size = max(_MAP_MIN_BYTES, capacity_bytes * _MAP_OVERHEAD_FACTOR)
+        self._env = lmdb.open(
+            str(path),
+            map_size=map_size,
+            max_dbs=2,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            max_readers=1024,
+        )
+        # A reader slot left by a killed process would pin old pages forever.
+        stale = self._env.reader_check()
+        if stale:
+            log.info("cleared %d stale LMDB reader slots", stale)
+        self._meta = self._env.open_db(b"meta")
+        self._data = self._env.open_db(b"data")
+
+    def scan(self) -> Iterator[BlockMeta]:
+        with self._env.begin(db=self._meta, buffers=True) as txn:
+            for key, raw in txn.cursor():
+                try:
+                    yield BlockMeta.from_json(raw)
+                except (ValueError, KeyError, TypeError, StorageError) as exc:
+                    log.warning("skipping unreadable metadata record %s: %s", bytes(key).hex(), exc)
+
+    def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        try:
+            with self._env.begin(write=True) as txn:
+                for namespace, block_hash in deletes:
+                    key = _key(namespace, block_hash)
+                    txn.delete(key, db=self._meta)
+                    txn.delete(key, db=self._data)
+                for block in puts:
+                    key = _key(block.meta.namespace, block.meta.block_hash)
+                    txn.put(key, block.meta.to_json(), db=self._meta)
+                    txn.put(key, b"".join(block.layers), db=self._data)
+        except lmdb.MapFullError as exc:
+            raise StorageFullError(f"LMDB map is full: {exc}") from exc
+        except lmdb.Error as exc:
+            raise StorageError(f"LMDB write failed: {exc}") from exc
+
+    @contextmanager
+    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
+        # One read transaction: a consistent snapshot, and the views below point
+        # straight into the map until it ends.
+        with self._env.begin(buffers=True) as txn:
+            blocks: list[StoredBlock | None] = []
+            for namespace, block_hash in keys:
+                key = _key(namespace, block_hash)
+                raw_meta = txn.get(key, db=self._meta)
+                data = txn.get(key, db=self._data)
+                if raw_meta is None or data is None:
+                    blocks.append(None)
+                    continue
+                try:
+                    meta = BlockMeta.from_json(raw_meta)
+                except (ValueError, KeyError, TypeError, StorageError) as exc:
+                    log.warning("unreadable metadata for block %s: %s", block_hash.hex(), exc)
+                    blocks.append(None)
+                    continue
+                views = _split(data, meta)
+                blocks.append(StoredBlock(meta, views) if views is not None else None)
+                if views is None:
+                    log.warning("block %s: stored size does not match its metadata", block_hash.hex())
+            yield blocks
+
+    def close(self) -> None:
+        self._env.close()

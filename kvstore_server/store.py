@@ -1,0 +1,395 @@
+"""The store: a backend plus the prefix index, capacity and the hand-off wait.
+
+`Store` is what the gRPC servicer calls, from many worker threads at once. It
+takes validated Python values and raises the errors below; translating them to
+gRPC status codes is the servicer's job.
+
+Locks: `_lock` guards the index and counters and is held only for in-memory
+work. `_commit_lock` serialises everything that changes the backend (puts,
+evictions, drop-selects), so the index and the backend change together.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+from kvstore_server import eviction
+from kvstore_server.index import Entry, PrefixIndex
+from kvstore_server.storage import (
+    Backend,
+    BlockKey,
+    BlockMeta,
+    BlockWrite,
+    LayerSpec,
+    StorageError,
+    StorageFullError,
+    StoredBlock,
+    checksum,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StoreError(Exception):
+    """Base of the errors the store raises to the servicer."""
+
+
+class CapacityError(StoreError):
+    """The request cannot fit in the store's byte budget."""
+
+
+class NotFoundError(StoreError):
+    """The named block is not stored."""
+
+
+class WaitTimeout(StoreError):
+    """DropSelect's wait ran out before the whole prefix was stored."""
+
+
+class ShuttingDown(StoreError):
+    """The store is closing; the call should be retried elsewhere or later."""
+
+
+@dataclass
+class Counters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    puts: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    checksum_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    blocks_written: int
+    blocks_skipped: int
+    bytes_written: int
+    blocks_evicted: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """A stored prefix being read: `blocks` are valid inside the context only."""
+
+    layers: tuple[LayerSpec, ...]
+    blocks: list[StoredBlock] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    namespace: bytes
+    block_hash: bytes
+    entry: Entry
+    num_children: int
+
+
+Listener = Callable[[str, bytes, Sequence[bytes], Sequence[bytes]], None]
+"""Called as listener(kind, namespace, hashes, parents) with kind "stored" or "removed",
+under the store's lock, in commit order."""
+
+
+class Store:
+    def __init__(self, backend: Backend, capacity_bytes: int) -> None:
+        self.backend = backend
+        self.capacity_bytes = capacity_bytes
+        self.counters = Counters()
+        self.started_at = time.time()
+        self._index = PrefixIndex()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._commit_lock = threading.Lock()
+        self._draining = False  # DropSelect waiters give up
+        self._closed = False  # no more writes
+        self._listeners: list[Listener] = []
+        for meta in backend.scan():
+            self._index.add(meta.namespace, meta.block_hash, meta.parent_hash, meta.size, meta.created_at)
+        self._index.sort_leaves()
+        if self._index.bytes_used > capacity_bytes:
+            with self._commit_lock, self._lock:
+                victims = eviction.down_to(self._index, capacity_bytes)
+            backend.delete(victims)
+            log.info("evicted %d blocks to fit the configured capacity", len(victims))
+        log.info(
+            "loaded %d blocks (%d bytes) in %d namespaces from the %s backend",
+            self._index.num_blocks,
+            self._index.bytes_used,
+            len(self._index.namespaces()),
+            backend.name,
+        )
+
+    # ---- serving path
+    def lookup(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        with self._lock:
+            n = self._index.prefix_len(namespace, hashes)
+            self._index.touch(namespace, hashes[:n])
+            self.counters.lookups += 1
+            self.counters.hit_blocks += n
+            self.counters.miss_blocks += len(hashes) - n
+        return n
+
+    def put(
+        self,
+        namespace: bytes,
+        parent_hash: bytes,
+        hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        data: Sequence[Sequence[memoryview]],
+    ) -> PutResult:
+        """Store blocks; data[layer][block] is one block's bytes of one layer."""
+        block_bytes = sum(layer.nbytes for layer in layers)
+        chain = {(namespace, h) for h in hashes}
+        if parent_hash:
+            chain.add((namespace, parent_hash))
+        with self._commit_lock:
+            with self._lock:
+                if self._closed:
+                    raise ShuttingDown("the store is closed")
+                fresh = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
+                incoming = block_bytes * len(fresh)
+                if incoming > self.capacity_bytes:
+                    raise CapacityError(
+                        f"put of {incoming} bytes exceeds the store's capacity of {self.capacity_bytes} bytes"
+                    )
+                victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
+                self._emit_removed(victims)
+                self.counters.evictions += len(victims)
+                fits = self._index.bytes_used + incoming <= self.capacity_bytes
+            if not fits:
+                self._reconcile(victims)
+                raise CapacityError("not enough evictable data to make room for this put")
+            now = time.time()
+            writes = [
+                BlockWrite(
+                    BlockMeta(
+                        namespace=namespace,
+                        block_hash=hashes[i],
+                        parent_hash=hashes[i - 1] if i else parent_hash,
+                        layers=tuple(layers),
+                        checksums=tuple(checksum(data[l][i]) for l in range(len(layers))),
+                        created_at=now,
+                    ),
+                    [data[l][i] for l in range(len(layers))],
+                )
+                for i in fresh
+            ]
+            self._write(writes, victims)
+            with self._lock:
+                for w in writes:
+                    m = w.meta
+                    self._index.add(namespace, m.block_hash, m.parent_hash, block_bytes, now)
+                self.counters.puts += 1
+                self.counters.blocks_written += len(writes)
+                self.counters.bytes_written += incoming
+                if writes:
+                    for listener in self._listeners:
+                        listener(
+                            "stored",
+                            namespace,
+                            [w.meta.block_hash for w in writes],
+                            [w.meta.parent_hash for w in writes],
+                        )
+                self._changed.notify_all()
+        return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims))
+
+    def _write(self, writes: list[BlockWrite], victims: list[BlockKey]) -> None:
+        try:
+            self.backend.write(writes, victims)
+            return
+        except StorageFullError:
+            log.warning("backend full below the byte budget; evicting 10%% more and retrying once")
+        with self._lock:
+            extra = eviction.down_to(self._index, int(self._index.bytes_used * 0.9))
+            self._emit_removed(extra)
+            self.counters.evictions += len(extra)
+        try:
+            self.backend.write(writes, victims + extra)
+        except StorageFullError as exc:
+            self._reconcile(victims + extra)
+            raise CapacityError(f"storage is full: {exc}") from exc
+        except StorageError:
+            self._reconcile(victims + extra)
+            raise
+
+    def _reconcile(self, victims: list[BlockKey]) -> None:
+        # The index already dropped the victims; make the backend agree.
+        try:
+            self.backend.delete(victims)
+        except StorageError as exc:
+            log.error("could not delete %d evicted blocks; they return at restart: %s", len(victims), exc)
+
+    @contextmanager
+    def read(self, namespace: bytes, hashes: Sequence[bytes]) -> Iterator[ReadResult]:
+        """The stored prefix of `hashes`, verified; a bad or vanished block ends it."""
+        with self._lock:
+            n = self._index.prefix_len(namespace, hashes)
+            self._index.touch(namespace, hashes[:n])
+        keys = [(namespace, h) for h in hashes[:n]]
+        with self.backend.read(keys) as blocks:
+            result = self._verified_prefix(blocks, keys)
+            yield result
+        self._count_read(result)
+
+    @contextmanager
+    def take(
+        self, namespace: bytes, hashes: Sequence[bytes], wait_seconds: float, is_active: Callable[[], bool]
+    ) -> Iterator[ReadResult]:
+        """DropSelect: wait until the whole prefix is stored, then read and remove it."""
+        deadline = time.monotonic() + wait_seconds
+        keys = [(namespace, h) for h in hashes]
+        with ExitStack() as stack:
+            while True:
+                with self._changed:
+                    if self._draining:
+                        raise ShuttingDown("the store is shutting down")
+                    if self._index.prefix_len(namespace, hashes) == len(hashes):
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise WaitTimeout(f"prefix of {len(hashes)} blocks not stored within {wait_seconds:g}s")
+                    # Bounded waits: notice a cancelled caller within half a second.
+                    self._changed.wait(min(remaining, 0.5))
+                if not is_active():
+                    raise WaitTimeout("caller went away")
+            with self._commit_lock:
+                with self._lock:
+                    if self._index.prefix_len(namespace, hashes) != len(hashes):
+                        # lost a race with another DropSelect or an eviction
+                        raise WaitTimeout("prefix was taken or evicted concurrently")
+                    for key in keys:
+                        self._index.remove(*key)
+                    self._emit_removed(keys)
+                blocks = stack.enter_context(self.backend.read(keys))
+                # The read snapshot keeps the bytes readable after this delete.
+                self.backend.delete(keys)
+            result = self._verified_prefix(blocks, keys, remove_bad=False)
+            yield result
+        self._count_read(result)
+
+    def _verified_prefix(
+        self, blocks: list[StoredBlock | None], keys: list[BlockKey], remove_bad: bool = True
+    ) -> ReadResult:
+        good: list[StoredBlock] = []
+        for block, key in zip(blocks, keys, strict=True):
+            if block is None:
+                break
+            bad_layer = block.corrupt_layer()
+            if bad_layer is not None:
+                log.error(
+                    "checksum mismatch in block %s layer %r: treating it as a miss and removing it",
+                    key[1].hex(),
+                    block.meta.layers[bad_layer].name,
+                )
+                with self._lock:
+                    self.counters.checksum_failures += 1
+                if remove_bad:
+                    self._remove_corrupt(key)
+                break
+            if good and block.meta.layers != good[0].meta.layers:
+                log.warning("block %s has another layer layout than its prefix; stopping there", key[1].hex())
+                break
+            good.append(block)
+        return ReadResult(good[0].meta.layers if good else (), good)
+
+    def _remove_corrupt(self, key: BlockKey) -> None:
+        with self._commit_lock:
+            with self._lock:
+                if self._index.remove(*key) is not None:
+                    self._emit_removed([key])
+            # deleting inside a read snapshot is safe: the snapshot keeps its pages
+            self.backend.delete([key])
+
+    def _count_read(self, result: ReadResult) -> None:
+        with self._lock:
+            self.counters.bytes_read += sum(layer.nbytes for layer in result.layers) * result.num_blocks
+
+    # ---- operators
+    def evict(self, select: Callable[[PrefixIndex], list[BlockKey]]) -> tuple[int, int]:
+        """Evict what `select` picks (one of kvstore_server.eviction's functions)."""
+        with self._commit_lock:
+            with self._lock:
+                before = self._index.bytes_used
+                victims = select(self._index)
+                freed = before - self._index.bytes_used
+                self._emit_removed(victims)
+                self.counters.evictions += len(victims)
+            self.backend.delete(victims)
+        if victims:
+            log.info("evicted %d blocks (%d bytes) on request", len(victims), freed)
+        return len(victims), freed
+
+    def stats(self) -> dict[str, int | float | str]:
+        with self._lock:
+            return {
+                "blocks": self._index.num_blocks,
+                "bytes_used": self._index.bytes_used,
+                "capacity_bytes": self.capacity_bytes,
+                "namespaces": len(self._index.namespaces()),
+                "backend": self.backend.name,
+                "uptime_seconds": time.time() - self.started_at,
+                **vars(self.counters),
+            }
+
+    def list_blocks(self, namespace: bytes | None, limit: int, after: BlockKey | None) -> list[BlockInfo]:
+        """Blocks in (namespace, hash) order, after `after`; at most `limit`."""
+        with self._lock:
+            keys = sorted(k for k in self._index.keys(namespace) if after is None or k > after)[:limit]
+            return [self._info(k) for k in keys]
+
+    def describe(self, namespace: bytes, block_hash: bytes) -> tuple[BlockInfo, BlockMeta]:
+        with self._lock:
+            if self._index.get(namespace, block_hash) is None:
+                raise NotFoundError(f"block {block_hash.hex()} is not stored in this namespace")
+            info = self._info((namespace, block_hash))
+        with self.backend.read([(namespace, block_hash)]) as blocks:
+            block = blocks[0]
+            if block is None:
+                raise NotFoundError(f"block {block_hash.hex()} vanished while being described")
+            return info, block.meta
+
+    def _info(self, key: BlockKey) -> BlockInfo:
+        entry = self._index.get(*key)
+        if entry is None:
+            raise NotFoundError(key[1].hex())
+        return BlockInfo(key[0], key[1], entry, self._index.num_children(*key))
+
+    # ---- events and lifecycle
+    def add_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _emit_removed(self, keys: Sequence[BlockKey]) -> None:
+        if not keys or not self._listeners:
+            return
+        by_ns: dict[bytes, list[bytes]] = {}
+        for ns, h in keys:
+            by_ns.setdefault(ns, []).append(h)
+        for ns, hashes in by_ns.items():
+            for listener in self._listeners:
+                listener("removed", ns, hashes, [])
+
+    def begin_shutdown(self) -> None:
+        """Release DropSelect waiters (UNAVAILABLE); everything else keeps working."""
+        with self._changed:
+            self._draining = True
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Close the backend; called once, after the server stopped."""
+        self.begin_shutdown()
+        with self._commit_lock:
+            with self._lock:
+                self._closed = True
+            self.backend.close()
