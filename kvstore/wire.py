@@ -26,6 +26,7 @@ MAX_LAYER_NAME_BYTES: Final = 256
 MAX_LAYERS: Final = 1024
 MAX_SHAPE_DIMS: Final = 8
 MAX_BLOCKS_PER_LOOKUP: Final = 65536
+MAX_LOOKUP_NAMESPACES: Final = 64
 MAX_BLOCKS_PER_PUT: Final = 8192
 DEFAULT_CHUNK_BYTES: Final = 4 << 20
 # gRPC message cap on both sides; a chunk plus its few bytes of framing must fit.

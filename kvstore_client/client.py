@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 
 from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
@@ -185,6 +184,7 @@ class LayerStream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.num_blocks == 0:
             return
+        import numpy as np
         import torch
 
         try:
@@ -291,9 +291,21 @@ class KVStoreClient:
             raise errors.from_rpc_error(exc) from exc
 
     # ---- serving path
-    def lookup(self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None) -> int:
-        """How many leading blocks of `block_hashes` are stored. One round trip."""
-        req = pb.LookupRequest(namespace=_ns(namespace), block_hashes=block_hashes)
+    def lookup(
+        self,
+        namespace: str | bytes | Sequence[str | bytes],
+        block_hashes: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """How many leading blocks of `block_hashes` are stored. One round trip.
+
+        With a list of namespaces: the prefix stored in all of them (e.g. every TP rank).
+        """
+        if isinstance(namespace, (str, bytes)):
+            req = pb.LookupRequest(namespace=_ns(namespace), block_hashes=block_hashes)
+        else:
+            req = pb.LookupRequest(namespaces=[_ns(ns) for ns in namespace], block_hashes=block_hashes)
         return int(self._unary(self._lookup, req, timeout).num_blocks)
 
     def put_stream(
@@ -372,6 +384,24 @@ class KVStoreClient:
         """The stored prefix of `block_hashes` as {layer: [n, ...]}; {} on a miss. Non-destructive."""
         return self.get_stream(namespace, block_hashes, timeout=timeout).read_all()
 
+    def take_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        wait: float,
+        *,
+        transfer_timeout: float | None = None,
+        allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+    ) -> LayerStream:
+        """Streaming drop_select: wait up to `wait` s for all blocks, then take them layer by layer."""
+        if not wait >= 0:
+            raise ValueError("wait must be a non-negative number of seconds")
+        req = pb.DropSelectRequest(
+            namespace=_ns(namespace), block_hashes=block_hashes, wait_seconds=wait, max_chunk_bytes=self.chunk_bytes
+        )
+        call = self._drop_select(req, timeout=wait + (transfer_timeout or max(self.timeout, 60.0)))
+        return LayerStream(call, allocate)
+
     def drop_select(
         self,
         namespace: str | bytes,
@@ -384,13 +414,7 @@ class KVStoreClient:
 
         Raises StoreTimeout if they are not all stored in time (nothing is removed then).
         """
-        if not timeout >= 0:
-            raise ValueError("timeout must be a non-negative number of seconds")
-        req = pb.DropSelectRequest(
-            namespace=_ns(namespace), block_hashes=block_hashes, wait_seconds=timeout, max_chunk_bytes=self.chunk_bytes
-        )
-        call = self._drop_select(req, timeout=timeout + (transfer_timeout or max(self.timeout, 60.0)))
-        return LayerStream(call).read_all()
+        return self.take_stream(namespace, block_hashes, timeout, transfer_timeout=transfer_timeout).read_all()
 
     # ---- operators
     def evict(

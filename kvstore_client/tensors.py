@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvstore.wire import DTYPES
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 

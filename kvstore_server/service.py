@@ -181,9 +181,15 @@ class Servicer:
     # ---- serving path
     @translated
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        namespace = check_namespace(request.namespace)
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP, allow_empty=True)
-        return pb.LookupResponse(num_blocks=self.store.lookup(namespace, hashes))
+        if request.namespaces:
+            if request.namespace:
+                raise InvalidRequest("give namespace or namespaces, not both")
+            if len(request.namespaces) > wire.MAX_LOOKUP_NAMESPACES:
+                raise InvalidRequest(f"at most {wire.MAX_LOOKUP_NAMESPACES} namespaces per lookup")
+            spaces = [check_namespace(ns) for ns in request.namespaces]
+            return pb.LookupResponse(num_blocks=min(self.store.lookup(ns, hashes) for ns in spaces))
+        return pb.LookupResponse(num_blocks=self.store.lookup(check_namespace(request.namespace), hashes))
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:

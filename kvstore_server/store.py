@@ -185,7 +185,7 @@ class Store:
                 )
                 for i in fresh
             ]
-            self._write(writes, victims)
+            extra = self._write(writes, victims, chain)
             with self._lock:
                 for w in writes:
                     m = w.meta
@@ -202,20 +202,23 @@ class Store:
                             [w.meta.parent_hash for w in writes],
                         )
                 self._changed.notify_all()
-        return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims))
+        return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
 
-    def _write(self, writes: list[BlockWrite], victims: list[BlockKey]) -> None:
+    def _write(self, writes: list[BlockWrite], victims: list[BlockKey], protect: set[BlockKey]) -> list[BlockKey]:
+        """Write and delete `victims`; return what else had to be evicted."""
         try:
             self.backend.write(writes, victims)
-            return
+            return []
         except StorageFullError:
-            log.warning("backend full below the byte budget; evicting 10%% more and retrying once")
+            log.warning("backend full below the byte budget; evicting 10% more and retrying once")
         with self._lock:
-            extra = eviction.down_to(self._index, int(self._index.bytes_used * 0.9))
+            # not the chain being written: its new blocks would hang below nothing
+            extra = eviction.down_to(self._index, int(self._index.bytes_used * 0.9), protect)
             self._emit_removed(extra)
             self.counters.evictions += len(extra)
         try:
             self.backend.write(writes, victims + extra)
+            return extra
         except StorageFullError as exc:
             self._reconcile(victims + extra)
             raise CapacityError(f"storage is full: {exc}") from exc

@@ -96,6 +96,8 @@ class DiskBackend(Backend):
                 try:
                     with open(path, "rb") as f:
                         size = int.from_bytes(f.read(8), "little")
+                        if size > os.fstat(f.fileno()).st_size - 8:  # a torn or foreign file
+                            raise ValueError("header longer than the file")
                         header = json.loads(f.read(size))
                     yield BlockMeta.from_json(header["__metadata__"]["kvstore"])
                 except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:

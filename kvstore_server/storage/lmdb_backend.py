@@ -36,6 +36,10 @@ _MAP_OVERHEAD_FACTOR = 2
 _MAP_MIN_BYTES = 1 << 30
 
 
+# Never a block key: those hold a 32-byte hash after the namespace.
+_BUMP_KEY = b"\x00\x00"
+
+
 def _key(namespace: bytes, block_hash: bytes) -> bytes:
     return len(namespace).to_bytes(2, "big") + namespace + block_hash
 
@@ -81,19 +85,36 @@ class LmdbBackend(Backend):
 
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
         try:
-            with self._env.begin(write=True) as txn:
-                for namespace, block_hash in deletes:
-                    key = _key(namespace, block_hash)
-                    txn.delete(key, db=self._meta)
-                    txn.delete(key, db=self._data)
-                for block in puts:
-                    key = _key(block.meta.namespace, block.meta.block_hash)
-                    txn.put(key, block.meta.to_json(), db=self._meta)
-                    txn.put(key, b"".join(block.layers), db=self._data)
+            try:
+                self._commit(puts, deletes)
+            except lmdb.MapFullError:
+                if not puts:
+                    raise
+                # LMDB reuses the pages a transaction frees only two commits later,
+                # and a failed write commits nothing: a store whose puts keep failing
+                # would never get its freed room back. Commit the deletions, then one
+                # more transaction, and retry the puts once (each block stays atomic).
+                self._commit((), deletes)
+                self._commit((), (), bump=True)
+                self._commit(puts, ())
         except lmdb.MapFullError as exc:
             raise StorageFullError(f"LMDB map is full: {exc}") from exc
         except lmdb.Error as exc:
             raise StorageError(f"LMDB write failed: {exc}") from exc
+
+    def _commit(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey], bump: bool = False) -> None:
+        with self._env.begin(write=True) as txn:
+            if bump:  # dirty a page without changing anything, so the commit advances the txn id
+                txn.put(_BUMP_KEY, b"", db=self._meta)
+                txn.delete(_BUMP_KEY, db=self._meta)
+            for namespace, block_hash in deletes:
+                key = _key(namespace, block_hash)
+                txn.delete(key, db=self._meta)
+                txn.delete(key, db=self._data)
+            for block in puts:
+                key = _key(block.meta.namespace, block.meta.block_hash)
+                txn.put(key, block.meta.to_json(), db=self._meta)
+                txn.put(key, b"".join(block.layers), db=self._data)
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:

@@ -1,0 +1,130 @@
+"""The connector's settings (from kv_connector_extra_config) and its namespaces.
+
+    "kv_connector_extra_config": {
+        "kvstore_address": "127.0.0.1:50051",   # the daemon
+        "namespace": null,           # model identity override (default: the model path/name)
+        "consume": false,            # kv_consumer: take blocks with DropSelect (hand-off, frees them)
+        "save_mode": null,           # "sync" | "async"; default sync for kv_producer, async for kv_both
+        "lookup_timeout_s": 0.5,     # scheduler's Lookup deadline; a slower store counts as a miss
+        "load_timeout_s": 30,        # longest a layer may wait for its load before it is recomputed
+        "save_timeout_s": 60,        # deadline of one request's save
+        "retry_interval_s": 2.0      # after a failure, how long lookups are skipped (store deemed down)
+    }
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_KEYS = {
+    "kvstore_address": "address",
+    "namespace": "namespace",
+    "consume": "consume",
+    "save_mode": "save_mode",
+    "lookup_timeout_s": "lookup_timeout",
+    "load_timeout_s": "load_timeout",
+    "save_timeout_s": "save_timeout",
+    "retry_interval_s": "retry_interval",
+}
+_MAX_MODEL_ID = 120
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    address: str = "127.0.0.1:50051"
+    """HOST:PORT of the kvstore daemon."""
+    namespace: str | None = None
+    """Model identity in the store's namespace; default: the served model's path or name.
+    Set it when engines load the same weights from different paths."""
+    consume: bool = False
+    """Consumers take blocks with DropSelect (consume-once hand-off) instead of Get."""
+    save_mode: str | None = None
+    """'sync': a step returns only after its saves are committed (a prefill's output then
+    guarantees its KV is in the store); 'async': saves complete in the background."""
+    lookup_timeout: float = 0.5
+    load_timeout: float = 30.0
+    save_timeout: float = 60.0
+    retry_interval: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.save_mode not in (None, "sync", "async"):
+            raise ValueError(f"save_mode must be 'sync' or 'async', not {self.save_mode!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("timeout") or f.name == "retry_interval":
+                if not isinstance(value, (int, float)) or not value > 0:
+                    raise ValueError(f"{f.name} must be a positive number of seconds, not {value!r}")
+        if not isinstance(self.address, str) or ":" not in self.address:
+            raise ValueError(f"kvstore_address must be HOST:PORT, not {self.address!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        unknown = sorted(set(extra) - set(_KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {', '.join(sorted(_KEYS))}"
+            )
+        return cls(**{_KEYS[k]: v for k, v in extra.items()})
+
+
+@dataclass(frozen=True)
+class NamespaceInfo:
+    """What must match for KV to be reusable, minus the rank (see rank_namespace)."""
+
+    model: str
+    kv_dtype: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    mla: bool
+    device: str
+    tp_size: int
+    pp_size: int
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, model_override: str | None) -> NamespaceInfo:
+        from vllm.platforms import current_platform
+
+        model_config = vllm_config.model_config
+        cache_config = vllm_config.cache_config
+        parallel = vllm_config.parallel_config
+        kv_dtype = cache_config.cache_dtype
+        if kv_dtype == "auto":
+            kv_dtype = str(model_config.dtype).removeprefix("torch.")
+        return cls(
+            model=model_override or model_config.model,
+            kv_dtype=kv_dtype,
+            block_size=cache_config.block_size,
+            num_kv_heads=model_config.get_total_num_kv_heads(),
+            head_size=model_config.get_head_size(),
+            mla=bool(getattr(model_config, "use_mla", False)),
+            device=current_platform.device_type,
+            tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
+        )
+
+    @property
+    def hash_root(self) -> str:
+        """The chain root of block hashes: shared by every rank of every engine of this model."""
+        return self._base()
+
+    def _base(self) -> str:
+        model = self.model
+        if len(model) > _MAX_MODEL_ID:
+            model = "sha256:" + hashlib.sha256(model.encode()).hexdigest()[:32]
+        return (
+            f"kvc1|{model}|{self.kv_dtype}|bs{self.block_size}|kvh{self.num_kv_heads}"
+            f"|hd{self.head_size}|{'mla' if self.mla else 'mha'}|{self.device}"
+        )
+
+    def rank_namespace(self, tp_rank: int, pp_rank: int) -> bytes:
+        """Where one rank's shard of the KV lives: each rank stores and loads its own heads/layers."""
+        return f"{self._base()}|tp{tp_rank}of{self.tp_size}|pp{pp_rank}of{self.pp_size}".encode()
+
+    def all_namespaces(self) -> list[bytes]:
+        return [self.rank_namespace(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]

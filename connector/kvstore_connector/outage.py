@@ -1,0 +1,51 @@
+"""At most one warning per store outage."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+
+class StoreHealth:
+    """Tracks whether the store answers; logs one WARNING when it stops and one INFO when it is back.
+
+    `available()` is False for `retry_interval` seconds after a failure, so a
+    store that is down costs the scheduler nothing but a clock read.
+    """
+
+    def __init__(self, address: str, retry_interval: float, log: logging.Logger) -> None:
+        self.address = address
+        self.retry_interval = retry_interval
+        self._log = log
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+
+    def available(self) -> bool:
+        return self._down_since is None or time.monotonic() >= self._retry_at
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._retry_at = now + self.retry_interval
+            if self._down_since is None:
+                self._down_since = now
+                self._log.warning(
+                    "kvstore at %s failed (%s: %s); affected requests recompute until it is back",
+                    self.address,
+                    what,
+                    exc,
+                )
+            else:
+                self._log.debug("kvstore still failing (%s: %s)", what, exc)
+
+    def ok(self) -> None:
+        if self._down_since is None:
+            return
+        with self._lock:
+            if self._down_since is not None:
+                self._log.info(
+                    "kvstore at %s is back after %.1fs", self.address, time.monotonic() - self._down_since
+                )
+                self._down_since = None

@@ -1,0 +1,157 @@
+"""Scheduler side of the connector: hashing, Lookup, and what each step loads and saves.
+
+One instance per engine, in the engine-core process. It never touches tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstore_client import KVStoreClient
+from kvstore_client.errors import KVStoreError
+from kvstore_client.hashing import MultiModalInput, block_hashes
+from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore_connector.outage import StoreHealth
+from kvstore_connector.stats import KVStoreConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def request_hashes(request: Request, root: str, block_size: int) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks, multimodal inputs, salt and LoRA included."""
+    tokens = request.prompt_token_ids
+    if tokens is None:  # prompt embeddings: nothing to key on
+        return []
+    mm = [
+        MultiModalInput(f.identifier, f.mm_position.offset, f.mm_position.length)
+        for f in (request.mm_features or ())
+    ]
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    return block_hashes(root, tokens, block_size, mm_inputs=mm, cache_salt=request.cache_salt, lora_name=lora)
+
+
+@dataclass
+class _Tracked:
+    hashes: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # leading blocks known to be in the store (hit or saved)
+    pending_local: int = 0  # local prefix-cache tokens of the last lookup
+    pending_hit: int = 0  # store blocks of the last lookup
+
+
+class SchedulerSide:
+    def __init__(self, info: NamespaceInfo, config: ConnectorConfig, *, load: bool, save: bool) -> None:
+        self.info = info
+        self.config = config
+        self.load = load
+        self.save = save
+        self.block_size = info.block_size
+        self.namespaces = info.all_namespaces()
+        self.client = KVStoreClient(config.address, timeout=config.lookup_timeout)
+        self.health = StoreHealth(config.address, config.retry_interval, log)
+        self.stats = KVStoreConnectorStats()
+        self._requests: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+
+    def _tracked(self, request: Request) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            hashes = request_hashes(request, self.info.hash_root, self.block_size)
+            tracked = self._requests[request.request_id] = _Tracked(hashes)
+        return tracked
+
+    def _lookup(self, hashes: list[bytes]) -> int:
+        if not hashes or not self.health.available():
+            return 0
+        try:
+            hit = self.client.lookup(self.namespaces, hashes, timeout=self.config.lookup_timeout)
+        except KVStoreError as exc:
+            self.stats.add(lookup_errors=1)
+            self.health.failed("lookup", exc)
+            return 0
+        self.health.ok()
+        self.stats.add(lookups=1)
+        return hit
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Store hits beyond vLLM's own prefix cache, whole blocks, always leaving one token to compute.
+
+        May run several times for a request that waits for admission (and again
+        after a preemption): each call asks the store afresh, which is harmless.
+        """
+        tracked = self._tracked(request)
+        usable = min(len(tracked.hashes), (request.num_tokens - 1) // self.block_size)
+        hit = self._lookup(tracked.hashes[:usable])
+        tracked.stored = max(tracked.stored, hit)
+        tracked.pending_local = num_computed_tokens
+        tracked.pending_hit = hit
+        if not self.load or hit * self.block_size <= num_computed_tokens:
+            return 0, False
+        return hit * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._tracked(request)
+        if num_external_tokens <= 0:
+            return
+        self.stats.add(hit_tokens=num_external_tokens)
+        block_ids = blocks.get_block_ids()[0]
+        first = tracked.pending_local // self.block_size
+        last = (tracked.pending_local + num_external_tokens) // self.block_size
+        self._loads.append(LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last])))
+
+    def build_connector_meta(self, out: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.save:
+            return meta
+        for new in out.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids = list(new.block_ids[0])
+                self._plan_save(meta, new.req_id, tracked, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                tracked.block_ids.extend(new_ids[0])
+            self._plan_save(meta, req_id, tracked, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+        return meta
+
+    def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+        """Save prompt blocks that are full and computed by the end of this step, once each."""
+        full = min(len(tracked.hashes), computed // self.block_size, len(tracked.block_ids))
+        if full <= tracked.stored:
+            return
+        start = tracked.stored
+        meta.saves.append(
+            SaveSpec(
+                req_id,
+                tracked.hashes[start:full],
+                tracked.block_ids[start:full],
+                tracked.hashes[start - 1] if start else b"",
+            )
+        )
+        tracked.stored = full
+
+    def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        return self.stats.take()
+
+    def close(self) -> None:
+        self.client.close()
+

@@ -1,0 +1,73 @@
+"""Connector stats for vLLM's connector-stats hook (logged as 'KV Transfer metrics')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = (
+    "lookups",
+    "lookup_errors",
+    "hit_tokens",
+    "loads",
+    "blocks_loaded",
+    "bytes_loaded",
+    "load_seconds",
+    "load_errors",
+    "saves",
+    "blocks_saved",
+    "bytes_saved",
+    "save_seconds",
+    "save_errors",
+)
+
+
+def _zero() -> dict[str, Any]:
+    return dict.fromkeys(COUNTERS, 0)
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Counters since the last report; sums across workers and intervals."""
+
+    data: dict[str, Any] = field(default_factory=_zero)
+
+    def add(self, **values: float) -> None:
+        for key, value in values.items():
+            self.data[key] = self.data.get(key, 0) + value
+
+    def reset(self) -> None:
+        self.data = _zero()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = {key: self.data.get(key, 0) for key in COUNTERS}
+        load_s, save_s = d["load_seconds"], d["save_seconds"]
+        return {
+            "Lookups": d["lookups"],
+            "Lookup errors": d["lookup_errors"],
+            "Hit tokens": d["hit_tokens"],
+            "Blocks loaded": d["blocks_loaded"],
+            "Load GB/s": round(d["bytes_loaded"] / load_s / 1e9, 3) if load_s else 0.0,
+            "Load errors (blocks)": d["load_errors"],
+            "Blocks saved": d["blocks_saved"],
+            "Save GB/s": round(d["bytes_saved"] / save_s / 1e9, 3) if save_s else 0.0,
+            "Save errors": d["save_errors"],
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in COUNTERS)
+
+    def take(self) -> KVStoreConnectorStats | None:
+        """This interval's stats (None when nothing happened), and start a new interval."""
+        if self.is_empty():
+            return None
+        out = KVStoreConnectorStats(data=dict(self.data))
+        self.reset()
+        return out

@@ -1,0 +1,99 @@
+"""Moving whole blocks between vLLM's paged KV buffers and host memory.
+
+Every layer's paged buffer has one dimension that indexes blocks (dim 0 in the
+standardized [num_blocks, H, block_size, C] views of vLLM 0.32+, MLA included;
+found, not assumed). A save gathers a request's blocks with one indexed copy
+per layer; a load scatters them back with one. Blocks are moved as opaque
+bytes: their interior layout (e.g. K stored transposed by the CPU backend)
+never matters, as long as both sides share a namespace.
+
+On CUDA the host side is pinned memory and copies run on a side stream: the
+compute stream is never synchronised on the store, it only waits (GPU-side)
+for the copies that touch blocks it is about to use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+
+def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A view of `tensor` with blocks at dim 0.
+
+    vLLM 0.32+ hands connectors block-major views; older layouts kept K/V at
+    dim 0 ([2, num_blocks, ...]); kernel-block splitting gives
+    [num_blocks * r, ...]. Anything else is refused with a clear error.
+    """
+    if tensor.shape[0] == num_blocks:
+        return tensor
+    if tensor.shape[0] % num_blocks == 0 and tensor.shape[0] > num_blocks:
+        return tensor.unflatten(0, (num_blocks, -1))
+    for dim in range(1, tensor.dim()):
+        if tensor.shape[dim] == num_blocks:
+            return tensor.movedim(dim, 0)
+    raise ValueError(f"no dimension of KV cache shape {tuple(tensor.shape)} indexes its {num_blocks} blocks")
+
+
+@dataclass
+class PendingCopy:
+    """A device->host copy in flight; `wait()` before reading `host`."""
+
+    host: torch.Tensor
+    event: Any = None  # torch.cuda.Event on CUDA
+    keep: Any = None  # the device tensor the copy reads, alive until the copy is done
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.keep = None
+        return self.host
+
+
+class BlockMover:
+    """Gathers and scatters blocks of one device's KV buffers."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def index(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.long, device=self.device)
+
+    def gather(self, kv: torch.Tensor, ids: torch.Tensor) -> PendingCopy:
+        """Copy blocks `ids` of a block-major view `kv` to host memory: [n, *kv.shape[1:]]."""
+        if not self.cuda:
+            return PendingCopy(kv.index_select(0, ids))
+        gathered = kv.index_select(0, ids)  # on the compute stream, right after attention wrote it
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        stream = cast(torch.cuda.Stream, self._stream)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            host.copy_(gathered, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return PendingCopy(host, event, gathered)
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where a load lands before it is scattered: pinned on CUDA."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
+
+    def scatter(self, kv: torch.Tensor, ids: torch.Tensor, host: torch.Tensor) -> Any:
+        """Write host blocks into `kv` at `ids`. Returns a CUDA event to wait on (None on CPU)."""
+        if not self.cuda:
+            kv.index_copy_(0, ids, host)
+            return None
+        stream = cast(torch.cuda.Stream, self._stream)
+        with torch.cuda.stream(stream):
+            kv.index_copy_(0, ids, host.to(self.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def wait_on_compute_stream(self, event: Any) -> None:
+        """Make the compute stream wait (GPU-side, no host sync) for a scatter."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)

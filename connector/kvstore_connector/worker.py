@@ -1,0 +1,286 @@
+"""Worker side of the connector: layer-by-layer loads and background saves.
+
+One instance per worker (TP/PP rank). All store I/O runs on background
+threads; the forward pass only issues one indexed copy per layer and, for
+loads, waits for the layer it is about to use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore_client import KVStoreClient, LayerSpec, PutStream
+from kvstore_client.errors import KVStoreError
+from kvstore_client.tensors import dtype_name
+from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore_connector.outage import StoreHealth
+from kvstore_connector.stats import KVStoreConnectorStats
+from kvstore_connector.transfer import BlockMover, PendingCopy, find_block_dim
+
+log = logging.getLogger(__name__)
+
+
+class _LayerGates:
+    """Per layer: set once every load of this step has written that layer (or given up)."""
+
+    def __init__(self, layers: list[str], jobs: int) -> None:
+        self._left = dict.fromkeys(layers, jobs)
+        self._events = {name: threading.Event() for name in layers}
+        self.cuda_events: dict[str, list[Any]] = {name: [] for name in layers}
+        self._lock = threading.Lock()
+        if jobs == 0:
+            for event in self._events.values():
+                event.set()
+
+    def done(self, layer: str, cuda_event: Any = None) -> None:
+        with self._lock:
+            if cuda_event is not None:
+                self.cuda_events[layer].append(cuda_event)
+            self._left[layer] -= 1
+            if self._left[layer] == 0:
+                self._events[layer].set()
+
+    def wait(self, layer: str, timeout: float) -> bool:
+        event = self._events.get(layer)
+        return event is None or event.wait(timeout)
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    stream: PutStream
+    started: float
+    nbytes: int = 0
+    layers: list[Future[None]] = field(default_factory=list)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        namespace: bytes,
+        num_blocks: int,
+        config: ConnectorConfig,
+        *,
+        load: bool,
+        save: bool,
+        save_sync: bool,
+    ) -> None:
+        self.namespace = namespace
+        self.num_blocks = num_blocks
+        self.config = config
+        self.load = load
+        self.save = save
+        self.save_sync = save_sync
+        self.client = KVStoreClient(config.address, timeout=config.load_timeout)
+        self.health = StoreHealth(config.address, config.retry_interval, log)
+        self.stats = KVStoreConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._caches: dict[str, torch.Tensor] = {}  # block-major views
+        self._specs: list[LayerSpec] = []
+        self._mover: BlockMover | None = None
+        self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-load")
+        # one sender thread: a request's layers reach its stream in order
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
+        self._gates = _LayerGates([], 0)
+        self._load_jobs: list[Future[None]] = []
+        self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self._saves: list[_Save] = []
+        self._save_ids: torch.Tensor | None = None
+        self._commits: list[Future[None]] = []
+
+    # ---- setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name, tensor in kv_caches.items():
+            view = find_block_dim(tensor, self.num_blocks)
+            self._caches[name] = view
+            self._specs.append(LayerSpec(name, dtype_name(view.dtype), tuple(view.shape[1:])))
+        first = next(iter(self._caches.values()))
+        self._mover = BlockMover(first.device)
+        log.info(
+            "kvstore connector: %d layers, block %s %s (%d bytes/block), namespace %s",
+            len(self._specs),
+            self._specs[0].dtype,
+            list(self._specs[0].shape),
+            sum(s.block_bytes for s in self._specs),
+            self.namespace.decode(errors="replace"),
+        )
+
+    def _add_stats(self, **values: float) -> None:
+        with self._stats_lock:
+            self.stats.add(**values)
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        with self._stats_lock:
+            return self.stats.take()
+
+    # ---- loads
+    def start_load(self, meta: KVStoreConnectorMetadata) -> None:
+        loads = [spec for spec in meta.loads if spec.block_ids]
+        self._gates = _LayerGates([s.name for s in self._specs], len(loads))
+        self._load_jobs = [self._loader.submit(self._load_one, spec, self._gates) for spec in loads]
+
+    def _load_one(self, spec: LoadSpec, gates: _LayerGates) -> None:
+        mover = self._mover
+        pending = [s.name for s in self._specs]
+        started = time.perf_counter()
+        loaded_blocks = 0
+        try:
+            if mover is None:
+                raise RuntimeError("load before register_kv_caches")
+            if self.config.consume:
+                stream = self.client.take_stream(self.namespace, spec.hashes, wait=1.0, allocate=self._host_buffer)
+            else:
+                stream = self.client.get_stream(self.namespace, spec.hashes, allocate=self._host_buffer)
+            n = stream.num_blocks
+            if n and [(s.name, s.dtype, s.shape) for s in stream.layers] != [
+                (s.name, s.dtype, s.shape) for s in self._specs
+            ]:
+                stream.cancel()
+                raise KVStoreError("stored layers do not match this engine's KV cache layout")
+            ids = mover.index(spec.block_ids[:n])
+            for name, host in stream:
+                event = mover.scatter(self._caches[name], ids, host)
+                pending.remove(name)
+                gates.done(name, event)
+            loaded_blocks = n
+            self.health.ok()
+        except (KVStoreError, RuntimeError, ValueError) as exc:
+            self.health.failed("load", exc)
+        finally:
+            for name in pending:
+                gates.done(name)
+            if loaded_blocks < len(spec.block_ids):
+                with self._errors_lock:
+                    # a partly written request is recomputed from its first block
+                    bad = spec.block_ids if pending else spec.block_ids[loaded_blocks:]
+                    self._load_errors.update(bad)
+                self._add_stats(load_errors=len(spec.block_ids) - loaded_blocks)
+            if loaded_blocks:
+                nbytes = loaded_blocks * sum(s.block_bytes for s in self._specs)
+                self._add_stats(
+                    loads=1,
+                    blocks_loaded=loaded_blocks,
+                    bytes_loaded=nbytes,
+                    load_seconds=time.perf_counter() - started,
+                )
+
+    def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
+        mover = self._mover
+        if mover is None:
+            raise RuntimeError("load before register_kv_caches")
+        return mover.host_buffer((num_blocks, *spec.shape), self._caches[spec.name].dtype)
+
+    def wait_for_layer(self, layer: str) -> None:
+        if not self._gates.wait(layer, self.config.load_timeout):
+            log.warning("kvstore load of layer %s timed out; its requests will be recomputed", layer)
+            self._give_up_loads()
+            return
+        if self._mover is not None:
+            for event in self._gates.cuda_events.get(layer, ()):
+                self._mover.wait_on_compute_stream(event)
+
+    def _give_up_loads(self) -> None:
+        # NOTE: the loader threads may still write into these blocks; vLLM only
+        # reuses them after this step, and recomputation overwrites them.
+        with self._errors_lock:
+            for job in self._load_jobs:
+                job.cancel()
+
+    def block_ids_with_load_errors(self) -> set[int]:
+        for job in self._load_jobs:
+            try:
+                job.result(timeout=self.config.load_timeout)
+            except FutureTimeout:
+                log.warning("kvstore load still running at the end of the step")
+        self._load_jobs = []
+        with self._errors_lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- saves
+    def save_layer(self, meta: KVStoreConnectorMetadata, layer: str, kv_layer: torch.Tensor) -> None:
+        if not meta.saves or self._mover is None or layer not in self._caches:
+            return
+        if not self._saves:
+            self._open_saves(meta.saves)
+            if not self._saves:
+                return
+        view = self._caches[layer]
+        if self._save_ids is None:
+            self._save_ids = self._mover.index([b for s in self._saves for b in s.spec.block_ids])
+        copy = self._mover.gather(view, self._save_ids)  # one indexed copy for every request
+        offset = 0
+        for save in self._saves:
+            n = len(save.spec.block_ids)
+            save.layers.append(self._sender.submit(self._send_layer, save, layer, copy, offset, n))
+            offset += n
+
+    def _open_saves(self, specs: list[SaveSpec]) -> None:
+        if not self.health.available():
+            return
+        for spec in specs:
+            stream = self.client.put_stream(
+                self.namespace,
+                spec.hashes,
+                self._specs,
+                parent_hash=spec.parent_hash,
+                timeout=self.config.save_timeout,
+            )
+            self._saves.append(_Save(spec, stream, time.perf_counter()))
+
+    def _send_layer(self, save: _Save, layer: str, copy: PendingCopy, offset: int, n: int) -> None:
+        host = copy.wait()
+        part = host[offset : offset + n].contiguous()
+        save.stream.write_layer(layer, part)
+        save.nbytes += part.numel() * part.element_size()
+
+    def finish_step_saves(self) -> None:
+        """Commit this step's saves; in sync mode, wait until the store has them."""
+        saves, self._saves, self._save_ids = self._saves, [], None
+        self._commits = [f for f in self._commits if not f.done()]
+        for save in saves:
+            self._commits.append(self._sender.submit(self._commit, save))
+        if self.save_sync:
+            self.wait_for_commits()
+
+    def _commit(self, save: _Save) -> None:
+        try:
+            for layer in save.layers:
+                layer.result()
+            result = save.stream.commit()
+        except (KVStoreError, ValueError, RuntimeError) as exc:
+            save.stream.abort()
+            self._add_stats(save_errors=1)
+            self.health.failed("save", exc)
+            return
+        self.health.ok()
+        self._add_stats(
+            saves=1,
+            blocks_saved=result.blocks_written,
+            bytes_saved=result.bytes_written,
+            save_seconds=time.perf_counter() - save.started,
+        )
+
+    def wait_for_commits(self) -> None:
+        commits, self._commits = self._commits, []
+        for future in commits:
+            try:
+                future.result(timeout=self.config.save_timeout)
+            except FutureTimeout:
+                log.warning("kvstore save did not finish within %.0fs", self.config.save_timeout)
+
+    def close(self) -> None:
+        self.wait_for_commits()
+        self._sender.shutdown(wait=True)
+        self._loader.shutdown(wait=True)
+        self.client.close()

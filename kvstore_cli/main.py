@@ -1,0 +1,373 @@
+"""kvstore-cli: inspect and manage a running kvstore daemon.
+
+    kvstore-cli [--address HOST:PORT] [--timeout S] [--json] COMMAND ...
+
+Commands:
+    health                          SERVING or NOT_SERVING; exit 0 only when SERVING
+    stats                           blocks, bytes used of capacity, uptime, counters
+    ls [--namespace NS] [--limit N] stored blocks in (namespace, hash) order (default 100; 0: all)
+    show HASH --namespace NS        one block: parent, children, times, and its layers
+    evict SELECTOR                  remove blocks; prints blocks evicted and bytes freed.
+                                    SELECTOR is exactly one of:
+        --all [--yes]                   every block (asks first unless --yes)
+        --namespace NS                  every block of one namespace
+        --block HASH --namespace NS     one block and all its descendants
+        --older-than DURATION           blocks last used longer ago (90s, 15m, 2h, 7d, seconds)
+        --down-to SIZE                  least recently used chain tails until usage <= SIZE (10GiB)
+
+The address defaults to $KVSTORE_ADDRESS, else 127.0.0.1:50051. --address,
+--timeout and --json may also follow the command. Namespaces are UTF-8 text, or
+hex after `0x` (0x6e73 is "ns"); namespaces that are not printable text are
+shown in that form. Block hashes are 64 hex digits.
+
+Exit status: 0 success; 1 an error reported by the daemon, an unknown block, a
+refused confirmation, or health not SERVING; 2 a usage error or an unreachable
+daemon.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from itertools import islice
+from typing import Any
+
+from kvstore_cli.formatting import (
+    format_duration,
+    format_percent,
+    format_table,
+    format_timestamp,
+    parse_duration,
+    parse_hash,
+    parse_namespace,
+    render_namespace,
+    short_hash,
+)
+from kvstore_client import KVStoreClient
+from kvstore_client.errors import KVStoreError, StoreUnavailable
+from kvstore_server.config import format_size, parse_size
+
+PROG = "kvstore-cli"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 10.0
+DEFAULT_LIMIT = 100
+PAGE_SIZE = 1000
+LS_HEADERS = ("NAMESPACE", "HASH", "SIZE", "CHILDREN", "LAST ACCESS", "CREATED")
+LAYER_HEADERS = ("LAYER", "DTYPE", "SHAPE", "BYTES", "CHECKSUM")
+
+Command = Callable[[KVStoreClient, argparse.Namespace], int]
+
+
+class UsageError(Exception):
+    """A command-line combination argparse cannot express; exits 2 like argparse errors."""
+
+
+# ---- output ------------------------------------------------------------------------
+def _emit_json(value: Any) -> None:
+    print(json.dumps(value, indent=2))
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _block_json(block: Any) -> dict[str, Any]:
+    return {
+        "namespace": render_namespace(block.namespace),
+        "hash": block.block_hash.hex(),
+        "parent_hash": block.parent_hash.hex(),
+        "size_bytes": block.size_bytes,
+        "num_children": block.num_children,
+        "created_at": block.created_at,
+        "last_access_at": block.last_access_at,
+    }
+
+
+def _ago(now: float, then: float) -> str:
+    return f"{format_duration(now - then)} ago"
+
+
+# ---- commands ----------------------------------------------------------------------
+def cmd_health(client: KVStoreClient, args: argparse.Namespace) -> int:
+    status = client.health()
+    if args.json:
+        _emit_json({"address": args.address, "status": status})
+    else:
+        print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
+    s = client.stats()
+    if args.json:
+        _emit_json(s)
+        return 0
+    rows = [
+        ("blocks", s["blocks"]),
+        ("namespaces", s["namespaces"]),
+        ("used", f"{format_size(s['bytes_used'])} ({format_percent(s['bytes_used'], s['capacity_bytes'])})"),
+        ("capacity", format_size(s["capacity_bytes"])),
+        ("backend", s["backend"]),
+        ("version", s["version"]),
+        ("uptime", format_duration(s["uptime_seconds"])),
+        ("lookups", s["lookups"]),
+        ("hit blocks", s["hit_blocks"]),
+        ("miss blocks", s["miss_blocks"]),
+        ("hit rate", format_percent(s["hit_blocks"], s["hit_blocks"] + s["miss_blocks"])),
+        ("puts", s["puts"]),
+        ("blocks written", s["blocks_written"]),
+        ("bytes written", format_size(s["bytes_written"])),
+        ("bytes read", format_size(s["bytes_read"])),
+        ("evictions", s["evictions"]),
+        ("checksum failures", s["checksum_failures"]),
+    ]
+    print(format_table(rows))
+    return 0
+
+
+def cmd_ls(client: KVStoreClient, args: argparse.Namespace) -> int:
+    # One block past the limit tells whether there are more.
+    want = args.limit + 1 if args.limit else None
+    blocks = client.iter_blocks(args.namespace, page_size=min(want or PAGE_SIZE, PAGE_SIZE))
+    shown = list(islice(blocks, want))
+    more = want is not None and len(shown) == want
+    shown = shown[: args.limit or None]
+    if args.json:
+        _emit_json([_block_json(b) for b in shown])
+        return 0
+    if not shown:
+        print("no blocks stored")
+        return 0
+    now = time.time()
+    rows = [
+        (
+            render_namespace(b.namespace),
+            short_hash(b.block_hash),
+            format_size(b.size_bytes),
+            b.num_children,
+            _ago(now, b.last_access_at),
+            format_timestamp(b.created_at),
+        )
+        for b in shown
+    ]
+    print(format_table(rows, LS_HEADERS, right={2, 3}))
+    if more:
+        print(f"(first {args.limit} blocks shown; --limit N for more, 0 for all)", file=sys.stderr)
+    return 0
+
+
+def cmd_show(client: KVStoreClient, args: argparse.Namespace) -> int:
+    resp = client.describe(args.namespace, args.hash)
+    block = resp.block
+    layers = [
+        {
+            "name": layer.spec.name,
+            "dtype": layer.spec.dtype,
+            "shape": list(layer.spec.shape),
+            "nbytes": layer.nbytes,
+            "checksum": f"{layer.checksum:016x}",
+        }
+        for layer in resp.layers
+    ]
+    if args.json:
+        _emit_json({**_block_json(block), "num_layers": block.num_layers, "layers": layers})
+        return 0
+    now = time.time()
+    fields = [
+        ("namespace", render_namespace(block.namespace)),
+        ("hash", block.block_hash.hex()),
+        ("parent", block.parent_hash.hex() or "- (first block of its chain)"),
+        ("size", f"{format_size(block.size_bytes)} ({block.size_bytes} bytes)"),
+        ("layers", block.num_layers),
+        ("children", block.num_children),
+        ("created", f"{format_timestamp(block.created_at)} ({_ago(now, block.created_at)})"),
+        ("last access", f"{format_timestamp(block.last_access_at)} ({_ago(now, block.last_access_at)})"),
+    ]
+    print(format_table(fields))
+    print()
+    rows = [
+        (la["name"], la["dtype"], str(la["shape"]), format_size(la["nbytes"]), la["checksum"])
+        for la in layers
+    ]
+    print(format_table(rows, LAYER_HEADERS, right={3}))
+    return 0
+
+
+def _evict_selector(args: argparse.Namespace) -> dict[str, Any]:
+    """The one selector given, as KVStoreClient.evict keyword arguments."""
+    if args.block is not None and args.namespace is None:
+        raise UsageError("--block needs --namespace")
+    candidates = {
+        "--all": {"all": True} if args.all else None,
+        "--block": {"namespace": args.namespace, "block_hash": args.block}
+        if args.block is not None
+        else None,
+        "--namespace": {"namespace": args.namespace}
+        if args.namespace is not None and args.block is None
+        else None,
+        "--older-than": {"older_than": args.older_than} if args.older_than is not None else None,
+        "--down-to": {"target_bytes": args.down_to} if args.down_to is not None else None,
+    }
+    given = {flag: kwargs for flag, kwargs in candidates.items() if kwargs is not None}
+    if len(given) != 1:
+        got = f" (got {', '.join(given)})" if given else ""
+        raise UsageError(f"give exactly one of {', '.join(candidates)}{got}")
+    return next(iter(given.values()))
+
+
+def _confirm(question: str) -> bool:
+    """Ask on stderr (stdout may be JSON), read the answer from stdin; default no."""
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
+def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
+    selector = _evict_selector(args)
+    if args.all and not args.yes:
+        if not sys.stdin.isatty():
+            _error("refusing to evict every block: stdin is not a terminal; pass --yes to confirm")
+            return 1
+        if not _confirm("Evict every block?"):
+            _error("nothing evicted")
+            return 1
+    result = client.evict(**selector)
+    if args.json:
+        _emit_json({"blocks_evicted": result.blocks_evicted, "bytes_freed": result.bytes_freed})
+    else:
+        noun = "block" if result.blocks_evicted == 1 else "blocks"
+        print(f"evicted {result.blocks_evicted} {noun}, freed {format_size(result.bytes_freed)}")
+    return 0
+
+
+# ---- command line ------------------------------------------------------------------
+def _checked(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    """An argparse type from a parser that raises ValueError with a readable message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name
+    return convert
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"must be a positive number of seconds, not {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must not be negative, not {text!r}")
+    return value
+
+
+_NAMESPACE = _checked(parse_namespace, "namespace")
+_HASH = _checked(parse_hash, "hash")
+
+
+def _global_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address", metavar="HOST:PORT", help=f"default $KVSTORE_ADDRESS or {DEFAULT_ADDRESS}"
+    )
+    parser.add_argument(
+        "--timeout",
+        metavar="S",
+        type=_checked(_positive_float, "timeout"),
+        help=f"deadline of each call in seconds (default {DEFAULT_TIMEOUT:g})",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect and manage a kvstore daemon.",
+        epilog="Exit status: 0 ok; 1 error or not SERVING; 2 usage error or daemon unreachable.",
+    )
+    _global_options(parser)
+    parser.set_defaults(address=os.environ.get("KVSTORE_ADDRESS") or DEFAULT_ADDRESS, timeout=DEFAULT_TIMEOUT)
+    # The same options after the command; SUPPRESS keeps the values given before it.
+    common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _global_options(common)
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(run=run, subparser=p)
+        return p
+
+    command("health", cmd_health, "health of the daemon: SERVING or NOT_SERVING")
+    command("stats", cmd_stats, "blocks, bytes used of capacity, uptime and counters")
+
+    ls = command("ls", cmd_ls, "list stored blocks in (namespace, hash) order")
+    ls.add_argument("--namespace", type=_NAMESPACE, help="only this namespace (text or 0xHEX)")
+    ls.add_argument(
+        "--limit",
+        metavar="N",
+        type=_checked(_non_negative_int, "limit"),
+        default=DEFAULT_LIMIT,
+        help="at most N blocks (default %(default)s; 0 for all)",
+    )
+
+    show = command("show", cmd_show, "describe one block and its layers")
+    show.add_argument("hash", metavar="HASH", type=_HASH, help="block hash, 64 hex digits")
+    show.add_argument("--namespace", type=_NAMESPACE, required=True, help="its namespace (text or 0xHEX)")
+
+    evict = command("evict", cmd_evict, "evict blocks by exactly one selector")
+    evict.add_argument("--all", action="store_true", help="every block (asks first unless --yes)")
+    evict.add_argument("--namespace", type=_NAMESPACE, help="every block of NS; with --block, its namespace")
+    evict.add_argument("--block", metavar="HASH", type=_HASH, help="this block and all its descendants")
+    evict.add_argument(
+        "--older-than",
+        metavar="DURATION",
+        type=_checked(parse_duration, "duration"),
+        help="blocks last used longer ago than DURATION: 90s, 15m, 2h, 7d or seconds",
+    )
+    evict.add_argument(
+        "--down-to",
+        metavar="SIZE",
+        type=_checked(parse_size, "size"),
+        help="least recently used chain tails until at most SIZE is used (e.g. 10GiB)",
+    )
+    evict.add_argument("-y", "--yes", action="store_true", help="do not ask before --all")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error (2)
+        return int(exc.code or 0)
+    try:
+        with KVStoreClient(args.address, timeout=args.timeout) as client:
+            return int(args.run(client, args))
+    except UsageError as exc:
+        args.subparser.print_usage(sys.stderr)
+        print(f"{args.subparser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except StoreUnavailable as exc:
+        _error(f"the kvstore daemon at {args.address} is unreachable: {exc}")
+        return 2
+    except KVStoreError as exc:
+        _error(f"error: {exc}")
+        return 1
+    except BrokenPipeError:
+        # Output piped into e.g. `head`, which stopped reading: finish quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

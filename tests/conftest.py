@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from daemon import Daemon  # noqa: E402
+
+
+@pytest.fixture(params=["lmdb", "disk"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, backend: str) -> Iterator[Daemon]:
+    """A running daemon on a free port with a fresh data dir, for each backend."""
+    d = Daemon(tmp_path / "data", backend=backend).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path, backend: str) -> Iterator:
+    """Factory for daemons with custom settings; all are stopped at teardown."""
+    started: list[Daemon] = []
+
+    def make(name: str = "data", **kwargs: object) -> Daemon:
+        d = Daemon(tmp_path / name, backend=backend, **kwargs)  # type: ignore[arg-type]
+        started.append(d)
+        return d.start()
+
+    yield make
+    for d in started:
+        d.stop()

@@ -1,0 +1,82 @@
+"""Start a real kvstore-server process for tests: free port, temp data dir."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT = 30.0
+
+
+@dataclass
+class Daemon:
+    """A kvstore-server subprocess. `address` is valid once started."""
+
+    data_dir: Path
+    backend: str = "lmdb"
+    capacity: str = "1GiB"
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[str] | None = None
+    address: str = ""
+    ready_line: str = ""
+
+    def start(self) -> Daemon:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstore_server",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(self.data_dir),
+            "--backend",
+            self.backend,
+            "--capacity",
+            self.capacity,
+            *self.extra_args,
+        ]
+        self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
+        log = open(self.log_path, "a")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ.copy())
+        log.close()
+        # The daemon prints exactly one line on stdout when it serves; reading it
+        # is the synchronisation (no sleeps, no polling).
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("kvstore-server ready on "):
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"daemon did not start: {line!r}; log:\n{self.log_path.read_text()}")
+        self.ready_line = line.strip()
+        self.address = line.split()[3]
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+        self.proc = None
+        return rc
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> Daemon:
+        self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text()

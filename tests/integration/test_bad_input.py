@@ -1,0 +1,259 @@
+"""Malformed and oversized requests: the right error, the daemon stays up, nothing stored is lost."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client import KVStoreClient, LayerSpec, errors
+
+from .helpers import (
+    NS,
+    assert_intact,
+    chain,
+    chunk,
+    commit,
+    header,
+    make_layers,
+    raw_put,
+    raw_stream,
+    raw_unary,
+    rpc_code,
+    seed_store,
+)
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+H = chain("bad-input", 3)
+FP16_4x8 = 64  # bytes of one block of the default raw header's layer (float16 [4, 8])
+TWO_LAYERS = (("l0", "float16", (4, 8)), ("l1", "float16", (4, 8)))
+
+
+def blocks(n: int) -> bytes:
+    return bytes(range(256)) * (n * FP16_4x8 // 256) + bytes(n * FP16_4x8 % 256)
+
+
+# Each case: the messages of one Put stream, and the status the daemon must answer.
+PUT_CASES: dict[str, tuple[list[pb.PutRequest | bytes], grpc.StatusCode]] = {
+    "empty_stream": ([], INVALID),
+    "first_message_a_chunk": ([chunk(0, 0, blocks(1)), commit()], INVALID),
+    "first_message_a_commit": ([commit()], INVALID),
+    "second_header": ([header(H[:1]), header(H[:1]), commit()], INVALID),
+    "more_blocks_than_declared_in_one_chunk": ([header(H[:2]), chunk(0, 0, blocks(3)), commit()], INVALID),
+    "more_blocks_than_declared_in_a_later_chunk": (
+        [header(H[:2]), chunk(0, 0, blocks(2)), chunk(0, 2, blocks(1)), commit()],
+        INVALID,
+    ),
+    "commit_before_all_layers": ([header(H[:2], TWO_LAYERS), chunk(0, 0, blocks(2)), commit()], INVALID),
+    "commit_before_all_blocks": ([header(H[:2]), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "chunk_for_undeclared_layer": ([header(H[:1]), chunk(1, 0, blocks(1)), commit()], INVALID),
+    "chunk_out_of_block_order": ([header(H[:2]), chunk(0, 1, blocks(1)), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "chunk_not_whole_blocks": ([header(H[:2]), chunk(0, 0, blocks(1)[:50]), commit()], INVALID),
+    # float32 data for a float16 [4, 8] header: twice the bytes, so more blocks than declared
+    "dtype_mismatch_data": (
+        [header(H[:2]), chunk(0, 0, torch.zeros(2, 4, 8).numpy().tobytes()), commit()],
+        INVALID,
+    ),
+    # a [4, 8] tensor's bytes for a header declaring [4, 6]: not a whole number of blocks
+    "shape_mismatch_data": ([header(H[:1], (("l0", "float16", (4, 6)),)), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "zero_length_chunk": ([header(H[:1]), chunk(0, 0, b""), commit()], INVALID),
+    "undecodable_chunk": ([header(H[:1]), b"\x12\x7f\x08\x00", commit()], INVALID),
+    "empty_message": ([header(H[:1]), pb.PutRequest(), commit()], INVALID),
+    "unsupported_dtype": ([header(H[:1], (("l0", "complex64", (4, 8)),)), chunk(0, 0, blocks(4)), commit()], INVALID),
+    "unknown_dtype": ([header(H[:1], (("l0", "float4", (4, 8)),)), commit()], INVALID),
+    "zero_dimension": ([header(H[:1], (("l0", "float16", (0, 8)),)), commit()], INVALID),
+    "empty_shape": ([header(H[:1], (("l0", "float16", ()),)), commit()], INVALID),
+    "too_many_dims": ([header(H[:1], (("l0", "float16", (1,) * 9),)), commit()], INVALID),
+    "no_layers": ([header(H[:1], ()), commit()], INVALID),
+    "repeated_layer_name": ([header(H[:1], (("l0", "float16", (4, 8)),) * 2), commit()], INVALID),
+    "reserved_layer_name": ([header(H[:1], (("__metadata__", "float16", (4, 8)),)), commit()], INVALID),
+    "empty_layer_name": ([header(H[:1], (("", "float16", (4, 8)),)), commit()], INVALID),
+    "empty_namespace": ([header(H[:1], namespace=b""), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "namespace_over_256_bytes": ([header(H[:1], namespace=b"n" * 257), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "no_hashes": ([header([]), commit()], INVALID),
+    "hash_too_short": ([header([H[0][:31]]), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "hash_too_long": ([header([H[0] + b"x"]), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "repeated_hash": ([header([H[0], H[1], H[0]]), chunk(0, 0, blocks(3)), commit()], INVALID),
+    "parent_hash_wrong_length": ([header(H[:1], parent_hash=b"p" * 16), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "closed_without_commit": ([header(H[:2]), chunk(0, 0, blocks(2))], grpc.StatusCode.ABORTED),
+    "closed_after_header": ([header(H[:2])], grpc.StatusCode.ABORTED),
+}
+
+
+@pytest.mark.parametrize("case", list(PUT_CASES))
+def test_malformed_put_stream(daemon, kv: KVStoreClient, case: str) -> None:  # noqa: ANN001
+    seeded = seed_store(kv)
+    messages, want = PUT_CASES[case]
+
+    with pytest.raises(grpc.RpcError) as info:
+        raw_put(daemon.address, messages)
+    assert info.value.code() == want, info.value.details()
+    # the client maps the status to its exception tree
+    expected_class = errors.InvalidRequest if want == INVALID else errors.PutAborted
+    assert type(errors.from_rpc_error(info.value)) is expected_class
+
+    assert kv.lookup(NS, H) == 0
+    assert kv.stats()["blocks"] == len(seeded[0])
+    assert_intact(kv, seeded)
+
+
+def test_the_raw_stream_helper_can_store(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+    """Control for the table above: the same helper with a well-formed stream succeeds."""
+    response = raw_put(daemon.address, [header(H[:2]), chunk(0, 0, blocks(1)), chunk(0, 1, blocks(1)), commit()])
+    assert (response.blocks_written, response.bytes_written) == (2, 2 * FP16_4x8)
+    got = kv.select(NS, H)
+    assert got["l0"].reshape(-1).view(torch.uint8).numpy().tobytes() == blocks(2)
+
+
+def test_oversize_message_is_resource_exhausted(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+    seeded = seed_store(kv)
+    big = 65 << 20  # one message above the 64 MiB cap
+    layer = (("l0", "uint8", (big,)),)
+    with pytest.raises(grpc.RpcError) as info:
+        # the sending side may send anything: only the daemon's limit applies
+        raw_put(daemon.address, [header(H[:1], layer), chunk(0, 0, bytes(big)), commit()],
+                options=[("grpc.max_send_message_length", -1)])  # fmt: skip
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert type(errors.from_rpc_error(info.value)) is errors.CapacityExceeded
+    assert kv.lookup(NS, H) == 0
+    assert_intact(kv, seeded)
+
+
+def test_put_above_max_put_bytes(make_daemon) -> None:  # noqa: ANN001
+    d = make_daemon(extra_args=["--max-put-bytes", "4KiB"])
+    with KVStoreClient(d.address) as kv:
+        seeded = seed_store(kv)  # 3 blocks of 256 bytes
+        hashes = chain("max-put", 17)
+        layers = make_layers(17)  # 17 * 256 bytes > 4 KiB
+        with pytest.raises(errors.CapacityExceeded):
+            kv.put(NS, hashes, layers)
+        assert kv.lookup(NS, hashes) == 0
+        # exactly at the limit is allowed
+        assert kv.put(NS, hashes[:16], {k: v[:16] for k, v in layers.items()}).blocks_written == 16
+        assert_intact(kv, seeded)
+
+
+# ---- client-visible errors -----------------------------------------------------------
+CLIENT_CASES: dict[str, tuple[Callable[[KVStoreClient], object], type[errors.KVStoreError]]] = {
+    "lookup_empty_namespace": (lambda kv: kv.lookup("", H), errors.InvalidRequest),
+    "put_empty_namespace": (lambda kv: kv.put(b"", H[:1], make_layers(1)), errors.InvalidRequest),
+    "lookup_namespace_over_256": (lambda kv: kv.lookup("n" * 257, H), errors.InvalidRequest),
+    "put_namespace_over_256": (lambda kv: kv.put("é" * 129, H[:1], make_layers(1)), errors.InvalidRequest),
+    "lookup_short_hash": (lambda kv: kv.lookup(NS, [H[0], H[1][:31]]), errors.InvalidRequest),
+    "put_long_hash": (lambda kv: kv.put(NS, [H[0] + b"\0"], make_layers(1)), errors.InvalidRequest),
+    "select_short_hash": (lambda kv: kv.select(NS, [b"\0" * 8]), errors.InvalidRequest),
+    "put_repeated_hash": (lambda kv: kv.put(NS, [H[0], H[0]], make_layers(2)), errors.InvalidRequest),
+    "lookup_repeated_hash": (lambda kv: kv.lookup(NS, [H[0], H[1], H[0]]), errors.InvalidRequest),
+    "put_bad_parent": (lambda kv: kv.put(NS, H[:1], make_layers(1), parent_hash=b"p"), errors.InvalidRequest),
+    "lookup_too_many_hashes": (
+        lambda kv: kv.lookup(NS, [i.to_bytes(32, "big") for i in range(65537)]),
+        errors.InvalidRequest,
+    ),
+    "select_no_hashes": (lambda kv: kv.select(NS, []), errors.InvalidRequest),
+    "describe_short_hash": (lambda kv: kv.describe(NS, b"\1" * 31), errors.InvalidRequest),
+    "evict_negative_age": (lambda kv: kv.evict(older_than=-1.0), errors.InvalidRequest),
+    "evict_nan_age": (lambda kv: kv.evict(older_than=math.nan), errors.InvalidRequest),
+    "evict_block_short_hash": (lambda kv: kv.evict(namespace=NS, block_hash=b"\1"), errors.InvalidRequest),
+    "list_limit_above_10000": (lambda kv: kv.list_blocks(limit=10001), errors.InvalidRequest),
+    "list_bad_page_token": (lambda kv: kv.list_blocks(page_token=b"\0\5abc"), errors.InvalidRequest),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIENT_CASES))
+def test_client_call_refused(kv: KVStoreClient, case: str) -> None:
+    seeded = seed_store(kv)
+    call, expected = CLIENT_CASES[case]
+    with pytest.raises(expected) as info:
+        call(kv)
+    assert type(info.value) is expected
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert kv.stats()["blocks"] == len(seeded[0])
+    assert_intact(kv, seeded)
+
+
+def test_namespace_of_exactly_256_bytes_is_accepted(kv: KVStoreClient) -> None:
+    name = b"n" * 256
+    hashes = chain("ns-256", 2, namespace=name)
+    assert kv.put(name, hashes, make_layers(2)).blocks_written == 2
+    assert kv.lookup(name, hashes) == 2
+
+
+def test_raw_requests_the_client_cannot_build(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+    seeded = seed_store(kv)
+    hashes = seeded[0]
+    addr = daemon.address
+    nan_wait = pb.DropSelectRequest(namespace=NS.encode(), block_hashes=hashes, wait_seconds=math.nan)
+    negative_wait = pb.DropSelectRequest(namespace=NS.encode(), block_hashes=hashes, wait_seconds=-1)
+    assert rpc_code(lambda: raw_stream(addr, "DropSelect", nan_wait)) == INVALID
+    assert rpc_code(lambda: raw_stream(addr, "DropSelect", negative_wait)) == INVALID
+    assert rpc_code(lambda: raw_unary(addr, "Evict", pb.EvictRequest(), pb.EvictResponse)) == INVALID
+    assert rpc_code(lambda: raw_unary(addr, "Evict", pb.EvictRequest(all=False), pb.EvictResponse)) == INVALID
+    empty_ns = pb.EvictRequest(namespace=b"")
+    assert rpc_code(lambda: raw_unary(addr, "Evict", empty_ns, pb.EvictResponse)) == INVALID
+    get_empty_ns = pb.GetRequest(namespace=b"", block_hashes=hashes)
+    assert rpc_code(lambda: raw_stream(addr, "Get", get_empty_ns)) == INVALID
+    # a DropSelect that was refused took nothing
+    assert_intact(kv, seeded)
+
+
+def test_client_side_checks_send_nothing(kv: KVStoreClient) -> None:
+    """Shape/dtype mismatches and unsupported dtypes are caught before the wire (ValueError)."""
+    seeded = seed_store(kv)
+    layers = make_layers(2)
+    specs = [LayerSpec.of(n, t) for n, t in layers.items()]
+    with kv.put_stream(NS, H[:2], specs) as stream:
+        with pytest.raises(ValueError, match="expected float16"):
+            stream.write_layer("layer.0", torch.zeros(2, 2, 4, 8))  # float32
+        with pytest.raises(ValueError, match="expected"):
+            stream.write_layer("layer.0", torch.zeros(2, 2, 4, 4, dtype=torch.float16))  # shape
+        with pytest.raises(ValueError, match="commit without layers"):
+            stream.commit()
+    with pytest.raises(ValueError, match="not supported"):
+        kv.put(NS, H[:1], {"c": torch.zeros(1, 4, dtype=torch.complex64)})
+    assert kv.lookup(NS, H) == 0
+    assert_intact(kv, seeded)
+
+
+# ---- puts that never commit ------------------------------------------------------------
+def test_put_stream_abort_mid_stream_stores_nothing(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+    seeded = seed_store(kv)
+    layers = make_layers(3, num_layers=3, seed=5)
+    specs = [LayerSpec.of(n, t) for n, t in layers.items()]
+
+    stream = kv.put_stream(NS, H, specs)
+    stream.write_layer("layer.0", layers["layer.0"])
+    stream.write_layer("layer.1", layers["layer.1"])
+    stream.abort()
+    stream.abort()  # idempotent
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with kv.put_stream(NS, H, specs) as second:
+            second.write_layer("layer.2", layers["layer.2"])
+            raise Boom  # leaving the block by an exception cancels the put
+
+    assert kv.lookup(NS, H) == 0
+    assert kv.stats()["puts"] == 1  # only the seed
+    assert_intact(kv, seeded)
+    # after both cancellations, the same blocks can still be put whole
+    assert kv.put(NS, H, layers).blocks_written == 3
+    assert daemon.stop() == 0
+    assert "put stream broken by the client; nothing stored" in daemon.log()
+
+
+def test_put_stream_closed_without_commit_is_put_aborted(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+    seeded = seed_store(kv)
+    with pytest.raises(grpc.RpcError) as info:
+        raw_put(daemon.address, [header(H[:1]), chunk(0, 0, blocks(1))])
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "nothing was stored" in info.value.details()
+    with pytest.raises(errors.PutAborted):
+        raise errors.from_rpc_error(info.value)
+    assert kv.lookup(NS, H) == 0
+    assert_intact(kv, seeded)

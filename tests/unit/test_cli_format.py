@@ -1,0 +1,171 @@
+"""kvstore_cli.formatting: parsing and rendering helpers of the CLI (no daemon)."""
+
+from __future__ import annotations
+
+from datetime import timezone
+
+import pytest
+
+from kvstore_cli.formatting import (
+    format_duration,
+    format_percent,
+    format_table,
+    format_timestamp,
+    parse_duration,
+    parse_hash,
+    parse_namespace,
+    render_namespace,
+    short_hash,
+)
+
+
+# ---- namespaces ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("ns", b"ns"),
+        ("tenant/llama-3", b"tenant/llama-3"),
+        ("模型", "模型".encode()),
+        ("0x6e73", b"ns"),
+        ("0XFF00", b"\xff\x00"),
+        ("0xff00", b"\xff\x00"),
+    ],
+)
+def test_parse_namespace(text: str, expected: bytes) -> None:
+    assert parse_namespace(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "0x", "0xzz", "0xabc"])
+def test_parse_namespace_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="namespace"):
+        parse_namespace(text)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "expected"),
+    [
+        (b"ns", "ns"),
+        ("模型".encode(), "模型"),
+        (b"\xff\x00", "0xff00"),
+        (b"a\nb", "0x610a62"),  # decodable but not printable
+        (b"a\x00", "0x6100"),
+        (b"0xab", "0x30786162"),  # text that would read as hex is shown as hex
+    ],
+)
+def test_render_namespace(namespace: bytes, expected: str) -> None:
+    assert render_namespace(namespace) == expected
+
+
+@pytest.mark.parametrize(
+    "namespace", [b"ns", b"\xff", b"\x00", b"0x", b"0X12", b"with space", "é".encode(), bytes(range(256))]
+)
+def test_render_namespace_round_trips(namespace: bytes) -> None:
+    assert parse_namespace(render_namespace(namespace)) == namespace
+
+
+# ---- hashes ----------------------------------------------------------------------------
+def test_parse_hash_and_short_hash() -> None:
+    digest = bytes(range(32))
+    assert parse_hash(digest.hex()) == digest
+    assert parse_hash(digest.hex().upper()) == digest
+    assert short_hash(digest) == digest.hex()[:16]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("ab" * 31, "64 hex digits"), ("zz" * 32, "not hex"), ("", "64")]
+)
+def test_parse_hash_rejects(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_hash(text)
+
+
+# ---- durations -----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90s", 90.0),
+        ("15m", 900.0),
+        ("2h", 7200.0),
+        ("7d", 604800.0),
+        ("3600", 3600.0),
+        ("0", 0.0),
+        ("1.5h", 5400.0),
+        ("2H", 7200.0),
+        (" 10 s ", 10.0),
+        (".5m", 30.0),
+    ],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "s", "5x", "-5", "1h30m", "inf", "nan", "5 minutes", "1e3"])
+def test_parse_duration_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="invalid duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (0.9, "0s"),
+        (-5, "0s"),  # clock skew between hosts never shows a negative age
+        (45, "45s"),
+        (59.99, "59s"),
+        (60, "1m"),
+        (125, "2m 5s"),
+        (3600, "1h"),
+        (7201, "2h"),  # two most significant units only
+        (7260, "2h 1m"),
+        (93784, "1d 2h"),
+        (86400 * 10 + 5, "10d"),
+    ],
+)
+def test_format_duration(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_format_duration_reads_back() -> None:
+    for text in ("45s", "2m", "3h", "7d"):
+        assert format_duration(parse_duration(text)) == text
+
+
+# ---- timestamps and percentages ------------------------------------------------------
+def test_format_timestamp() -> None:
+    assert format_timestamp(1_700_000_000.25, timezone.utc) == "2023-11-14 22:13:20"
+    assert format_timestamp(0) == "-"
+    assert len(format_timestamp(1_700_000_000)) == len("2023-11-14 22:13:20")  # local time
+
+
+@pytest.mark.parametrize(
+    ("part", "whole", "text"),
+    [(1, 4, "25.0%"), (0, 10, "0.0%"), (10, 10, "100.0%"), (1, 100_000, "<0.1%"), (1, 0, "-")],
+)
+def test_format_percent(part: int, whole: int, text: str) -> None:
+    assert format_percent(part, whole) == text
+
+
+# ---- tables ----------------------------------------------------------------------------
+def test_format_table_aligns_columns() -> None:
+    text = format_table(
+        [("ns", 5, "1.0 KiB"), ("longer-name", 12345, "12 B")], ("NAME", "N", "SIZE"), right={1}
+    )
+    assert text.splitlines() == [
+        "NAME             N  SIZE",
+        "ns               5  1.0 KiB",
+        "longer-name  12345  12 B",
+    ]
+
+
+def test_format_table_without_headers_is_two_columns() -> None:
+    text = format_table([("blocks", 3), ("checksum failures", 0)])
+    assert text.splitlines() == ["blocks             3", "checksum failures  0"]
+
+
+def test_format_table_edge_cases() -> None:
+    assert format_table([]) == ""
+    assert format_table([], ("A", "B")) == "A  B"
+    ragged = format_table([("a",), ("bb", "c")])
+    assert ragged.splitlines() == ["a", "bb  c"]  # short rows padded, no trailing spaces
+    assert all(line == line.rstrip() for line in format_table([("x", "")], ("H", "LAST")).splitlines())
