@@ -37,6 +37,24 @@ _UNITS = {
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 BACKENDS = ("lmdb", "disk")
+# What a setting may be in the TOML file, and how to say so.
+_STR = ((str,), "a string")
+_INT = ((int,), "an integer")
+_SIZE = ((int, str), 'a byte count or a size string such as "64GiB"')
+_TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "listen": _STR,
+    "data_dir": _STR,
+    "backend": _STR,
+    "capacity": _SIZE,
+    "sync": ((bool,), "true or false"),
+    "workers": _INT,
+    "max_concurrent_rpcs": _INT,
+    "max_put_bytes": _SIZE,
+    "max_inflight_put_bytes": _SIZE,
+    "max_waiting_drop_selects": _INT,
+    "grace_seconds": ((int, float), "a number"),
+    "log_level": _STR,
+}
 
 
 def parse_size(value: str | int) -> int:
@@ -123,6 +141,9 @@ class ServerConfig:
                 name = key.replace("-", "_")
                 if name not in known:
                     raise ValueError(f"{path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+                want, what = _TOML_TYPES.get(name, ((object,), ""))
+                if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
+                    raise ValueError(f"{path}: {key} must be {what}, not {value!r}")
                 values[name] = value
         values.update(overrides or {})
         return cls(**values)

@@ -67,9 +67,12 @@ class PrefixIndex:
         """Stored descendants of a block, deepest first (a safe removal order)."""
         out: list[BlockKey] = []
         stack = [block_hash]
+        # Parents are whatever clients claimed, so the links may form a cycle.
+        seen = {block_hash}
         while stack:
             for child in self._children.get((namespace, stack.pop()), ()):
-                if self.get(namespace, child) is not None:
+                if child not in seen and self.get(namespace, child) is not None:
+                    seen.add(child)
                     out.append((namespace, child))
                     stack.append(child)
         out.reverse()

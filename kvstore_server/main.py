@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         f"data_dir={config.data_dir}, capacity={format_size(config.capacity)})",
         flush=True,
     )
-    stop.wait()
+    # SIGTERM may be delivered to one of gRPC's C threads; then nothing interrupts
+    # an untimed wait here and the Python handler never runs. Wake up regularly.
+    while not stop.wait(0.2):
+        pass
     log.info("shutting down: NOT_SERVING, finishing in-flight calls (grace %.1fs)", config.grace_seconds)
     running.health.enter_graceful_shutdown()
     store.begin_shutdown()

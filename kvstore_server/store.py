@@ -204,7 +204,9 @@ class Store:
                 self._changed.notify_all()
         return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
 
-    def _write(self, writes: list[BlockWrite], victims: list[BlockKey], protect: set[BlockKey]) -> list[BlockKey]:
+    def _write(
+        self, writes: list[BlockWrite], victims: list[BlockKey], protect: set[BlockKey]
+    ) -> list[BlockKey]:
         """Write and delete `victims`; return what else had to be evicted."""
         try:
             self.backend.write(writes, victims)

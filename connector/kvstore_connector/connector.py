@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# NOTE: under "vllm." so records go through vLLM's own logging setup, beside its lines.
+log = logging.getLogger("vllm." + __name__)
 
 
 class KVStoreConnector(KVConnectorBase_V1):

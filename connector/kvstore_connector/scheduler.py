@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# NOTE: under "vllm." so records go through vLLM's own logging setup, beside its lines.
+log = logging.getLogger("vllm." + __name__)
 
 
 def request_hashes(request: Request, root: str, block_size: int) -> list[bytes]:

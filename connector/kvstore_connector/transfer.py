@@ -58,7 +58,10 @@ class BlockMover:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        # D2H and H2D copies on one stream, scatters on another: the copy engine
+        # never waits for a scatter kernel before starting the next layer's copy.
         self._stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._scatter_stream = torch.cuda.Stream(device=device) if self.cuda else None
 
     def index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -86,12 +89,19 @@ class BlockMover:
         if not self.cuda:
             kv.index_copy_(0, ids, host)
             return None
-        stream = cast(torch.cuda.Stream, self._stream)
-        with torch.cuda.stream(stream):
-            kv.index_copy_(0, ids, host.to(self.device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(stream)
-        return event
+        copy_stream = cast(torch.cuda.Stream, self._stream)
+        scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
+        with torch.cuda.stream(copy_stream):
+            staged = host.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(copy_stream)
+        scatter_stream.wait_event(copied)
+        with torch.cuda.stream(scatter_stream):
+            kv.index_copy_(0, ids, staged)
+            done = torch.cuda.Event()
+            done.record(scatter_stream)
+        staged.record_stream(scatter_stream)
+        return done
 
     def wait_on_compute_stream(self, event: Any) -> None:
         """Make the compute stream wait (GPU-side, no host sync) for a scatter."""

@@ -26,7 +26,8 @@ from kvstore_connector.outage import StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.transfer import BlockMover, PendingCopy, find_block_dim
 
-log = logging.getLogger(__name__)
+# NOTE: under "vllm." so records go through vLLM's own logging setup, beside its lines.
+log = logging.getLogger("vllm." + __name__)
 
 
 class _LayerGates:

@@ -71,5 +71,6 @@ def run_engines(tmp: Path, model: Path, engines: list[dict], *, env: dict[str, s
             results[doc["name"]] = doc
     if proc.returncode != 0 or len(results) != len(engines):
         raise RuntimeError(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
-    results["_stderr"] = {"text": proc.stderr}
+    # vLLM logs to stdout by default; keep everything for assertions on log lines
+    results["_log"] = {"text": proc.stdout + proc.stderr}
     return results

@@ -241,7 +241,7 @@ def test_evict_target_bytes_trims_least_recent_tails(kv: KVStoreClient) -> None:
 
 
 # ---- stats / list / describe / health ----------------------------------------------
-def test_stats_counters(kv: KVStoreClient, backend: str) -> None:
+def test_stats_counters(daemon, kv: KVStoreClient, backend: str) -> None:  # noqa: ANN001
     before = kv.stats()
     assert before["backend"] == backend
     assert before["capacity_bytes"] == 1 << 30  # the Daemon helper's --capacity 1GiB
@@ -254,7 +254,11 @@ def test_stats_counters(kv: KVStoreClient, backend: str) -> None:
     kv.put(NS, hashes, layers)
     kv.put(NS, hashes, layers)  # all skipped
     assert kv.lookup(NS, [*hashes, *chain("stats-miss", 2)]) == 3
-    kv.select(NS, hashes)
+    # Read the whole Get stream, to its closing status: the daemon counts the bytes
+    # read when its stream generator finishes, just before that status is sent.
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = kvstore_pb2_grpc.KVStoreStub(channel)
+        assert len(list(stub.Get(pb.GetRequest(namespace=NS.encode(), block_hashes=hashes)))) == 3
 
     after = kv.stats()
     delta = {k: after[k] - before[k] for k in ("puts", "blocks_written", "bytes_written", "lookups",

@@ -217,7 +217,10 @@ def test_block_meta_json_round_trip() -> None:
         namespace=b"\x00\xffns",
         block_hash=h(1),
         parent_hash=h(0),
-        layers=(LayerSpec("model.layers.0.kv", "bfloat16", (2, 16, 8, 128), 65536), LayerSpec("ü", "bool", (3,), 3)),
+        layers=(
+            LayerSpec("model.layers.0.kv", "bfloat16", (2, 16, 8, 128), 65536),
+            LayerSpec("ü", "bool", (3,), 3),
+        ),
         checksums=(2**64 - 1, 0),
         created_at=1712345678.123456,
     )

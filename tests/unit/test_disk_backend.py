@@ -136,7 +136,9 @@ def _torch_layers() -> tuple[dict[str, torch.Tensor], tuple[LayerSpec, ...]]:
         if dtype is None:  # pragma: no cover - an old torch without this dtype
             continue
         shape = shapes[i % len(shapes)]
-        raw = torch.randint(0, 256, (int(np.prod(shape)) * DTYPES[name][0],), dtype=torch.uint8, generator=gen)
+        raw = torch.randint(
+            0, 256, (int(np.prod(shape)) * DTYPES[name][0],), dtype=torch.uint8, generator=gen
+        )
         if name == "bool":
             raw = raw % 2
         tensors[f"model.layers.{i}.{name}"] = raw.view(dtype).reshape(shape)

@@ -162,3 +162,17 @@ def test_namespace_evicts_one_or_all() -> None:
     assert eviction.namespace(index, b"absent") == []
     assert len(eviction.namespace(index, None)) == 2
     assert index.num_blocks == 0 and index.bytes_used == 0
+
+
+def test_subtree_and_older_than_terminate_on_cyclic_links() -> None:
+    index = PrefixIndex()
+    a, b, c = h("a"), h("b"), h("c")
+    index.add(NS, b, a, SIZE, 1.0)
+    index.add(NS, c, b, SIZE, 1.0)
+    index.add(NS, a, c, SIZE, 1.0)  # a -> b -> c -> a
+    assert sorted(eviction.subtree(index, NS, a)) == sorted([(NS, a), (NS, b), (NS, c)])
+    assert index.num_blocks == 0 and index.bytes_used == 0
+    index.add(NS, b, a, SIZE, 1.0)
+    index.add(NS, a, b, SIZE, 1.0)
+    assert len(eviction.older_than(index, cutoff=2.0)) == 2
+    assert index.num_blocks == 0

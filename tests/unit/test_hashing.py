@@ -26,7 +26,12 @@ def reference(namespace: bytes, tokens: list[int], block_size: int, extras_by_bl
     out = []
     for i in range(len(tokens) // block_size):
         block = tokens[i * block_size : (i + 1) * block_size]
-        payload = b"kvstore-block-v1" + prev + struct.pack("<I", block_size) + struct.pack(f"<{block_size}I", *block)
+        payload = (
+            b"kvstore-block-v1"
+            + prev
+            + struct.pack("<I", block_size)
+            + struct.pack(f"<{block_size}I", *block)
+        )
         payload += (extras_by_block or {}).get(i, b"")
         prev = hashlib.sha256(payload).digest()
         out.append(prev)
@@ -71,7 +76,12 @@ def test_deterministic_across_processes_with_different_hash_seeds() -> None:
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         proc = subprocess.run(
-            [sys.executable, "-c", _SUBPROCESS_CODE], env=env, capture_output=True, text=True, check=True, timeout=60
+            [sys.executable, "-c", _SUBPROCESS_CODE],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         )
         outputs.append(proc.stdout.strip())
     here = ",".join(
@@ -153,7 +163,9 @@ def test_image_ending_at_block_boundary_leaves_next_block_alone() -> None:
 
 def test_mm_input_order_does_not_matter() -> None:
     items = [MultiModalInput("x", 2, 3), MultiModalInput("y", 13, 2)]
-    assert block_hashes("ns", TOKENS, BS, mm_inputs=items) == block_hashes("ns", TOKENS, BS, mm_inputs=items[::-1])
+    assert block_hashes("ns", TOKENS, BS, mm_inputs=items) == block_hashes(
+        "ns", TOKENS, BS, mm_inputs=items[::-1]
+    )
 
 
 def test_lora_name_changes_every_block() -> None:
@@ -174,7 +186,9 @@ def test_block_size_is_part_of_the_hash() -> None:
     # Same previous hash and the same tokens; only the size field could tell
     # these apart, so hashing without it must not reproduce the key.
     tokens = TOKENS[:8]
-    without_size = hashlib.sha256(b"kvstore-block-v1" + root_hash("ns") + struct.pack("<8I", *tokens)).digest()
+    without_size = hashlib.sha256(
+        b"kvstore-block-v1" + root_hash("ns") + struct.pack("<8I", *tokens)
+    ).digest()
     assert block_hashes("ns", tokens, 8) == reference(b"ns", tokens, 8)
     assert block_hashes("ns", tokens, 8)[0] != without_size
 

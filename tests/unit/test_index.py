@@ -7,7 +7,9 @@ from kvunit import NS, NS2, chain, h
 from kvstore_server.index import PrefixIndex
 
 
-def add_chain(index: PrefixIndex, hashes: list[bytes], ns: bytes = NS, size: int = 10, t: float = 1.0) -> None:
+def add_chain(
+    index: PrefixIndex, hashes: list[bytes], ns: bytes = NS, size: int = 10, t: float = 1.0
+) -> None:
     parent = b""
     for block_hash in hashes:
         assert index.add(ns, block_hash, parent, size, t)
@@ -215,3 +217,20 @@ def test_sort_leaves_orders_by_last_access() -> None:
     index.sort_leaves()
     assert leaves(index) == [(NS, h("old")), (NS, h("mid")), (NS, h("new"))]
     assert next(index.eviction_order()) == (NS, h("old"))
+
+
+def test_parent_links_that_form_a_cycle_do_not_hang() -> None:
+    # Parents are client-supplied: put [b] under a, then [a] under b.
+    index = PrefixIndex()
+    a, b = h("a"), h("b")
+    index.add(NS, b, a, 10, 1.0)
+    index.add(NS, a, b, 10, 1.0)
+    assert index.descendants(NS, a) == [(NS, b)]
+    assert index.descendants(NS, b) == [(NS, a)]
+    index.remove(NS, a)  # removal walks the descendants too
+    assert index.num_blocks == 1
+    assert index.descendants(NS, b) == []
+    # a block claiming itself as parent
+    index.add(NS, h("self"), h("self"), 10, 1.0)
+    assert index.descendants(NS, h("self")) == []
+    assert index.remove(NS, h("self")) is not None

@@ -8,8 +8,7 @@ import lmdb
 import pytest
 from kvunit import LAYERS, NS, chain, h, layer_bytes, make_write
 
-from kvstore_server.storage import LayerSpec, StorageFullError, open_backend
-from kvstore_server.storage import lmdb_backend
+from kvstore_server.storage import LayerSpec, StorageFullError, lmdb_backend, open_backend
 from kvstore_server.storage.lmdb_backend import LmdbBackend
 
 BIG = (LayerSpec("k", "uint8", (16384,), 16384),)

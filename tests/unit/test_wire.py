@@ -42,15 +42,18 @@ def test_encode_chunk_accepts_memoryviews_of_any_format() -> None:
 def test_multi_part_encode_equals_concatenation() -> None:
     parts = [PAYLOAD[:10], memoryview(PAYLOAD)[10:300], b"", PAYLOAD[300:]]
     assert wire.encode_chunk(4, 9, parts) == wire.encode_chunk(4, 9, [PAYLOAD])
-    assert wire.encode_chunk(4, 9, parts) == pb.PutRequest(
-        chunk=pb.LayerChunk(layer_index=4, first_block=9, data=PAYLOAD)
-    ).SerializeToString()
+    assert (
+        wire.encode_chunk(4, 9, parts)
+        == pb.PutRequest(chunk=pb.LayerChunk(layer_index=4, first_block=9, data=PAYLOAD)).SerializeToString()
+    )
 
 
 @pytest.mark.parametrize(("layer", "first"), [(0, 0), (0, 6), (5, 0), (300, 70000)])
 def test_decode_put_request_reads_protobuf_serialized_chunks(layer: int, first: int) -> None:
     # protobuf omits zero-valued fields; the decoder must default them
-    raw = pb.PutRequest(chunk=pb.LayerChunk(layer_index=layer, first_block=first, data=PAYLOAD)).SerializeToString()
+    raw = pb.PutRequest(
+        chunk=pb.LayerChunk(layer_index=layer, first_block=first, data=PAYLOAD)
+    ).SerializeToString()
     decoded = wire.decode_put_request(raw)
     assert isinstance(decoded, wire.Chunk)
     assert (decoded.layer_index, decoded.first_block) == (layer, first)
@@ -84,7 +87,9 @@ def test_decode_put_request_header_and_commit_go_through_protobuf() -> None:
 
 def test_decode_get_response() -> None:
     header = pb.GetResponse(
-        header=pb.GetHeader(num_blocks=3, layers=[pb.LayerSpec(name="v", dtype="float8_e4m3fn", shape=[2, 4])])
+        header=pb.GetHeader(
+            num_blocks=3, layers=[pb.LayerSpec(name="v", dtype="float8_e4m3fn", shape=[2, 4])]
+        )
     )
     assert wire.decode_get_response(header.SerializeToString()) == header
     raw = pb.GetResponse(chunk=pb.LayerChunk(layer_index=2, first_block=1, data=b"abc")).SerializeToString()
@@ -146,7 +151,12 @@ def test_limits_are_consistent() -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "shape", "expected"),
-    [("bfloat16", (16, 8, 128), 32768), ("float8_e4m3fn", (3, 5), 15), ("float64", (2,), 16), ("bool", (7,), 7)],
+    [
+        ("bfloat16", (16, 8, 128), 32768),
+        ("float8_e4m3fn", (3, 5), 15),
+        ("float64", (2,), 16),
+        ("bool", (7,), 7),
+    ],
 )
 def test_layer_block_bytes(dtype: str, shape: tuple[int, ...], expected: int) -> None:
     assert wire.layer_block_bytes(dtype, shape) == expected

@@ -1,0 +1,91 @@
+"""Decode-instance time to first token: store hit vs recompute vs vLLM's ExampleConnector.
+
+    python bench/bench_connector.py [--tokens 2048] [--layers 8] [--hidden 1024] [--prompts 3]
+
+Builds a random Llama (nothing downloaded), starts a kvstore daemon, fills the
+store (KVStoreConnector, kv_producer) and an ExampleConnector directory from one
+"prefill" process, then in one "decode" process measures, for the same prompts,
+the wall time of generate(max_tokens=1) with: no connector (recompute), the
+kvstore connector (kv_consumer) and ExampleConnector. Each engine first serves
+a warm-up prompt; each measured prompt is new to the engine, so vLLM's own
+prefix cache never hits. Prints medians and ratios. Figures, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+from daemon import Daemon  # noqa: E402
+from harness import build_model, kv_config, run_engines  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=3)
+    args = p.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvbench-"))
+    model = build_model(
+        tmp / "model",
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.hidden * 2,
+        vocab=4096,
+    )
+    rng = random.Random(7)
+    prompts = [[rng.randrange(4096) for _ in range(args.tokens)] for _ in range(args.prompts + 1)]
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")},
+    }
+    llm = {"max_model_len": args.tokens + 64, "max_num_batched_tokens": args.tokens + 64,
+           "gpu_memory_utilization": 0.1}  # fmt: skip
+    daemon = Daemon(tmp / "data", capacity="8GiB").start()
+    try:
+        common = {"prompts": prompts, "max_tokens": 1, "llm": llm, "one_by_one": True}
+        run_engines(tmp, model, [
+            {"name": "fill-kvstore", "kv": kv_config(daemon.address, "kv_producer"), **common},
+            {"name": "fill-example", "kv": example, **common},
+        ])  # fmt: skip
+        out = run_engines(tmp, model, [
+            {"name": "recompute", "kv": None, **common},
+            {"name": "kvstore hit", "kv": kv_config(daemon.address, "kv_consumer"), **common},
+            {"name": "ExampleConnector hit", "kv": example, **common},
+        ])  # fmt: skip
+    finally:
+        daemon.stop()
+
+    kv_bytes = 2 * args.kv_heads * (args.hidden // args.heads) * 2 * args.layers * args.tokens
+    print(f"\nmodel: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads, bf16, block 32; "
+          f"prompt {args.tokens} tokens = {kv_bytes / 2**20:.1f} MiB of KV; median of {args.prompts} prompts")  # fmt: skip
+    rows = {}
+    for name in ("recompute", "kvstore hit", "ExampleConnector hit"):
+        ttft = out[name]["ttft"][1:]  # the first prompt warmed the engine up
+        rows[name] = statistics.median(ttft)
+    print(f"{'decode TTFT':<24}{'seconds':>10}{'vs recompute':>15}")
+    for name, seconds in rows.items():
+        print(f"{name:<24}{seconds:>10.3f}{rows['recompute'] / seconds:>14.1f}x")
+    print(f"kvstore hit vs ExampleConnector hit: {rows['ExampleConnector hit'] / rows['kvstore hit']:.2f}x "
+          "(>1: kvstore faster)")  # fmt: skip
+    print(f"goal: hit >= 10x faster than recompute, no slower than ExampleConnector")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The connector on real vLLM (CPU): prefill and decode instances share KV through a real daemon.
+
+Each engine run is its own Python process (tests/e2e/engine_runner.py); the
+daemon is its own process too. Tokens are compared with a no-connector
+baseline; store-side Stats prove the KV was served.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+from daemon import Daemon
+from harness import kv_config, run_engines
+
+from kvstore_client import KVStoreClient
+from kvstore_client.hashing import block_hashes
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+
+
+def full_blocks(prompts: list[list[int]]) -> int:
+    """Blocks a decode can load: whole blocks that leave at least one token to compute."""
+    return sum((len(p) - 1) // BLOCK for p in prompts)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    d = Daemon(tmp_path / "data", capacity="1GiB").start()
+    yield d
+    d.stop()
+
+
+def stats(address: str) -> dict:
+    with KVStoreClient(address) as kv:
+        return kv.stats()
+
+
+def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, store):
+    # prefill: chunked (64-token steps), so blocks are saved across several steps
+    run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
+        "llm": {"max_num_batched_tokens": 64},
+    }])  # fmt: skip
+    saved = stats(store.address)
+    assert saved["blocks"] == sum(len(p) // BLOCK for p in prompts)
+
+    out = run_engines(tmp_path, model, [{
+        "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+    }])  # fmt: skip
+    assert out["decode"]["tokens"] == baseline
+    after = stats(store.address)
+    assert after["hit_blocks"] - saved["hit_blocks"] == full_blocks(prompts)
+    block_bytes = saved["bytes_used"] // saved["blocks"]
+    assert after["bytes_read"] - saved["bytes_read"] == full_blocks(prompts) * block_bytes
+
+
+def test_decode_really_uses_the_stored_kv(tmp_path, model, other_model, prompts, baseline, store):
+    # KV computed by other weights, stored under the namespace the decode will read
+    shared = {"namespace": "shared-model-id"}
+    run_engines(tmp_path, other_model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer", **shared), "prompts": prompts,
+        "max_tokens": 1,
+    }])  # fmt: skip
+    out = run_engines(tmp_path, model, [{
+        "name": "decode", "kv": kv_config(store.address, "kv_consumer", **shared), "prompts": prompts,
+        "max_tokens": 8,
+    }])  # fmt: skip
+    differing = [i for i, (got, want) in enumerate(zip(out["decode"]["tokens"], baseline)) if got != want]
+    assert differing, "decode gave baseline tokens from foreign KV: it recomputed instead of loading"
+
+
+def test_prefix_reuse_hits_only_shared_blocks(tmp_path, model, prompts, store):
+    first = prompts[3]  # 300 tokens: 9 full blocks
+    shared_tokens = 5 * BLOCK + 7  # 5 whole shared blocks, then the prompts diverge
+    second = first[:shared_tokens] + [(t + 1) % 512 for t in first[shared_tokens:]]
+    both = kv_config(store.address, "kv_both")
+    run_engines(tmp_path, model, [{"name": "turn1", "kv": both, "prompts": [first], "max_tokens": 4}])
+    before = stats(store.address)
+    out = run_engines(tmp_path, model, [
+        {"name": "turn2", "kv": both, "prompts": [second], "max_tokens": 8},
+        {"name": "plain", "kv": None, "prompts": [second], "max_tokens": 8},
+    ])  # fmt: skip
+    after = stats(store.address)
+    assert out["turn2"]["tokens"] == out["plain"]["tokens"]
+    assert after["hit_blocks"] - before["hit_blocks"] == 5
+    # kv_both stored what the store lacked: the 4 new full blocks of `second`
+    assert after["blocks"] - before["blocks"] == len(second) // BLOCK - 5
+
+
+def test_store_down_between_prefill_and_decode(tmp_path, model, prompts, baseline, store):
+    run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
+    }])  # fmt: skip
+    address = store.address
+    store.kill()
+    out = run_engines(tmp_path, model, [{
+        "name": "decode", "kv": kv_config(address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+    }])  # fmt: skip
+    assert out["decode"]["tokens"] == baseline
+    warnings = re.findall(r"WARNING.*kvstore at \S+ failed", out["_log"]["text"])
+    assert len(warnings) == 1, warnings
+
+
+def test_stalled_store_is_a_miss_not_a_hang(tmp_path, model, prompts, baseline, store):
+    run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
+    }])  # fmt: skip
+    assert store.proc is not None
+    os.kill(store.proc.pid, signal.SIGSTOP)  # alive, connected, answering nothing
+    try:
+        out = run_engines(tmp_path, model, [{
+            "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+        }], timeout=300)  # fmt: skip
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+    assert out["decode"]["tokens"] == baseline
+
+
+def test_consume_mode_frees_the_handoff(tmp_path, model, prompts, baseline, store):
+    run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
+    }])  # fmt: skip
+    stored = stats(store.address)["blocks"]
+    out = run_engines(tmp_path, model, [{
+        "name": "decode", "kv": kv_config(store.address, "kv_consumer", consume=True), "prompts": prompts,
+        "max_tokens": 8,
+    }])  # fmt: skip
+    assert out["decode"]["tokens"] == baseline
+    # every block the decode loaded is gone; only each prompt's unusable tail blocks stay
+    assert stats(store.address)["blocks"] == stored - full_blocks(prompts)
+
+
+def test_corrupt_block_is_recomputed(tmp_path, model, prompts, baseline, store):
+    run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
+    }])  # fmt: skip
+    # flip one byte in the middle of the LMDB data file: some stored block is now bad
+    data_file = store.data_dir / "lmdb" / "data.mdb"
+    with KVStoreClient(store.address) as kv:
+        before = kv.stats()
+    size = data_file.stat().st_size
+    with open(data_file, "r+b") as f:
+        for offset in range(size // 4, size, size // 4)[:3]:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    out = run_engines(tmp_path, model, [{
+        "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+    }])  # fmt: skip
+    assert out["decode"]["tokens"] == baseline
+    assert stats(store.address)["checksum_failures"] > before["checksum_failures"]
+
+
+def test_tensor_parallel_two_ranks(tmp_path, model, prompts, store):
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    first = run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 8,
+        "llm": tp,
+    }], env=env)  # fmt: skip
+    with KVStoreClient(store.address) as kv:
+        listed = list(kv.iter_blocks())
+    namespaces = {b.namespace for b in listed}
+    assert len(namespaces) == 2 and all(b"tp0of2" in ns or b"tp1of2" in ns for ns in namespaces)
+    out = run_engines(tmp_path, model, [{
+        "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+        "llm": tp,
+    }], env=env)  # fmt: skip
+    assert out["decode"]["tokens"] == first["prefill"]["tokens"]
+    assert stats(store.address)["hit_blocks"] == 2 * full_blocks(prompts)
+
+
+def test_hashes_match_what_the_connector_stored(tmp_path, model, prompts, store):
+    """The CLI's and client's hashing names the connector's blocks (same module, same keys)."""
+    run_engines(tmp_path, model, [{
+        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts[:1], "max_tokens": 1,
+    }])  # fmt: skip
+    with KVStoreClient(store.address) as kv:
+        (block,) = {b.namespace for b in kv.iter_blocks()}
+        root = block.decode().rsplit("|tp", 1)[0]
+        hashes = block_hashes(root, prompts[0], BLOCK)
+        assert kv.lookup(block, hashes) == len(prompts[0]) // BLOCK

@@ -1,0 +1,214 @@
+"""kvstore_server.config: sizes, TOML, overrides, validation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kvstore_server.config import ServerConfig, format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("512MiB", 512 << 20),
+        ("64GiB", 64 << 30),
+        ("10GB", 10 * 1000**3),
+        ("1TiB", 1 << 40),
+        ("2TB", 2 * 1000**4),
+        ("100KB", 100_000),
+        ("4KiB", 4096),
+        ("8k", 8192),
+        ("3M", 3 << 20),
+        ("2G", 2 << 30),
+        ("1T", 1 << 40),
+        ("1.5GiB", 3 << 29),
+        ("12345", 12345),
+        ("0", 0),
+        ("77B", 77),
+        ("  16 mib ", 16 << 20),
+        ("1gIb", 1 << 30),
+        (4096, 4096),
+        (0, 0),
+    ],
+)
+def test_parse_size(text: str | int, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "GiB", "12 parsecs", "-5", "1e9", "1,000", "5 GiB extra", "0x10", "1.2.3MiB"]
+)
+def test_parse_size_rejects_bad_strings_naming_them(bad: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(bad)
+    assert repr(bad) in str(info.value)
+
+
+def test_parse_size_rejects_negative_ints() -> None:
+    with pytest.raises(ValueError, match="-1"):
+        parse_size(-1)
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (3 << 29, "1.5 GiB"), (5 << 50, "5120.0 TiB")],
+)
+def test_format_size(n: int, text: str) -> None:
+    assert format_size(n) == text
+
+
+def test_defaults() -> None:
+    config = ServerConfig()
+    assert config.listen == "127.0.0.1:50051"
+    assert config.backend == "lmdb"
+    assert config.capacity == 8 << 30
+    assert config.sync is False
+    assert config.data_dir.is_absolute()
+    assert config.data_dir.name == "kvstore"
+
+
+def test_default_data_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert ServerConfig().data_dir == tmp_path / "kvstore"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvstore.toml"
+    path.write_text(text)
+    return path
+
+
+def test_toml_with_dash_and_underscore_keys(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+listen = "0.0.0.0:6000"
+data-dir = "~/kv"
+backend = "disk"
+capacity = "512MiB"
+sync = true
+max_put_bytes = "1GiB"
+max-inflight-put-bytes = 3221225472
+max-waiting-drop-selects = 4
+grace_seconds = 2.5
+log-level = "debug"
+""",
+    )
+    config = ServerConfig.load(path)
+    assert config.listen == "0.0.0.0:6000"
+    assert config.data_dir == Path("~/kv").expanduser()
+    assert config.backend == "disk"
+    assert config.capacity == 512 << 20
+    assert config.sync is True
+    assert config.max_put_bytes == 1 << 30
+    assert config.max_inflight_put_bytes == 3 << 30
+    assert config.max_waiting_drop_selects == 4
+    assert config.grace_seconds == 2.5
+    assert config.log_level == "debug"
+    assert config.workers == 64  # untouched default
+
+
+def test_unknown_key_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = write(tmp_path, 'listen = "127.0.0.1:1"\ncapacty = "1GiB"\n')
+    with pytest.raises(ValueError, match="unknown setting 'capacty'") as info:
+        ServerConfig.load(path)
+    assert str(path) in str(info.value)
+    assert "capacity" in str(info.value), "the message lists the known settings"
+
+
+def test_bad_toml_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(tomllib.TOMLDecodeError):
+        ServerConfig.load(write(tmp_path, "capacity = \n"))
+    assert issubclass(tomllib.TOMLDecodeError, ValueError)  # main() reports ValueErrors cleanly
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, 'backend = "disk"\ncapacity = "1GiB"\nworkers = 8\n')
+    config = ServerConfig.load(path, {"capacity": "2GiB", "listen": "127.0.0.1:0", "sync": True})
+    assert config.capacity == 2 << 30
+    assert config.listen == "127.0.0.1:0"
+    assert config.sync is True
+    assert config.backend == "disk"  # from the file
+    assert config.workers == 8
+    assert ServerConfig.load(None, {"backend": "disk"}).backend == "disk"
+    assert ServerConfig.load() == ServerConfig()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"backend": "rocksdb"}, "backend must be one of lmdb, disk, not 'rocksdb'"),
+        ({"listen": "localhost"}, "listen must be HOST:PORT"),
+        ({"listen": ":50051"}, "listen must be HOST:PORT"),
+        ({"listen": "localhost:"}, "listen must be HOST:PORT"),
+        ({"listen": "localhost:http"}, "listen must be HOST:PORT"),
+        ({"listen": "localhost:65536"}, "listen must be HOST:PORT"),
+        ({"capacity": 0}, "capacity must be positive"),
+        ({"capacity": "lots"}, "invalid size 'lots'"),
+        ({"max_put_bytes": "2 parsecs"}, "invalid size"),
+        ({"workers": 0}, "workers must be at least 1"),
+        ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs"),
+        ({"max_waiting_drop_selects": 0}, "max_waiting_drop_selects"),
+        ({"grace_seconds": -1.0}, "grace_seconds"),
+        ({"log_level": "chatty"}, "log_level"),
+    ],
+)
+def test_validation_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ServerConfig.load(None, overrides)
+
+
+@pytest.mark.parametrize("listen", ["[::1]:50051", "0.0.0.0:0", "unix-host:65535"])
+def test_valid_listen_addresses(listen: str) -> None:
+    assert ServerConfig(listen=listen).listen == listen
+
+
+def test_to_toml_round_trips(tmp_path: Path) -> None:
+    config = ServerConfig(
+        listen="[::]:7000",
+        data_dir=tmp_path / 'odd "dir" \\ with spaces',
+        backend="disk",
+        capacity=parse_size("3GiB"),
+        sync=True,
+        workers=3,
+        grace_seconds=0.25,
+        log_level="WARNING",
+    )
+    text = config.to_toml()
+    doc = tomllib.loads(text)
+    assert set(doc) == set(asdict(config))
+    assert doc["data_dir"] == str(config.data_dir)
+    assert doc["sync"] is True
+    assert ServerConfig(**doc) == config
+    # and the printed file loads back through --config
+    assert ServerConfig.load(write(tmp_path, text)) == config
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('workers = "8"', "workers must be an integer, not '8'"),
+        ("workers = 2.0", "workers must be an integer"),
+        ("capacity = 1.5e9", "capacity must be a byte count or a size string"),
+        ("capacity = true", "capacity must be a byte count"),
+        ('sync = "yes"', "sync must be true or false, not 'yes'"),
+        ("sync = 1", "sync must be true or false"),
+        ("listen = 5", "listen must be a string"),
+        ('grace-seconds = "2"', "grace-seconds must be a number"),
+        ("data_dir = [1, 2]", "data_dir must be a string"),
+    ],
+)
+def test_toml_values_of_the_wrong_type_are_value_errors(tmp_path: Path, line: str, message: str) -> None:
+    # not TypeError/AttributeError tracebacks: main() reports ValueErrors as usage errors
+    with pytest.raises(ValueError, match=message) as info:
+        ServerConfig.load(write(tmp_path, line + "\n"))
+    assert str(tmp_path) in str(info.value)
+
+
+def test_toml_numbers_where_numbers_are_expected(tmp_path: Path) -> None:
+    config = ServerConfig.load(write(tmp_path, "grace_seconds = 3\ncapacity = 1048576\nworkers = 2\n"))
+    assert (config.grace_seconds, config.capacity, config.workers) == (3, 1 << 20, 2)
