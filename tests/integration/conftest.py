@@ -8,7 +8,7 @@ from kvstore_client import KVStoreClient
 
 
 @pytest.fixture
-def kv(daemon) -> Iterator[KVStoreClient]:  # noqa: ANN001 - the `daemon` fixture of tests/conftest.py
+def kv(daemon) -> Iterator[KVStoreClient]:
     """A client of the per-test daemon (both backends)."""
     with KVStoreClient(daemon.address, timeout=20.0) as client:
         yield client

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,7 +24,10 @@ SERVICE = "/kvstore.v1.KVStore/"
 
 def chain(tag: str, n: int, namespace: str | bytes = NS) -> list[bytes]:
     """n chained block hashes of a deterministic prompt named `tag`."""
-    tokens = [int.from_bytes(hashlib.sha256(f"{tag}:{i}".encode()).digest()[:4], "little") for i in range(n * BLOCK_SIZE)]
+    tokens = [
+        int.from_bytes(hashlib.sha256(f"{tag}:{i}".encode()).digest()[:4], "little")
+        for i in range(n * BLOCK_SIZE)
+    ]
     out = block_hashes(namespace, tokens, BLOCK_SIZE)
     assert len(out) == n
     return out
@@ -66,10 +70,14 @@ def assert_same(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor
         actual = got[name]
         assert actual.dtype == expected.dtype, name
         assert actual.shape == expected.shape, name
-        assert torch.equal(actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)), name
+        assert torch.equal(actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)), (
+            name
+        )
 
 
-def seed_store(kv: KVStoreClient, tag: str = "seed", n: int = 3) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+def seed_store(
+    kv: KVStoreClient, tag: str = "seed", n: int = 3
+) -> tuple[list[bytes], dict[str, torch.Tensor]]:
     """Store a small chain; `assert_intact` later proves it survived."""
     hashes = chain(tag, n)
     layers = make_layers(n, seed=1234)
@@ -84,15 +92,15 @@ def assert_intact(kv: KVStoreClient, seeded: tuple[list[bytes], dict[str, torch.
     assert_same(kv.select(NS, hashes), layers)
 
 
-def all_blocks(kv: KVStoreClient, namespace: str | bytes | None = None, page_size: int = 1000) -> list[pb.BlockInfo]:
+def all_blocks(
+    kv: KVStoreClient, namespace: str | bytes | None = None, page_size: int = 1000
+) -> list[pb.BlockInfo]:
     return list(kv.iter_blocks(namespace, page_size=page_size))
 
 
 def write_config(path: Path, **settings: Any) -> Path:
-    lines = []
-    for key, value in settings.items():
-        lines.append(f"{key} = {value!r}" if not isinstance(value, str) else f'{key} = "{value}"')
-    path.write_text("\n".join(lines) + "\n")
+    """A daemon --config TOML file (JSON scalars are valid TOML values)."""
+    path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items()))
     return path
 
 
@@ -136,13 +144,17 @@ def raw_put(
 
 def raw_unary(address: str, method: str, request: Any, response_type: Any) -> Any:
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(SERVICE + method, type(request).SerializeToString, response_type.FromString)
+        call = channel.unary_unary(
+            SERVICE + method, type(request).SerializeToString, response_type.FromString
+        )
         return call(request, timeout=30)
 
 
 def raw_stream(address: str, method: str, request: Any) -> list[pb.GetResponse]:
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_stream(SERVICE + method, type(request).SerializeToString, pb.GetResponse.FromString)
+        call = channel.unary_stream(
+            SERVICE + method, type(request).SerializeToString, pb.GetResponse.FromString
+        )
         return list(call(request, timeout=30))
 
 
@@ -196,4 +208,3 @@ def drop_select_parked(
     thread = threading.Thread(target=run, name="drop-select", daemon=True)
     thread.start()
     return thread, outcome
-

@@ -51,7 +51,10 @@ PUT_CASES: dict[str, tuple[list[pb.PutRequest | bytes], grpc.StatusCode]] = {
     "commit_before_all_layers": ([header(H[:2], TWO_LAYERS), chunk(0, 0, blocks(2)), commit()], INVALID),
     "commit_before_all_blocks": ([header(H[:2]), chunk(0, 0, blocks(1)), commit()], INVALID),
     "chunk_for_undeclared_layer": ([header(H[:1]), chunk(1, 0, blocks(1)), commit()], INVALID),
-    "chunk_out_of_block_order": ([header(H[:2]), chunk(0, 1, blocks(1)), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "chunk_out_of_block_order": (
+        [header(H[:2]), chunk(0, 1, blocks(1)), chunk(0, 0, blocks(1)), commit()],
+        INVALID,
+    ),
     "chunk_not_whole_blocks": ([header(H[:2]), chunk(0, 0, blocks(1)[:50]), commit()], INVALID),
     # float32 data for a float16 [4, 8] header: twice the bytes, so more blocks than declared
     "dtype_mismatch_data": (
@@ -59,11 +62,17 @@ PUT_CASES: dict[str, tuple[list[pb.PutRequest | bytes], grpc.StatusCode]] = {
         INVALID,
     ),
     # a [4, 8] tensor's bytes for a header declaring [4, 6]: not a whole number of blocks
-    "shape_mismatch_data": ([header(H[:1], (("l0", "float16", (4, 6)),)), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "shape_mismatch_data": (
+        [header(H[:1], (("l0", "float16", (4, 6)),)), chunk(0, 0, blocks(1)), commit()],
+        INVALID,
+    ),
     "zero_length_chunk": ([header(H[:1]), chunk(0, 0, b""), commit()], INVALID),
     "undecodable_chunk": ([header(H[:1]), b"\x12\x7f\x08\x00", commit()], INVALID),
     "empty_message": ([header(H[:1]), pb.PutRequest(), commit()], INVALID),
-    "unsupported_dtype": ([header(H[:1], (("l0", "complex64", (4, 8)),)), chunk(0, 0, blocks(4)), commit()], INVALID),
+    "unsupported_dtype": (
+        [header(H[:1], (("l0", "complex64", (4, 8)),)), chunk(0, 0, blocks(4)), commit()],
+        INVALID,
+    ),
     "unknown_dtype": ([header(H[:1], (("l0", "float4", (4, 8)),)), commit()], INVALID),
     "zero_dimension": ([header(H[:1], (("l0", "float16", (0, 8)),)), commit()], INVALID),
     "empty_shape": ([header(H[:1], (("l0", "float16", ()),)), commit()], INVALID),
@@ -73,19 +82,25 @@ PUT_CASES: dict[str, tuple[list[pb.PutRequest | bytes], grpc.StatusCode]] = {
     "reserved_layer_name": ([header(H[:1], (("__metadata__", "float16", (4, 8)),)), commit()], INVALID),
     "empty_layer_name": ([header(H[:1], (("", "float16", (4, 8)),)), commit()], INVALID),
     "empty_namespace": ([header(H[:1], namespace=b""), chunk(0, 0, blocks(1)), commit()], INVALID),
-    "namespace_over_256_bytes": ([header(H[:1], namespace=b"n" * 257), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "namespace_over_256_bytes": (
+        [header(H[:1], namespace=b"n" * 257), chunk(0, 0, blocks(1)), commit()],
+        INVALID,
+    ),
     "no_hashes": ([header([]), commit()], INVALID),
     "hash_too_short": ([header([H[0][:31]]), chunk(0, 0, blocks(1)), commit()], INVALID),
     "hash_too_long": ([header([H[0] + b"x"]), chunk(0, 0, blocks(1)), commit()], INVALID),
     "repeated_hash": ([header([H[0], H[1], H[0]]), chunk(0, 0, blocks(3)), commit()], INVALID),
-    "parent_hash_wrong_length": ([header(H[:1], parent_hash=b"p" * 16), chunk(0, 0, blocks(1)), commit()], INVALID),
+    "parent_hash_wrong_length": (
+        [header(H[:1], parent_hash=b"p" * 16), chunk(0, 0, blocks(1)), commit()],
+        INVALID,
+    ),
     "closed_without_commit": ([header(H[:2]), chunk(0, 0, blocks(2))], grpc.StatusCode.ABORTED),
     "closed_after_header": ([header(H[:2])], grpc.StatusCode.ABORTED),
 }
 
 
 @pytest.mark.parametrize("case", list(PUT_CASES))
-def test_malformed_put_stream(daemon, kv: KVStoreClient, case: str) -> None:  # noqa: ANN001
+def test_malformed_put_stream(daemon, kv: KVStoreClient, case: str) -> None:
     seeded = seed_store(kv)
     messages, want = PUT_CASES[case]
 
@@ -101,23 +116,28 @@ def test_malformed_put_stream(daemon, kv: KVStoreClient, case: str) -> None:  # 
     assert_intact(kv, seeded)
 
 
-def test_the_raw_stream_helper_can_store(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_the_raw_stream_helper_can_store(daemon, kv: KVStoreClient) -> None:
     """Control for the table above: the same helper with a well-formed stream succeeds."""
-    response = raw_put(daemon.address, [header(H[:2]), chunk(0, 0, blocks(1)), chunk(0, 1, blocks(1)), commit()])
+    response = raw_put(
+        daemon.address, [header(H[:2]), chunk(0, 0, blocks(1)), chunk(0, 1, blocks(1)), commit()]
+    )
     assert (response.blocks_written, response.bytes_written) == (2, 2 * FP16_4x8)
     got = kv.select(NS, H)
     assert got["l0"].reshape(-1).view(torch.uint8).numpy().tobytes() == blocks(2)
 
 
-def test_oversize_message_is_resource_exhausted(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_oversize_message_is_resource_exhausted(daemon, kv: KVStoreClient) -> None:
     seeded = seed_store(kv)
     per_block = 34 << 20  # a valid header: two blocks of 34 MiB each, within every per-block limit
     layer = (("l0", "uint8", (per_block,)),)
     with pytest.raises(grpc.RpcError) as info:
         # both blocks in one 68 MiB message, above the 64 MiB cap; the sending
         # side allows anything, so only the daemon's limit applies
-        raw_put(daemon.address, [header(H[:2], layer), chunk(0, 0, bytes(2 * per_block)), commit()],
-                options=[("grpc.max_send_message_length", -1)])  # fmt: skip
+        raw_put(
+            daemon.address,
+            [header(H[:2], layer), chunk(0, 0, bytes(2 * per_block)), commit()],
+            options=[("grpc.max_send_message_length", -1)],
+        )
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
     assert "larger than max" in info.value.details()
     assert type(errors.from_rpc_error(info.value)) is errors.CapacityExceeded
@@ -125,7 +145,7 @@ def test_oversize_message_is_resource_exhausted(daemon, kv: KVStoreClient) -> No
     assert_intact(kv, seeded)
 
 
-def test_put_above_max_put_bytes(make_daemon) -> None:  # noqa: ANN001
+def test_put_above_max_put_bytes(make_daemon) -> None:
     d = make_daemon(extra_args=["--max-put-bytes", "4KiB"])
     with KVStoreClient(d.address) as kv:
         seeded = seed_store(kv)  # 3 blocks of 256 bytes
@@ -184,7 +204,7 @@ def test_namespace_of_exactly_256_bytes_is_accepted(kv: KVStoreClient) -> None:
     assert kv.lookup(name, hashes) == 2
 
 
-def test_raw_requests_the_client_cannot_build(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_raw_requests_the_client_cannot_build(daemon, kv: KVStoreClient) -> None:
     seeded = seed_store(kv)
     hashes = seeded[0]
     addr = daemon.address
@@ -221,7 +241,7 @@ def test_client_side_checks_send_nothing(kv: KVStoreClient) -> None:
 
 
 # ---- puts that never commit ------------------------------------------------------------
-def test_put_stream_abort_mid_stream_stores_nothing(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_put_stream_abort_mid_stream_stores_nothing(daemon, kv: KVStoreClient) -> None:
     seeded = seed_store(kv)
     layers = make_layers(3, num_layers=3, seed=5)
     specs = [LayerSpec.of(n, t) for n, t in layers.items()]
@@ -250,7 +270,7 @@ def test_put_stream_abort_mid_stream_stores_nothing(daemon, kv: KVStoreClient) -
     assert "ERROR" not in daemon.log() and "Traceback" not in daemon.log()
 
 
-def test_put_stream_closed_without_commit_is_put_aborted(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_put_stream_closed_without_commit_is_put_aborted(daemon, kv: KVStoreClient) -> None:
     seeded = seed_store(kv)
     with pytest.raises(grpc.RpcError) as info:
         raw_put(daemon.address, [header(H[:1]), chunk(0, 0, blocks(1))])

@@ -9,7 +9,7 @@ from .helpers import NS, all_blocks, assert_same, block_bytes, chain, make_layer
 BLOCK = block_bytes(make_layers(1))  # 256 bytes: two float16 [2, 4, 8] layers
 
 
-def test_capacity_evicts_the_oldest_chain_tails_first(make_daemon) -> None:  # noqa: ANN001
+def test_capacity_evicts_the_oldest_chain_tails_first(make_daemon) -> None:
     capacity = 22 * BLOCK  # not a multiple of the 4-block chains: one chain ends up trimmed
     d = make_daemon(capacity=str(capacity))
     chains = [chain(f"cap-{i}", 4) for i in range(10)]
@@ -47,7 +47,7 @@ def test_capacity_evicts_the_oldest_chain_tails_first(make_daemon) -> None:  # n
                 assert got == {}
 
 
-def test_lookup_refreshes_a_chain_against_eviction(make_daemon) -> None:  # noqa: ANN001
+def test_lookup_refreshes_a_chain_against_eviction(make_daemon) -> None:
     d = make_daemon(capacity=str(12 * BLOCK))
     a, b, c, e = (chain(f"lru-{x}", 4) for x in "abce")
     layers = make_layers(4, seed=30)
@@ -62,7 +62,7 @@ def test_lookup_refreshes_a_chain_against_eviction(make_daemon) -> None:  # noqa
         assert [kv.lookup(NS, h) for h in (a, b, c, e)] == [4, 0, 4, 4]
 
 
-def test_put_larger_than_capacity_is_refused(make_daemon) -> None:  # noqa: ANN001
+def test_put_larger_than_capacity_is_refused(make_daemon) -> None:
     d = make_daemon(capacity=str(12 * BLOCK))
     with KVStoreClient(d.address) as kv:
         kept = chain("cap-kept", 4)
@@ -92,7 +92,7 @@ def test_put_larger_than_capacity_is_refused(make_daemon) -> None:  # noqa: ANN0
         assert kv.stats()["bytes_used"] == 12 * BLOCK
 
 
-def test_restart_with_a_smaller_capacity_evicts_at_start(make_daemon) -> None:  # noqa: ANN001
+def test_restart_with_a_smaller_capacity_evicts_at_start(make_daemon) -> None:
     big = make_daemon("store", capacity="1MiB")
     chains = [chain(f"shrink-{i}", 3) for i in range(4)]
     layers = make_layers(3, seed=32)

@@ -23,7 +23,7 @@ from .helpers import (
 NUM_CLIENTS = 100
 
 
-def test_drop_select_is_handed_its_data_by_an_insert_from_another_thread(tmp_path, make_daemon) -> None:  # noqa: ANN001
+def test_drop_select_is_handed_its_data_by_an_insert_from_another_thread(tmp_path, make_daemon) -> None:
     config = write_config(tmp_path / "kvstore.toml", max_waiting_drop_selects=1)
     d = make_daemon(extra_args=["--config", str(config)])
     hashes = chain("handoff", 4)
@@ -56,7 +56,7 @@ def test_drop_select_is_handed_its_data_by_an_insert_from_another_thread(tmp_pat
         assert kv.stats()["blocks"] == 0
 
 
-def test_racing_drop_selects_take_a_prefix_exactly_once(kv: KVStoreClient, daemon) -> None:  # noqa: ANN001
+def test_racing_drop_selects_take_a_prefix_exactly_once(kv: KVStoreClient, daemon) -> None:
     hashes = chain("race", 3)
     layers = make_layers(3, seed=22)
     kv.put(NS, hashes, layers)
@@ -78,7 +78,7 @@ def test_racing_drop_selects_take_a_prefix_exactly_once(kv: KVStoreClient, daemo
     assert kv.lookup(NS, hashes) == 0
 
 
-def test_concurrent_puts_of_the_same_blocks_store_each_once(kv: KVStoreClient, daemon) -> None:  # noqa: ANN001
+def test_concurrent_puts_of_the_same_blocks_store_each_once(kv: KVStoreClient, daemon) -> None:
     hashes = chain("same-blocks", 6)
     layers = make_layers(6, seed=23)
     start = threading.Barrier(10)
@@ -98,7 +98,7 @@ def test_concurrent_puts_of_the_same_blocks_store_each_once(kv: KVStoreClient, d
     assert_same(kv.select(NS, hashes), layers)
 
 
-def test_hundred_concurrent_clients(kv: KVStoreClient, daemon) -> None:  # noqa: ANN001
+def test_hundred_concurrent_clients(kv: KVStoreClient, daemon) -> None:
     blocks_each = 3
     start = threading.Barrier(NUM_CLIENTS)
 
@@ -134,7 +134,7 @@ def test_hundred_concurrent_clients(kv: KVStoreClient, daemon) -> None:  # noqa:
         assert_same(kv.select(f"client-{i % 7}", hashes), layers)
 
 
-def test_overload_is_refused_cleanly(make_daemon) -> None:  # noqa: ANN001
+def test_overload_is_refused_cleanly(make_daemon) -> None:
     """With a tiny in-flight budget, concurrent puts either succeed or get CapacityExceeded."""
     d = make_daemon(extra_args=["--max-inflight-put-bytes", "2KiB"])
     layers = make_layers(8, seed=24)  # 8 * 256 bytes = the whole budget per put

@@ -55,7 +55,7 @@ def flip_payload_byte(data_dir: Path, backend: str, block_hash: bytes, needle: b
     return hits
 
 
-def test_corrupt_block_ends_the_prefix(daemon, kv: KVStoreClient, backend: str) -> None:  # noqa: ANN001
+def test_corrupt_block_ends_the_prefix(daemon, kv: KVStoreClient, backend: str) -> None:
     hashes = chain("corrupt-middle", 3)
     layers = recognisable_layers(3)
     kv.put(NS, hashes, layers)
@@ -77,7 +77,7 @@ def test_corrupt_block_ends_the_prefix(daemon, kv: KVStoreClient, backend: str) 
     assert kv.health() == "SERVING"
 
 
-def test_corrupt_first_block_in_a_later_layer_is_a_miss(daemon, kv: KVStoreClient, backend: str) -> None:  # noqa: ANN001
+def test_corrupt_first_block_in_a_later_layer_is_a_miss(daemon, kv: KVStoreClient, backend: str) -> None:
     hashes = chain("corrupt-first", 2)
     layers = recognisable_layers(2, num_layers=3)
     kv.put(NS, hashes, layers)
@@ -97,7 +97,7 @@ def test_corrupt_first_block_in_a_later_layer_is_a_miss(daemon, kv: KVStoreClien
     assert_same(kv.select(NS, other), bystander)
 
 
-def test_drop_select_never_hands_out_corrupt_bytes(daemon, kv: KVStoreClient, backend: str) -> None:  # noqa: ANN001
+def test_drop_select_never_hands_out_corrupt_bytes(daemon, kv: KVStoreClient, backend: str) -> None:
     hashes = chain("corrupt-drop", 3)
     layers = recognisable_layers(3)
     kv.put(NS, hashes, layers)

@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore_client import KVStoreClient, LayerSpec, errors
 from kvstore_client.hashing import block_hashes
@@ -36,7 +38,7 @@ def _state(data_dir: Path) -> dict:
 
 
 # ---- restart -------------------------------------------------------------------------
-def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:  # noqa: ANN001
+def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:
     d = make_daemon()
     kept = {
         (NS, "bf16"): make_layers(4, dtype=torch.bfloat16, seed=40),
@@ -55,8 +57,10 @@ def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:  # noqa: A
         kv.put(NS, evicted, make_layers(3))
         kv.evict(namespace=NS, block_hash=evicted[1])
         stats = kv.stats()
-        listing = [(b.namespace, b.block_hash, b.parent_hash, b.size_bytes, b.created_at, b.num_children)
-                   for b in all_blocks(kv, page_size=3)]  # fmt: skip
+        listing = [
+            (b.namespace, b.block_hash, b.parent_hash, b.size_bytes, b.created_at, b.num_children)
+            for b in all_blocks(kv, page_size=3)
+        ]
         described = {h: kv.describe(k[0], h) for k in kept for h in keys[k]}
 
     assert d.stop() == 0
@@ -72,8 +76,10 @@ def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:  # noqa: A
         after = kv.stats()
         for field in ("blocks", "bytes_used", "namespaces", "capacity_bytes", "backend"):
             assert after[field] == stats[field], field
-        assert [(b.namespace, b.block_hash, b.parent_hash, b.size_bytes, b.created_at, b.num_children)
-                for b in all_blocks(kv, page_size=3)] == listing  # fmt: skip
+        assert [
+            (b.namespace, b.block_hash, b.parent_hash, b.size_bytes, b.created_at, b.num_children)
+            for b in all_blocks(kv, page_size=3)
+        ] == listing
         for k in kept:
             for h in keys[k]:
                 again = kv.describe(k[0], h)
@@ -84,7 +90,7 @@ def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:  # noqa: A
 
 
 # ---- SIGKILL while puts stream in --------------------------------------------------------
-PUTTER = r'''
+PUTTER = r"""
 import hashlib, sys
 import torch
 from kvstore_client import KVStoreClient
@@ -114,7 +120,7 @@ with KVStoreClient(address, timeout=30, chunk_bytes=8192) as kv:
         print("committed", start + len(part), flush=True)
     else:
         print("finished", flush=True)
-'''
+"""
 KILL_AFTER = 40  # blocks committed before the daemon is killed
 PER_PUT = 4
 BLOCK_BYTES = 2 * 2 * 16 * 256
@@ -124,7 +130,7 @@ def _expected(block_hash: bytes, layer: int) -> bytes:
     return hashlib.shake_256(block_hash + bytes([layer])).digest(BLOCK_BYTES // 2)
 
 
-def test_sigkill_during_puts_then_restart(tmp_path: Path, make_daemon, backend: str) -> None:  # noqa: ANN001
+def test_sigkill_during_puts_then_restart(tmp_path: Path, make_daemon, backend: str) -> None:
     d = make_daemon()
     total = 20000
     script = tmp_path / "putter.py"
@@ -183,12 +189,14 @@ def test_sigkill_during_puts_then_restart(tmp_path: Path, make_daemon, backend: 
                 assert raw[i].numpy().tobytes() == _expected(hashes[i], layer), (i, layer)
         assert kv.stats()["checksum_failures"] == 0
     if backend == "disk":
-        leftovers = [p for p in (d.data_dir / "blocks").rglob("*") if p.is_file() and p.suffix != ".safetensors"]
+        leftovers = [
+            p for p in (d.data_dir / "blocks").rglob("*") if p.is_file() and p.suffix != ".safetensors"
+        ]
         assert leftovers == []  # partial writes were cleared at start
 
 
 # ---- shutdown ------------------------------------------------------------------------------
-def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:  # noqa: ANN001
+def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:
     config = write_config(tmp_path / "kvstore.toml", max_waiting_drop_selects=1, grace_seconds=60.0)
     d = make_daemon(extra_args=["--config", str(config)])
     absent = chain("never-put", 2)
@@ -200,6 +208,16 @@ def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:  # noqa: ANN0
 
         waiter, outcome = drop_select_parked(d.address, NS, absent, timeout=120.0)
         wait_until_parked(kv)
+        with grpc.insecure_channel(d.address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(
+                health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=60
+            )
+            status = health_pb2.HealthCheckResponse.ServingStatus
+            assert status.Name(next(watch).status) == "SERVING"
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGTERM)
+            assert status.Name(next(watch).status) == "NOT_SERVING"
+            watch.cancel()
         # far inside the 60 s grace: a waiting DropSelect is released, not waited for
         assert d.stop(timeout=20) == 0
         waiter.join(30)
@@ -222,17 +240,18 @@ def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:  # noqa: ANN0
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
 
-@pytest.mark.skipif(
-    sys.platform != "linux" or platform.machine() not in _TGKILL, reason="needs Linux tgkill"
-)
-def test_sigterm_landing_on_a_grpc_thread_still_stops_the_daemon(make_daemon) -> None:  # noqa: ANN001
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() not in _TGKILL, reason="needs Linux tgkill")
+def test_sigterm_landing_on_a_grpc_thread_still_stops_the_daemon(make_daemon) -> None:
     """A process-directed signal can be delivered to any thread; most are gRPC's C threads."""
     d = make_daemon()
     with KVStoreClient(d.address) as kv:
         hashes = chain("tgkill", 2)
         kv.put(NS, hashes, rows(make_layers(2), 0, 2))
     pid = d.proc.pid
-    names = {int(t): Path(f"/proc/{pid}/task/{t}/comm").read_text().strip() for t in os.listdir(f"/proc/{pid}/task")}
+    names = {
+        int(t): Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+        for t in os.listdir(f"/proc/{pid}/task")
+    }
     c_threads = [t for t, name in names.items() if t != pid and name != "python"]
     assert c_threads, names
     libc = ctypes.CDLL(None, use_errno=True)
@@ -242,7 +261,7 @@ def test_sigterm_landing_on_a_grpc_thread_still_stops_the_daemon(make_daemon) ->
     assert d.stop() == 0
 
 
-def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Path, backend: str) -> None:  # noqa: ANN001
+def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Path, backend: str) -> None:
     first = make_daemon()
     with KVStoreClient(first.address) as kv:
         hashes = chain("locked", 2)
@@ -259,7 +278,7 @@ def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Pa
         assert_same(kv.select(NS, hashes), layers)
 
 
-def test_sigterm_with_an_open_put_stream_stores_nothing_of_it(make_daemon) -> None:  # noqa: ANN001
+def test_sigterm_with_an_open_put_stream_stores_nothing_of_it(make_daemon) -> None:
     """An uncommitted put does not hold the daemon past its grace, and is not stored."""
     d = make_daemon(extra_args=["--grace-seconds", "1"])
     layers = make_layers(2, seed=45)

@@ -81,7 +81,19 @@ def test_select_returns_the_stored_prefix_or_nothing(kv: KVStoreClient) -> None:
     assert kv.lookup(NS, hashes) == 3
 
 
-def test_get_stream_delivers_layer_by_layer(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_select_stops_where_the_layer_layout_changes(kv: KVStoreClient) -> None:
+    hashes = chain("layout", 4)
+    head = make_layers(2, shape=(2, 4, 8), seed=20)
+    tail = make_layers(2, shape=(4, 8), dtype=torch.float32, seed=21)  # same bytes per block, other layout
+    kv.put(NS, hashes[:2], head)
+    kv.put(NS, hashes[2:], tail, parent_hash=hashes[1])
+
+    assert kv.lookup(NS, hashes) == 4
+    assert_same(kv.select(NS, hashes), head)  # never a mix of layouts
+    assert_same(kv.select(NS, hashes[2:]), tail)
+
+
+def test_get_stream_delivers_layer_by_layer(daemon, kv: KVStoreClient) -> None:
     n = 5
     g = torch.Generator().manual_seed(5)
     layers = {
@@ -201,18 +213,19 @@ def test_evict_older_than(kv: KVStoreClient) -> None:
     old, new = chain("age-old", 3), chain("age-new", 2)
     layers = make_layers(3, seed=10)
     kv.put(NS, old, layers)
-    # Let a quarter second of the daemon's own clock pass between the two puts:
-    # a DropSelect of an absent block waits exactly that long on the daemon.
+    # Let some of the daemon's own time pass between the two puts: a DropSelect
+    # of an absent block waits that long on the daemon before it times out.
     with pytest.raises(errors.StoreTimeout):
-        kv.drop_select(NS, chain("age-absent", 1), timeout=0.25)
+        kv.drop_select(NS, chain("age-absent", 1), timeout=0.4)
     kv.put(NS, new, rows(layers, 0, 2))
 
     access = {info.block_hash: info.last_access_at for info in kv.list_blocks(NS)[0]}
     old_last = max(access[h] for h in old)
     new_first = min(access[h] for h in new)
-    assert new_first - old_last >= 0.25
-    # a cutoff halfway between the two groups, as seen by the daemon's clock
-    older_than = time.time() - (old_last + new_first) / 2
+    assert new_first - old_last >= 0.4
+    # The daemon computes cutoff = its now - older_than, a little after our now:
+    # aim just past the old group, leaving the rest of the gap for that latency.
+    older_than = time.time() - (old_last + 0.01)
 
     result = kv.evict(older_than=older_than)
     assert (result.blocks_evicted, result.bytes_freed) == (3, 3 * block_bytes(layers))
@@ -241,7 +254,7 @@ def test_evict_target_bytes_trims_least_recent_tails(kv: KVStoreClient) -> None:
 
 
 # ---- stats / list / describe / health ----------------------------------------------
-def test_stats_counters(daemon, kv: KVStoreClient, backend: str) -> None:  # noqa: ANN001
+def test_stats_counters(daemon, kv: KVStoreClient, backend: str) -> None:
     before = kv.stats()
     assert before["backend"] == backend
     assert before["capacity_bytes"] == 1 << 30  # the Daemon helper's --capacity 1GiB
@@ -261,8 +274,18 @@ def test_stats_counters(daemon, kv: KVStoreClient, backend: str) -> None:  # noq
         assert len(list(stub.Get(pb.GetRequest(namespace=NS.encode(), block_hashes=hashes)))) == 3
 
     after = kv.stats()
-    delta = {k: after[k] - before[k] for k in ("puts", "blocks_written", "bytes_written", "lookups",
-                                               "hit_blocks", "miss_blocks", "bytes_read")}  # fmt: skip
+    delta = {
+        k: after[k] - before[k]
+        for k in (
+            "puts",
+            "blocks_written",
+            "bytes_written",
+            "lookups",
+            "hit_blocks",
+            "miss_blocks",
+            "bytes_read",
+        )
+    }
     assert delta == {
         "puts": 2,
         "blocks_written": 3,
@@ -390,7 +413,7 @@ def test_namespace_str_and_bytes_are_the_same_key(kv: KVStoreClient) -> None:
 
 
 # ---- the generated stubs interoperate with the daemon ------------------------------
-def test_generated_stub_get_matches_the_fast_client_path(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_generated_stub_get_matches_the_fast_client_path(daemon, kv: KVStoreClient) -> None:
     hashes = chain("stub", 3)
     layers = make_layers(3, num_layers=2, shape=(4, 16), dtype=torch.bfloat16, seed=18)
     kv.put(NS, hashes, layers)
@@ -399,7 +422,9 @@ def test_generated_stub_get_matches_the_fast_client_path(daemon, kv: KVStoreClie
     with grpc.insecure_channel(daemon.address) as channel:
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         assert stub.Lookup(pb.LookupRequest(namespace=NS.encode(), block_hashes=hashes)).num_blocks == 3
-        responses = list(stub.Get(pb.GetRequest(namespace=NS.encode(), block_hashes=hashes, max_chunk_bytes=300)))
+        responses = list(
+            stub.Get(pb.GetRequest(namespace=NS.encode(), block_hashes=hashes, max_chunk_bytes=300))
+        )
 
     assert responses[0].WhichOneof("msg") == "header"
     head = responses[0].header
@@ -421,7 +446,7 @@ def test_generated_stub_get_matches_the_fast_client_path(daemon, kv: KVStoreClie
     assert [bytes(data[i]) for i in range(len(layers))] == [as_bytes(t) for t in layers.values()]
 
 
-def test_generated_stub_put_is_readable_by_the_client(daemon, kv: KVStoreClient) -> None:  # noqa: ANN001
+def test_generated_stub_put_is_readable_by_the_client(daemon, kv: KVStoreClient) -> None:
     hashes = chain("stub-put", 2)
     layers = make_layers(2, num_layers=2, shape=(2, 8), dtype=torch.float16, seed=19)
     requests = [
@@ -436,7 +461,9 @@ def test_generated_stub_put_is_readable_by_the_client(daemon, kv: KVStoreClient)
     for index, tensor in enumerate(layers.values()):
         for block in range(2):  # one message per block, plain protobuf encoding
             requests.append(
-                pb.PutRequest(chunk=pb.LayerChunk(layer_index=index, first_block=block, data=as_bytes(tensor[block])))
+                pb.PutRequest(
+                    chunk=pb.LayerChunk(layer_index=index, first_block=block, data=as_bytes(tensor[block]))
+                )
             )
     requests.append(pb.PutRequest(commit=pb.PutCommit()))
 
