@@ -212,6 +212,10 @@ class LayerStream:
                     dest[filled : filled + size] = np.frombuffer(chunk.data, dtype=np.uint8)
                     filled += size
                 yield spec.name, tensor
+            # Read the call's end too: the server finishes its side (and counts
+            # the read) when the stream closes, not at its last chunk.
+            for extra in self._call:
+                raise errors.StoreInternalError(f"unexpected message after the last layer: {type(extra).__name__}")
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from exc
         except StopIteration:

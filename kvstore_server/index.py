@@ -17,11 +17,12 @@ from kvstore_server.storage import BlockKey
 
 
 class Entry:
-    __slots__ = ("parent", "size", "created_at", "last_access")
+    __slots__ = ("parent", "size", "num_layers", "created_at", "last_access")
 
-    def __init__(self, parent: bytes, size: int, created_at: float, last_access: float) -> None:
+    def __init__(self, parent: bytes, size: int, num_layers: int, created_at: float, last_access: float) -> None:
         self.parent = parent
         self.size = size
+        self.num_layers = num_layers
         self.created_at = created_at
         self.last_access = last_access
 
@@ -89,11 +90,13 @@ class PrefixIndex:
             yield key
 
     # ---- updates
-    def add(self, namespace: bytes, block_hash: bytes, parent: bytes, size: int, created_at: float) -> bool:
+    def add(
+        self, namespace: bytes, block_hash: bytes, parent: bytes, size: int, created_at: float, num_layers: int = 0
+    ) -> bool:
         blocks = self._blocks.setdefault(namespace, {})
         if block_hash in blocks:
             return False
-        blocks[block_hash] = Entry(parent, size, created_at, created_at)
+        blocks[block_hash] = Entry(parent, size, num_layers, created_at, created_at)
         self.bytes_used += size
         self.num_blocks += 1
         key = (namespace, block_hash)

@@ -13,7 +13,6 @@ import argparse
 import logging
 import signal
 import sys
-import threading
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,8 @@ from kvstore_server.storage import open_backend
 from kvstore_server.store import Store
 
 log = logging.getLogger("kvstore_server")
+
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 @dataclass
@@ -119,16 +120,18 @@ def main(argv: list[str] | None = None) -> int:
         open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync),
         config.capacity,
     )
+    # NOTE: block the stop signals before gRPC starts its threads, so they all
+    # inherit the mask and the main thread alone takes the signals, in sigwait
+    # below; a Python handler never runs if a C thread received the signal.
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         running = create_server(config, store)
     except (OSError, RuntimeError) as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         log.error("cannot listen on %s: %s", config.listen, exc)
         store.close()
         datadir.close(sync=config.sync)
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
     running.server.start()
     host = config.listen.rpartition(":")[0]
     print(
@@ -136,11 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         f"data_dir={config.data_dir}, capacity={format_size(config.capacity)})",
         flush=True,
     )
-    # SIGTERM may be delivered to one of gRPC's C threads; then nothing interrupts
-    # an untimed wait here and the Python handler never runs. Wake up regularly.
-    while not stop.wait(0.2):
-        pass
-    log.info("shutting down: NOT_SERVING, finishing in-flight calls (grace %.1fs)", config.grace_seconds)
+    signum = signal.sigwait(_STOP_SIGNALS)
+    log.info(
+        "%s: NOT_SERVING, finishing in-flight calls (grace %.1fs)",
+        signal.Signals(signum).name,
+        config.grace_seconds,
+    )
     running.health.enter_graceful_shutdown()
     store.begin_shutdown()
     running.server.stop(config.grace_seconds).wait()

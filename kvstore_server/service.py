@@ -31,6 +31,7 @@ from kvstore_server.config import ServerConfig
 from kvstore_server.storage import LayerSpec, StorageError
 from kvstore_server.store import (
     CapacityError,
+    InvalidChain,
     NotFoundError,
     ReadResult,
     ShuttingDown,
@@ -53,6 +54,7 @@ class InvalidRequest(Exception):
 
 _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidChain, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
@@ -70,7 +72,7 @@ def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
 
 def translated(method: F) -> F:
     """Map store and validation errors to status codes (unary and streaming methods)."""
-    errors = (InvalidRequest, CapacityError, WaitTimeout, NotFoundError, ShuttingDown, StorageError)
+    errors = (InvalidRequest, InvalidChain, CapacityError, WaitTimeout, NotFoundError, ShuttingDown, StorageError)
 
     @functools.wraps(method)
     def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
@@ -200,6 +202,8 @@ class Servicer:
         namespace = check_namespace(header.namespace)
         hashes = check_hashes(header.block_hashes, wire.MAX_BLOCKS_PER_PUT)
         parent = check_hash(header.parent_hash, "parent_hash") if header.parent_hash else b""
+        if parent and parent in hashes:
+            raise InvalidRequest("parent_hash is one of the put's own block hashes; a chain has no cycles")
         layers = check_layers(header.layers)
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:
@@ -353,10 +357,8 @@ class Servicer:
         namespace = check_namespace(request.namespace)
         block_hash = check_hash(request.block_hash)
         info, meta = self.store.describe(namespace, block_hash)
-        block = _block_info(info)
-        block.num_layers = len(meta.layers)
         return pb.DescribeResponse(
-            block=block,
+            block=_block_info(info),
             layers=[
                 pb.LayerInfo(
                     spec=pb.LayerSpec(name=layer.name, dtype=layer.dtype, shape=layer.shape),
@@ -396,7 +398,7 @@ def _block_info(info: Any) -> pb.BlockInfo:
         block_hash=info.block_hash,
         parent_hash=info.entry.parent,
         size_bytes=info.entry.size,
-        num_layers=0,
+        num_layers=info.entry.num_layers,
         created_at=info.entry.created_at,
         last_access_at=info.entry.last_access,
         num_children=info.num_children,

@@ -39,6 +39,10 @@ class StoreError(Exception):
     """Base of the errors the store raises to the servicer."""
 
 
+class InvalidChain(StoreError):
+    """The put would link blocks into a cycle (parents are what clients claim)."""
+
+
 class CapacityError(StoreError):
     """The request cannot fit in the store's byte budget."""
 
@@ -115,7 +119,9 @@ class Store:
         self._closed = False  # no more writes
         self._listeners: list[Listener] = []
         for meta in backend.scan():
-            self._index.add(meta.namespace, meta.block_hash, meta.parent_hash, meta.size, meta.created_at)
+            self._index.add(
+                meta.namespace, meta.block_hash, meta.parent_hash, meta.size, meta.created_at, len(meta.layers)
+            )
         self._index.sort_leaves()
         if self._index.bytes_used > capacity_bytes:
             with self._commit_lock, self._lock:
@@ -158,6 +164,8 @@ class Store:
                 if self._closed:
                     raise ShuttingDown("the store is closed")
                 fresh = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
+                if fresh and parent_hash:
+                    self._check_acyclic(namespace, parent_hash, hashes)
                 incoming = block_bytes * len(fresh)
                 if incoming > self.capacity_bytes:
                     raise CapacityError(
@@ -189,7 +197,7 @@ class Store:
             with self._lock:
                 for w in writes:
                     m = w.meta
-                    self._index.add(namespace, m.block_hash, m.parent_hash, block_bytes, now)
+                    self._index.add(namespace, m.block_hash, m.parent_hash, block_bytes, now, len(layers))
                 self.counters.puts += 1
                 self.counters.blocks_written += len(writes)
                 self.counters.bytes_written += incoming
@@ -203,6 +211,21 @@ class Store:
                         )
                 self._changed.notify_all()
         return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
+
+    def _check_acyclic(self, namespace: bytes, parent_hash: bytes, hashes: Sequence[bytes]) -> None:
+        # Within a put the chain is linear (hashes are unique); a cycle needs an
+        # ancestor of the parent to be one of the new blocks.
+        new = set(hashes)
+        seen: set[bytes] = set()
+        ancestor: bytes = parent_hash
+        while ancestor and ancestor not in seen:
+            if ancestor in new:
+                raise InvalidChain("the put's blocks are ancestors of its parent: parents would form a cycle")
+            seen.add(ancestor)
+            entry = self._index.get(namespace, ancestor)
+            if entry is None:
+                return
+            ancestor = entry.parent
 
     def _write(
         self, writes: list[BlockWrite], victims: list[BlockKey], protect: set[BlockKey]
@@ -256,32 +279,43 @@ class Store:
         keys = [(namespace, h) for h in hashes]
         with ExitStack() as stack:
             while True:
-                with self._changed:
-                    if self._draining:
-                        raise ShuttingDown("the store is shutting down")
-                    if self._index.prefix_len(namespace, hashes) == len(hashes):
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise WaitTimeout(f"prefix of {len(hashes)} blocks not stored within {wait_seconds:g}s")
-                    # Bounded waits: notice a cancelled caller within half a second.
-                    self._changed.wait(min(remaining, 0.5))
-                if not is_active():
-                    raise WaitTimeout("caller went away")
-            with self._commit_lock:
-                with self._lock:
-                    if self._index.prefix_len(namespace, hashes) != len(hashes):
-                        # lost a race with another DropSelect or an eviction
-                        raise WaitTimeout("prefix was taken or evicted concurrently")
-                    for key in keys:
-                        self._index.remove(*key)
-                    self._emit_removed(keys)
-                blocks = stack.enter_context(self.backend.read(keys))
-                # The read snapshot keeps the bytes readable after this delete.
-                self.backend.delete(keys)
+                self._wait_for_prefix(namespace, hashes, deadline, wait_seconds, is_active)
+                with self._commit_lock:
+                    with self._lock:
+                        if self._index.prefix_len(namespace, hashes) != len(hashes):
+                            continue  # another DropSelect or an eviction was first: wait again
+                        for key in keys:
+                            self._index.remove(*key)
+                        self._emit_removed(keys)
+                    blocks = stack.enter_context(self.backend.read(keys))
+                    # The read snapshot keeps the bytes readable after this delete.
+                    self.backend.delete(keys)
+                break
             result = self._verified_prefix(blocks, keys, remove_bad=False)
             yield result
         self._count_read(result)
+
+    def _wait_for_prefix(
+        self,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        deadline: float,
+        wait_seconds: float,
+        is_active: Callable[[], bool],
+    ) -> None:
+        while True:
+            with self._changed:
+                if self._draining:
+                    raise ShuttingDown("the store is shutting down")
+                if self._index.prefix_len(namespace, hashes) == len(hashes):
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WaitTimeout(f"prefix of {len(hashes)} blocks not stored within {wait_seconds:g}s")
+                # Bounded waits: notice a cancelled caller within half a second.
+                self._changed.wait(min(remaining, 0.5))
+            if not is_active():
+                raise WaitTimeout("caller went away")
 
     def _verified_prefix(
         self, blocks: list[StoredBlock | None], keys: list[BlockKey], remove_bad: bool = True

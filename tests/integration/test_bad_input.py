@@ -23,6 +23,7 @@ from .helpers import (
     raw_put,
     raw_stream,
     raw_unary,
+    rows,
     rpc_code,
     seed_store,
 )
@@ -99,21 +100,24 @@ PUT_CASES: dict[str, tuple[list[pb.PutRequest | bytes], grpc.StatusCode]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(PUT_CASES))
-def test_malformed_put_stream(daemon, kv: KVStoreClient, case: str) -> None:
+def test_malformed_put_streams(daemon, kv: KVStoreClient, subtests: pytest.Subtests) -> None:
+    """Every case of the table against one daemon, which must come through all of them."""
     seeded = seed_store(kv)
-    messages, want = PUT_CASES[case]
+    puts_before = kv.stats()["puts"]
+    for case, (messages, want) in PUT_CASES.items():
+        with subtests.test(case):
+            with pytest.raises(grpc.RpcError) as info:
+                raw_put(daemon.address, messages)
+            assert info.value.code() == want, info.value.details()
+            # the client maps the status to its exception tree
+            expected_class = errors.InvalidRequest if want == INVALID else errors.PutAborted
+            assert type(errors.from_rpc_error(info.value)) is expected_class
 
-    with pytest.raises(grpc.RpcError) as info:
-        raw_put(daemon.address, messages)
-    assert info.value.code() == want, info.value.details()
-    # the client maps the status to its exception tree
-    expected_class = errors.InvalidRequest if want == INVALID else errors.PutAborted
-    assert type(errors.from_rpc_error(info.value)) is expected_class
-
-    assert kv.lookup(NS, H) == 0
-    assert kv.stats()["blocks"] == len(seeded[0])
-    assert_intact(kv, seeded)
+            assert kv.lookup(NS, H) == 0
+            stats = kv.stats()
+            assert (stats["blocks"], stats["puts"]) == (len(seeded[0]), puts_before)
+            assert_intact(kv, seeded)
+    assert daemon.proc.poll() is None
 
 
 def test_the_raw_stream_helper_can_store(daemon, kv: KVStoreClient) -> None:
@@ -185,16 +189,17 @@ CLIENT_CASES: dict[str, tuple[Callable[[KVStoreClient], object], type[errors.KVS
 }
 
 
-@pytest.mark.parametrize("case", list(CLIENT_CASES))
-def test_client_call_refused(kv: KVStoreClient, case: str) -> None:
+def test_client_calls_refused(daemon, kv: KVStoreClient, subtests: pytest.Subtests) -> None:
     seeded = seed_store(kv)
-    call, expected = CLIENT_CASES[case]
-    with pytest.raises(expected) as info:
-        call(kv)
-    assert type(info.value) is expected
-    assert info.value.code == "INVALID_ARGUMENT"
-    assert kv.stats()["blocks"] == len(seeded[0])
-    assert_intact(kv, seeded)
+    for case, (call, expected) in CLIENT_CASES.items():
+        with subtests.test(case):
+            with pytest.raises(expected) as info:
+                call(kv)
+            assert type(info.value) is expected
+            assert info.value.code == "INVALID_ARGUMENT"
+            assert kv.stats()["blocks"] == len(seeded[0])
+            assert_intact(kv, seeded)
+    assert daemon.proc.poll() is None
 
 
 def test_namespace_of_exactly_256_bytes_is_accepted(kv: KVStoreClient) -> None:
@@ -237,6 +242,22 @@ def test_client_side_checks_send_nothing(kv: KVStoreClient) -> None:
     with pytest.raises(ValueError, match="not supported"):
         kv.put(NS, H[:1], {"c": torch.zeros(1, 4, dtype=torch.complex64)})
     assert kv.lookup(NS, H) == 0
+    assert_intact(kv, seeded)
+
+
+def test_parent_links_forming_a_cycle_are_refused(kv: KVStoreClient) -> None:
+    """Parent hashes are the client's word: a put that would close a loop is INVALID_ARGUMENT."""
+    seeded = seed_store(kv)
+    a, b, c = chain("cycle", 3)
+    layers = make_layers(2, seed=6)
+    with pytest.raises(errors.InvalidRequest, match="cycle"):
+        kv.put(NS, [a, b], layers, parent_hash=b)  # b would be its own ancestor
+    kv.put(NS, [b], rows(layers, 0, 1), parent_hash=a)
+    kv.put(NS, [c], rows(layers, 0, 1), parent_hash=b)
+    with pytest.raises(errors.InvalidRequest, match="cycle"):
+        kv.put(NS, [a], rows(layers, 0, 1), parent_hash=c)  # a -> b -> c -> a
+    assert kv.lookup(NS, [a]) == 0
+    assert kv.stats(timeout=10)["blocks"] == len(seeded[0]) + 2
     assert_intact(kv, seeded)
 
 

@@ -14,7 +14,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from kvstore_client import KVStoreClient, LayerSpec, PutResult, errors
 
-from .helpers import NS, as_bytes, assert_same, block_bytes, chain, make_layers, rows
+from .helpers import NS, as_bytes, assert_same, block_bytes, chain, make_layers, raw_unary, rows, rpc_code
 
 
 # ---- lookup ----------------------------------------------------------------------
@@ -29,6 +29,27 @@ def test_lookup_full_partial_and_unknown_namespace(kv: KVStoreClient) -> None:
     assert kv.lookup(NS, chain("never-stored", 3)) == 0
     assert kv.lookup("unknown-namespace", hashes) == 0
     assert kv.lookup(NS, []) == 0
+
+
+def test_lookup_across_namespaces_is_the_common_prefix(daemon, kv: KVStoreClient) -> None:
+    hashes = chain("ranks", 5)
+    layers = make_layers(5, seed=23)
+    kv.put("rank-0", hashes, layers)
+    kv.put(b"rank-1", hashes[:3], rows(layers, 0, 3))
+
+    assert kv.lookup(["rank-0"], hashes) == 5
+    assert kv.lookup(["rank-0", b"rank-1"], hashes) == 3
+    assert kv.lookup([b"rank-1", "rank-0"], hashes[:2]) == 2
+    assert kv.lookup(["rank-0", "rank-1", "rank-2"], hashes) == 0
+    with pytest.raises(errors.InvalidRequest):
+        kv.lookup([f"rank-{i}" for i in range(65)], hashes)
+    with pytest.raises(errors.InvalidRequest):
+        kv.lookup(["rank-0", ""], hashes)
+    # both forms at once is refused; only a raw request can say that
+    both = pb.LookupRequest(namespace=b"rank-0", namespaces=[b"rank-1"], block_hashes=hashes)
+    assert rpc_code(lambda: raw_unary(daemon.address, "Lookup", both, pb.LookupResponse)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
 
 
 # ---- put / insert / select ---------------------------------------------------------
@@ -129,6 +150,24 @@ def test_get_stream_delivers_layer_by_layer(daemon, kv: KVStoreClient) -> None:
     assert list(miss) == []
 
 
+def test_layers_larger_than_one_message_chunk(kv: KVStoreClient) -> None:
+    """Default 4 MiB chunks: a layer spans several messages, and a block may exceed a chunk."""
+    n = 3
+    g = torch.Generator().manual_seed(22)
+    layers = {
+        "two_mib_blocks": torch.randint(0, 256, (n, 1024, 2048), dtype=torch.uint8, generator=g).view(
+            torch.float16
+        ),
+        "five_mib_blocks": torch.randint(0, 256, (n, 5, 1 << 20), dtype=torch.uint8, generator=g).view(
+            torch.bfloat16
+        ),
+    }
+    hashes = chain("large", n)
+    assert kv.put(NS, hashes, layers).bytes_written == n * 7 * (1 << 20)
+    assert_same(kv.select(NS, hashes), layers)
+    assert_same(kv.drop_select(NS, hashes, timeout=1.0), layers)
+
+
 # ---- drop_select -----------------------------------------------------------------
 def test_drop_select_consumes_once(kv: KVStoreClient) -> None:
     hashes = chain("drop", 4)
@@ -144,6 +183,29 @@ def test_drop_select_consumes_once(kv: KVStoreClient) -> None:
 
     with pytest.raises(errors.StoreTimeout):
         kv.drop_select(NS, hashes[:3], timeout=0.2)
+
+
+def test_take_stream_consumes_layer_by_layer(kv: KVStoreClient) -> None:
+    hashes = chain("take-stream", 3)
+    layers = make_layers(3, num_layers=3, seed=24)
+    kv.put(NS, hashes, layers)
+    events: list[str] = []
+
+    def allocate(spec: LayerSpec, num_blocks: int) -> torch.Tensor:
+        events.append(f"alloc {spec.name}")
+        return torch.empty((num_blocks, *spec.shape), dtype=getattr(torch, spec.dtype))
+
+    stream = kv.take_stream(NS, hashes, 5.0, allocate=allocate)
+    assert stream.num_blocks == 3
+    assert kv.lookup(NS, hashes) == 0  # taken as soon as the stream started
+    got = {}
+    for name, tensor in stream:
+        events.append(f"got {name}")
+        got[name] = tensor
+    assert events == [f"{what} {name}" for name in layers for what in ("alloc", "got")]
+    assert_same(got, layers)
+    with pytest.raises(errors.StoreTimeout):
+        kv.take_stream(NS, hashes, 0.1)
 
 
 def test_drop_select_timeout_removes_nothing(kv: KVStoreClient) -> None:

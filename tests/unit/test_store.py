@@ -27,6 +27,7 @@ from kvstore_server import eviction
 from kvstore_server.storage import LayerSpec, StorageFullError, lmdb_backend
 from kvstore_server.store import (
     CapacityError,
+    InvalidChain,
     NotFoundError,
     ShuttingDown,
     Store,
@@ -561,18 +562,21 @@ def test_listener_events_in_commit_order(make_store: MakeStore) -> None:
     assert final == sorted([(NS, sorted(a[:2])), (NS2, [h("x")])])
 
 
-def test_cyclic_parent_claims_do_not_wedge_the_store(store: Store) -> None:
-    # parents are client-supplied; a confused client can link two blocks both ways
+def test_parent_claims_that_would_form_a_cycle_are_refused(store: Store) -> None:
+    # parents are client-supplied; a confused client could link two blocks both ways
     a, b = h("a"), h("b")
     put(store, [b], parent=a)
-    put(store, [a], parent=b)
-    assert store.evict(lambda index: eviction.subtree(index, NS, a)) == (2, 2 * BLOCK_BYTES)
-    assert store.stats()["blocks"] == 0
-    put(store, [b], parent=a)
-    put(store, [a], parent=b)
-    with store.take(NS, [b], 0.0, lambda: True) as result:
-        assert result.num_blocks == 1
-    assert store.evict(lambda index: eviction.older_than(index, float("inf"))) == (1, BLOCK_BYTES)
+    with pytest.raises(InvalidChain):
+        put(store, [a], parent=b)
+    assert store.lookup(NS, [a]) == 0
+    assert store.stats()["blocks"] == 1
+    # a longer loop through stored ancestors is refused too
+    c, d = h("c"), h("d")
+    put(store, [c], parent=b)
+    put(store, [d], parent=c)
+    with pytest.raises(InvalidChain):
+        put(store, [a, h("e")], parent=d)
+    assert store.stats()["blocks"] == 3
 
 
 def test_block_with_another_layer_layout_ends_the_prefix(store: Store) -> None:
