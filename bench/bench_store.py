@@ -42,6 +42,7 @@ cost of first-touch page faults on this VM; it changes no code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -263,13 +264,16 @@ def best_of(
     repeat: int,
     sink: list[Pass],
     before: Callable[[], None] | None = None,
+    around: Callable[[int], Any] | None = None,
 ) -> float:
-    """Run a pass `repeat` times (calling `before` first each time) and return the best GB/s."""
+    """Run a pass `repeat` times (calling `before` first each time, untimed) and return the best GB/s.
+    `around(i)`, if given, is a context manager entered around pass i only (e.g. a profiler)."""
     best = 0.0
     for i in range(repeat):
         if before is not None:
             before()
-        best = max(best, timed_pass(f"{label} #{i + 1}" if repeat > 1 else label, nbytes, fn, sink))
+        with around(i) if around is not None else contextlib.nullcontext():
+            best = max(best, timed_pass(f"{label} #{i + 1}" if repeat > 1 else label, nbytes, fn, sink))
     return best
 
 
@@ -387,13 +391,24 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
 
             with py_spy(args, daemon.pid, "store-cold"):
                 res.store_cold = timed_pass("store, cold (fresh daemon)", nbytes, store(), res.passes)
-            with py_spy(args, daemon.pid, "store-warm"):
-                res.store_warm = best_of(
-                    "store, warm (after evict)", nbytes, store(), args.repeat, res.passes, fresh
-                )
+            res.store_warm = best_of(
+                "store, warm (after evict)",
+                nbytes,
+                store(),
+                args.repeat,
+                res.passes,
+                fresh,
+                around=lambda i: py_spy(args, daemon.pid, f"store-warm-{i + 1}"),
+            )
             res.load_first = timed_pass("load, first pass", nbytes, load, res.passes)
-            with py_spy(args, daemon.pid, "load-warm"):
-                res.load_warm = best_of("load, warm", nbytes, load, args.repeat, res.passes)
+            res.load_warm = best_of(
+                "load, warm",
+                nbytes,
+                load,
+                args.repeat,
+                res.passes,
+                around=lambda i: py_spy(args, daemon.pid, f"load-warm-{i + 1}"),
+            )
 
             prefix = state["hashes"][: args.lookup_blocks]
             if client.lookup("bench", prefix) != len(prefix):
@@ -425,23 +440,28 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
                 )
                 out.append(ins)
 
-        for chunk in args.chunk_sweep:
-            sw = PathResult(f"  chunk_bytes={format_size(chunk)}")
-            with KVStoreClient(daemon.address, timeout=120.0, chunk_bytes=chunk) as c2:
+            for chunk in args.chunk_sweep:
+                sw = PathResult(f"  chunk_bytes={format_size(chunk)}")
+                with KVStoreClient(daemon.address, timeout=120.0, chunk_bytes=chunk) as c2:
 
-                def sweep_store(c2=c2) -> None:
-                    daemon_store_pass(c2, "bench", w, state["hashes"])
+                    def sweep_store(c2=c2) -> None:
+                        daemon_store_pass(c2, "bench", w, state["hashes"])
 
-                def sweep_load(c2=c2) -> None:
-                    daemon_load_pass(c2, "bench", w, state["hashes"])
+                    def sweep_load(c2=c2) -> None:
+                        daemon_load_pass(c2, "bench", w, state["hashes"])
 
-                sw.store_warm = best_of(
-                    f"chunk {format_size(chunk)}: store", nbytes, sweep_store, args.repeat, sw.passes, fresh
-                )
-                sw.load_warm = best_of(
-                    f"chunk {format_size(chunk)}: load", nbytes, sweep_load, args.repeat, sw.passes
-                )
-            out.append(sw)
+                    sw.store_warm = best_of(
+                        f"chunk {format_size(chunk)}: store",
+                        nbytes,
+                        sweep_store,
+                        args.repeat,
+                        sw.passes,
+                        fresh,
+                    )
+                    sw.load_warm = best_of(
+                        f"chunk {format_size(chunk)}: load", nbytes, sweep_load, args.repeat, sw.passes
+                    )
+                out.append(sw)
     finally:
         daemon.stop()
         OUR_PIDS.pop("daemon", None)
@@ -491,6 +511,44 @@ class py_spy:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+_IDLE_LEAVES = (
+    "Condition.wait (threading.py",
+    "Event.wait (threading.py",
+    "_worker (concurrent/futures/thread.py",
+    "_serve (grpc/_server.py",  # the completion-queue poll loop: waiting in C, or gRPC core work
+)
+
+
+def summarize_py_spy(profile_dir: str, top: int = 12) -> None:
+    """Print each recorded phase's hottest non-waiting leaf frames and kvstore functions (inclusive)."""
+    import collections
+    import re
+
+    for path in sorted(Path(profile_dir).glob("daemon-*.txt")):
+        rows = []
+        for line in path.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if stack and count.isdigit():
+                rows.append((stack.split(";")[1:], int(count)))
+        busy = [(f, n) for f, n in rows if f and not f[-1].startswith(_IDLE_LEAVES)]
+        total = sum(n for _, n in busy)
+        if not total:
+            continue
+        print(f"\n-- py-spy {path.name}: {total} busy samples (of {sum(n for _, n in rows)}); leaf frames:")
+        leaves = collections.Counter()
+        inclusive = collections.Counter()
+        for frames, n in busy:
+            leaves[frames[-1]] += n
+            for name in {re.sub(r":\d+\)$", ")", f) for f in frames}:
+                if "kvstore" in name:
+                    inclusive[name] += n
+        for name, n in leaves.most_common(top):
+            print(f"   {100 * n / total:5.1f}%  {name}")
+        print("   inclusive, kvstore code:")
+        for name, n in inclusive.most_common(top):
+            print(f"   {100 * n / total:5.1f}%  {name}")
 
 
 # ---------------------------------------------------------------------------- raw LMDB
@@ -922,6 +980,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(args, w, results, ceiling)
+    if args.profile_dir:
+        summarize_py_spy(args.profile_dir)
     print(f"(bench wall time {time.perf_counter() - t_start:.0f} s)")
     return 0
 
