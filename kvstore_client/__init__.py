@@ -5,6 +5,7 @@
 """
 
 from kvstore_client.client import EvictResult, KVStoreClient, LayerSpec, LayerStream, PutResult, PutStream
+from kvstore.memory import tune_malloc
 from kvstore_client.errors import KVStoreError
 
-__all__ = ["EvictResult", "KVStoreClient", "KVStoreError", "LayerSpec", "LayerStream", "PutResult", "PutStream"]
+__all__ = ["EvictResult", "KVStoreClient", "KVStoreError", "LayerSpec", "LayerStream", "PutResult", "PutStream", "tune_malloc"]

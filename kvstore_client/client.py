@@ -81,7 +81,9 @@ class PutStream:
 
     Nothing is visible on the store until commit returns. `abort()` (or leaving
     a `with` block by an exception) cancels it and leaves nothing behind.
-    write_layer never waits for the network: chunks queue for gRPC's sender.
+    write_layer never waits for the network: the layer queues for gRPC's
+    sender, which reads the tensor's memory when it sends it, so a written
+    tensor must stay unmodified until commit() returns.
     """
 
     def __init__(
@@ -103,8 +105,14 @@ class PutStream:
         self._done = False
 
     def _requests(self) -> Iterator[Any]:
+        # Runs on gRPC's sender: a chunk is encoded (its one copy) only when the
+        # transport wants it, so a put's bytes are never all duplicated at once.
         while (item := self._queue.get()) is not _END:
-            yield item
+            if isinstance(item, tuple):
+                index, first, view = item
+                yield wire.encode_chunk(index, first, [view])
+            else:
+                yield item
 
     def write_layer(self, layer: str | int, tensor: torch.Tensor) -> None:
         """Send one layer's [num_blocks, *shape] CPU tensor. Returns at once."""
@@ -122,7 +130,7 @@ class PutStream:
         per_chunk = max(1, self._chunk_bytes // per_block)
         for first in range(0, self.num_blocks, per_chunk):
             end = min(self.num_blocks, first + per_chunk)
-            self._queue.put(wire.encode_chunk(index, first, [view[first * per_block : end * per_block]]))
+            self._queue.put((index, first, view[first * per_block : end * per_block]))
         self._written.add(index)
 
     def commit(self) -> PutResult:

@@ -54,6 +54,9 @@ def older_than(index: PrefixIndex, cutoff: float) -> list[BlockKey]:
 def namespace(index: PrefixIndex, ns: bytes | None) -> list[BlockKey]:
     """Evict every block of one namespace, or of all when `ns` is None."""
     keys = list(index.keys(ns))
+    # Newest first: children go before their parents, so no removal has
+    # descendants left to walk (root-first is quadratic in chain length).
+    keys.reverse()
     for key in keys:
         index.remove(*key)
     return keys

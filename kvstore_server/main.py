@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import wire
+from kvstore.memory import tune_malloc
 from kvstore.v1 import kvstore_pb2
 from kvstore_server import __version__
 from kvstore_server.config import ServerConfig, format_size
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    tune_malloc()
     try:
         datadir = DataDir(config.data_dir, sync=config.sync)
     except DataDirInUse as exc:

@@ -28,7 +28,7 @@ from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.config import ServerConfig
-from kvstore_server.storage import LayerSpec, StorageError
+from kvstore_server.storage import LayerSpec, StorageError, checksum
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,
@@ -211,10 +211,11 @@ class Servicer:
         if not self._put_budget.try_acquire(total):
             raise CapacityError("too many bytes of puts in flight; retry later")
         try:
-            data = self._receive(requests, layers, len(hashes), context)
-            if data is None:
+            received = self._receive(requests, layers, len(hashes), context)
+            if received is None:
                 context.abort(grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored")
-            result = self.store.put(namespace, parent, hashes, layers, data)
+            data, sums = received
+            result = self.store.put(namespace, parent, hashes, layers, data, sums)
         finally:
             self._put_budget.release(total)
         return pb.PutResponse(
@@ -226,13 +227,14 @@ class Servicer:
 
     def _receive(
         self, requests: Iterator[Any], layers: Sequence[LayerSpec], num_blocks: int, context: grpc.ServicerContext
-    ) -> list[list[memoryview]] | None:
-        """Collect chunks until the commit; None if the stream ends first."""
+    ) -> tuple[list[list[memoryview]], list[list[int]]] | None:
+        """Collect chunks (and their per-block checksums) until the commit; None if the stream ends first."""
         data: list[list[memoryview]] = [[] for _ in layers]
+        sums: list[list[int]] = [[] for _ in layers]
         try:
             for msg in requests:
                 if isinstance(msg, wire.Chunk):
-                    self._accept_chunk(msg, layers, num_blocks, data)
+                    self._accept_chunk(msg, layers, num_blocks, data, sums)
                     continue
                 if isinstance(msg, wire.Malformed):
                     raise InvalidRequest(msg.reason)
@@ -240,14 +242,14 @@ class Servicer:
                 if kind == "chunk":  # a chunk the fast decoder left to protobuf
                     chunk = msg.chunk
                     view = wire.Chunk(chunk.layer_index, chunk.first_block, memoryview(chunk.data))
-                    self._accept_chunk(view, layers, num_blocks, data)
+                    self._accept_chunk(view, layers, num_blocks, data, sums)
                 elif kind == "commit":
                     missing = [layers[i].name for i, got in enumerate(data) if len(got) != num_blocks]
                     if missing:
                         raise InvalidRequest(
                             f"commit before all data arrived: layers {missing[:4]} are incomplete"
                         )
-                    return data
+                    return data, sums
                 else:
                     raise InvalidRequest(f"unexpected {kind or 'empty'} message inside a Put stream")
         except grpc.RpcError:
@@ -258,7 +260,11 @@ class Servicer:
 
     @staticmethod
     def _accept_chunk(
-        chunk: wire.Chunk, layers: Sequence[LayerSpec], num_blocks: int, data: list[list[memoryview]]
+        chunk: wire.Chunk,
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        data: list[list[memoryview]],
+        sums: list[list[int]],
     ) -> None:
         if chunk.layer_index >= len(layers):
             raise InvalidRequest(f"chunk for layer {chunk.layer_index}; the header declared {len(layers)}")
@@ -277,8 +283,11 @@ class Servicer:
         count = size // spec.nbytes
         if len(got) + count > num_blocks:
             raise InvalidRequest(f"layer {spec.name!r}: more data than the {num_blocks} declared blocks")
+        layer_sums = sums[chunk.layer_index]
         for i in range(count):
-            got.append(chunk.data[i * spec.nbytes : (i + 1) * spec.nbytes])
+            view = chunk.data[i * spec.nbytes : (i + 1) * spec.nbytes]
+            got.append(view)
+            layer_sums.append(checksum(view))
 
     @translated
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:

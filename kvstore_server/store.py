@@ -153,8 +153,13 @@ class Store:
         hashes: Sequence[bytes],
         layers: Sequence[LayerSpec],
         data: Sequence[Sequence[memoryview]],
+        checksums: Sequence[Sequence[int]] | None = None,
     ) -> PutResult:
-        """Store blocks; data[layer][block] is one block's bytes of one layer."""
+        """Store blocks; data[layer][block] is one block's bytes of one layer.
+
+        `checksums[layer][block]` may come precomputed (the servicer sums each
+        chunk as it arrives, outside the commit lock); else they are computed here.
+        """
         block_bytes = sum(layer.nbytes for layer in layers)
         chain = {(namespace, h) for h in hashes}
         if parent_hash:
@@ -186,7 +191,10 @@ class Store:
                         block_hash=hashes[i],
                         parent_hash=hashes[i - 1] if i else parent_hash,
                         layers=tuple(layers),
-                        checksums=tuple(checksum(data[l][i]) for l in range(len(layers))),
+                        checksums=tuple(
+                            checksums[l][i] if checksums is not None else checksum(data[l][i])
+                            for l in range(len(layers))
+                        ),
                         created_at=now,
                     ),
                     [data[l][i] for l in range(len(layers))],
@@ -284,7 +292,7 @@ class Store:
                     with self._lock:
                         if self._index.prefix_len(namespace, hashes) != len(hashes):
                             continue  # another DropSelect or an eviction was first: wait again
-                        for key in keys:
+                        for key in reversed(keys):  # tail first: nothing left below to walk
                             self._index.remove(*key)
                         self._emit_removed(keys)
                     blocks = stack.enter_context(self.backend.read(keys))

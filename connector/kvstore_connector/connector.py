@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstore.memory import tune_malloc
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.metadata import KVStoreConnectorMetadata
 from kvstore_connector.scheduler import SchedulerSide
@@ -77,6 +78,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(info, self.config, load=self._load, save=self._save)
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            if self.config.tune_malloc:
+                tune_malloc()
 
             namespace = info.rank_namespace(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
             self._worker = WorkerSide(
