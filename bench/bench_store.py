@@ -4,7 +4,7 @@
     python bench/bench_store.py [--backend lmdb|disk] [--total 2GiB] [--block-bytes 1MiB]
                                 [--layers 32] [--blocks-per-put 64] [--sync]
                                 [--chunk-bytes 4MiB] [--chunk-sweep 1MiB,4MiB,16MiB]
-                                [--repeat 2] [--inflight 2] [--malloc-tune]
+                                [--repeat 2] [--inflight 2] [--untuned-client]
                                 [--skip-raw] [--skip-redis] [--skip-ceiling] [--profile-dir DIR]
 
 Prints figures only (never pass/fail). GB/s here means 1e9 bytes per second.
@@ -33,10 +33,10 @@ Each pass line also shows CPU seconds used by the daemon / this process, and
 how many cores *other* processes on the machine kept busy meanwhile ("others"):
 figures taken while others > ~0.3 cores are disturbed, rerun when quiet.
 
---malloc-tune re-runs the whole bench (daemon, client, raw LMDB) with
-MALLOC_MMAP_THRESHOLD_=32MiB MALLOC_TRIM_THRESHOLD_=1GiB, i.e. glibc keeps freed
-buffers instead of returning them to the kernel: an experiment that shows the
-cost of first-touch page faults on this VM; it changes no code.
+Both processes keep large buffers in glibc's heap (kvstore.memory.tune_malloc):
+the daemon always does, the vLLM connector does by default, and so does this
+bench's client unless --untuned-client: on this VM fresh pages cost more than
+the copies themselves.
 """
 
 from __future__ import annotations
@@ -829,7 +829,7 @@ def report(
         f"{list(w.shape)}) put/select={w.blocks_per_put} blocks "
         f"({format_size(w.blocks_per_put * w.block_bytes)}) "
         f"chunk_bytes={format_size(args.chunk_bytes)} repeat={args.repeat} cpus={os.cpu_count()}"
-        + (" malloc-tune" if args.malloc_tune else "")
+        + (" untuned-client" if args.untuned_client else "")
     )
     head = (
         f"{'path':<26} {'store cold':>10} {'store GB/s':>10} {'load 1st':>9} {'load GB/s':>10} "
@@ -884,9 +884,6 @@ def report(
 
 
 # ---------------------------------------------------------------------------- main
-MALLOC_TUNE = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("lmdb", "disk"), default="lmdb")
@@ -909,9 +906,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lookup-blocks", type=int, default=256)
     p.add_argument("--pool-bytes", type=parse_size, default="256MiB", help="distinct source data (256MiB)")
     p.add_argument(
-        "--malloc-tune",
+        "--untuned-client",
         action="store_true",
-        help="run everything with glibc malloc keeping freed memory (experiment, no code change)",
+        help="leave this process's glibc malloc at its defaults (the connector tunes it, see kvstore.memory)",
     )
     p.add_argument(
         "--daemon-env",
@@ -947,9 +944,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ceiling_server:
         return ceiling_server()
-    if args.malloc_tune and any(os.environ.get(k) != v for k, v in MALLOC_TUNE.items()):
-        # glibc reads these at start: re-run this process (and so its children) with them
-        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], {**os.environ, **MALLOC_TUNE})
+    if not args.untuned_client:
+        from kvstore.memory import tune_malloc
+
+        tune_malloc()  # as the vLLM connector does in its worker process; the daemon always does
     QUIET["wait"] = args.quiet_wait
     t_start = time.perf_counter()
     print(f"building source tensors (pool {format_size(args.pool_bytes)}) ...", flush=True)
