@@ -34,6 +34,7 @@ def run(job: dict) -> None:
             "gpu_memory_utilization": 0.05,
             "max_model_len": 4096,
             "seed": 0,
+            "disable_log_stats": not spec.get("log_stats", False),
             **spec.get("llm", {}),
         }
         llm = LLM(model=job["model"], kv_transfer_config=kv, **kwargs)
@@ -51,6 +52,8 @@ def run(job: dict) -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
         seconds = time.perf_counter() - started
+        if spec.get("log_stats"):
+            llm.llm_engine.do_log_stats()  # vLLM's stat loggers, "KV Transfer metrics" included
         print("RESULT " + json.dumps({"name": spec["name"], "tokens": tokens, "seconds": seconds, "ttft": ttft}),
               flush=True)  # fmt: skip
         llm.llm_engine.engine_core.shutdown()

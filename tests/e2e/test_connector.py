@@ -52,8 +52,13 @@ def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, s
 
     out = run_engines(tmp_path, model, [{
         "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+        "log_stats": True,
     }])  # fmt: skip
     assert out["decode"]["tokens"] == baseline
+    # the connector's own stats reached vLLM's connector-stats logging
+    metrics = re.search(r"KV Transfer metrics: (.*)", out["_log"]["text"])
+    assert metrics is not None, "no KV Transfer metrics line in vLLM's log"
+    assert f"Blocks loaded={full_blocks(prompts)}" in metrics.group(1)
     after = stats(store.address)
     assert after["hit_blocks"] - saved["hit_blocks"] == full_blocks(prompts)
     block_bytes = saved["bytes_used"] // saved["blocks"]

@@ -1,0 +1,240 @@
+"""The connector's scheduler and worker halves against a real daemon.
+
+vLLM's own Request / SchedulerOutput / KVCacheBlocks are plain data here
+(SimpleNamespace with the fields the connector reads); the engine-level
+behaviour is proven on real vLLM in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstore_client import KVStoreClient
+from kvstore_client.hashing import block_hashes
+from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore_connector.scheduler import SchedulerSide
+from kvstore_connector.worker import WorkerSide
+
+BS = 32
+INFO = NamespaceInfo("test-model", "bfloat16", BS, 2, 64, False, "cpu", tp_size=1, pp_size=1)
+NS = INFO.rank_namespace(0, 0)
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+POOL = 24  # paged blocks per layer
+
+
+def request(req_id: str, tokens: list[int], **extra: object) -> SimpleNamespace:
+    fields = dict(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        num_tokens=len(tokens),
+        mm_features=[],
+        lora_request=None,
+        cache_salt=None,
+    )
+    fields.update(extra)
+    return SimpleNamespace(**fields)
+
+
+def blocks(ids: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step(new=(), cached=(), resumed=(), scheduled=None) -> SimpleNamespace:
+    """A SchedulerOutput with the fields build_connector_meta reads."""
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=done) for r, ids, done in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached],
+            new_block_ids=[(ids,) if ids is not None else None for _, ids, _ in cached],
+            num_computed_tokens=[done for _, _, done in cached],
+            resumed_req_ids=set(resumed),
+        ),
+        num_scheduled_tokens=dict(scheduled or {}),
+    )
+
+
+def config(address: str, **kw: object) -> ConnectorConfig:
+    return ConnectorConfig(address=address, **kw)  # type: ignore[arg-type]
+
+
+def store_blocks(address: str, hashes: list[bytes], seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    layers = {name: torch.randn((len(hashes), 2, BS, 128), generator=g).to(torch.bfloat16) for name in LAYERS}
+    with KVStoreClient(address) as kv:
+        kv.put(NS, hashes, layers)
+    return layers
+
+
+PROMPT = list(range(1000, 1200))  # 200 tokens: 6 full blocks, 8 tokens over
+
+
+# ---- scheduler side
+def test_chunked_prefill_saves_each_block_once_as_it_fills(daemon) -> None:
+    side = SchedulerSide(INFO, config(daemon.address), load=True, save=True)
+    req = request("r1", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, blocks([1, 2]), 0)
+    want = block_hashes(INFO.hash_root, PROMPT, BS)
+
+    meta = side.build_connector_meta(step(new=[("r1", [1, 2], 0)], scheduled={"r1": 64}))
+    assert [(s.hashes, s.block_ids, s.parent_hash) for s in meta.saves] == [(want[0:2], [1, 2], b"")]
+    meta = side.build_connector_meta(step(cached=[("r1", [3, 4], 64)], scheduled={"r1": 64}))
+    assert [(s.hashes, s.block_ids, s.parent_hash) for s in meta.saves] == [(want[2:4], [3, 4], want[1])]
+    # last chunk: 72 tokens complete blocks 4 and 5 (the 8-token tail is never saved)
+    meta = side.build_connector_meta(step(cached=[("r1", [5, 6, 7], 128)], scheduled={"r1": 72}))
+    assert [(s.hashes, s.block_ids) for s in meta.saves] == [(want[4:6], [5, 6])]
+    # decode steps add nothing
+    meta = side.build_connector_meta(step(cached=[("r1", None, 200)], scheduled={"r1": 1}))
+    assert meta.saves == [] and meta.loads == []
+    side.close()
+
+
+def test_hits_are_whole_blocks_beyond_the_local_cache_and_leave_a_token(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)
+    store_blocks(daemon.address, hashes[:3])
+    side = SchedulerSide(INFO, config(daemon.address), load=True, save=True)
+    req = request("r1", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    assert side.get_num_new_matched_tokens(req, BS) == (2 * BS, False)  # vLLM had block 0 itself
+    side.update_state_after_alloc(req, blocks([7, 8, 9, 10, 11, 12, 13]), 2 * BS)
+    meta = side.build_connector_meta(step(new=[("r1", [7, 8, 9, 10, 11, 12, 13], 3 * BS)], scheduled={"r1": 104}))
+    assert [(ld.hashes, ld.block_ids) for ld in meta.loads] == [(hashes[1:3], [8, 9])]
+    # what the store had is not saved again; what it lacked is
+    assert [(s.hashes, s.parent_hash) for s in meta.saves] == [(hashes[3:6], hashes[2])]
+
+    exact = request("r2", PROMPT[: 3 * BS])  # every block stored: one must still be computed
+    assert side.get_num_new_matched_tokens(exact, 0) == (2 * BS, False)
+    side.close()
+
+
+def test_a_preempted_request_resumes_with_its_new_blocks(daemon) -> None:
+    side = SchedulerSide(INFO, config(daemon.address), load=True, save=True)
+    req = request("r1", PROMPT)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks([1, 2]), 0)
+    side.build_connector_meta(step(new=[("r1", [1, 2], 0)], scheduled={"r1": 64}))
+    # preempted; comes back with other paged blocks and recomputes from scratch
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # the save had not landed here
+    meta = side.build_connector_meta(
+        step(cached=[("r1", [9, 10, 11, 12, 13, 14, 15], 0)], resumed=["r1"], scheduled={"r1": 200})
+    )
+    want = block_hashes(INFO.hash_root, PROMPT, BS)
+    assert [(s.hashes, s.block_ids) for s in meta.saves] == [(want[2:6], [11, 12, 13, 14])]
+    side.request_finished(req)
+    assert side.build_connector_meta(step(cached=[("r1", None, 200)], scheduled={"r1": 1})).saves == []
+    side.close()
+
+
+def test_a_consumer_never_saves_and_a_producer_never_loads(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)
+    store_blocks(daemon.address, hashes[:2])
+    consumer = SchedulerSide(INFO, config(daemon.address), load=True, save=False)
+    producer = SchedulerSide(INFO, config(daemon.address), load=False, save=True)
+    req = request("r1", PROMPT)
+    assert consumer.get_num_new_matched_tokens(req, 0) == (2 * BS, False)
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+    producer.update_state_after_alloc(req, blocks(list(range(1, 8))), 0)
+    meta = producer.build_connector_meta(step(new=[("r1", list(range(1, 8)), 0)], scheduled={"r1": 200}))
+    assert [s.hashes for s in meta.saves] == [hashes[2:6]]  # the stored prefix is skipped
+    consumer.update_state_after_alloc(req, blocks(list(range(1, 8))), 2 * BS)
+    assert consumer.build_connector_meta(step(new=[("r1", list(range(1, 8)), 64)], scheduled={"r1": 136})).saves == []
+    consumer.close()
+    producer.close()
+
+
+def test_a_store_that_is_down_is_a_miss_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+        side = SchedulerSide(INFO, config(address, retry_interval=60.0), load=True, save=True)
+        with caplog.at_level(logging.WARNING):
+            for i in range(5):
+                assert side.get_num_new_matched_tokens(request(f"r{i}", PROMPT), 0) == (0, False)
+        side.close()
+    warnings = [r for r in caplog.records if "failed" in r.getMessage() and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert side.stats.data["lookup_errors"] == 1  # the other four did not even try
+
+
+# ---- worker side
+def make_worker(address: str, **kw: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    worker = WorkerSide(NS, POOL, config(address, **kw), load=True, save=True, save_sync=True)
+    caches = {name: torch.zeros((POOL, 2, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[str, torch.Tensor]) -> set[int]:
+    """What vLLM does per step: start loads, per layer wait/compute/save, then finish."""
+    worker.start_load(meta)
+    for name in LAYERS:
+        worker.wait_for_layer(name)
+        worker.save_layer(meta, name, caches[name])
+    worker.finish_step_saves()
+    return worker.block_ids_with_load_errors()
+
+
+def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
+    saver, src = make_worker(daemon.address)
+    for name in LAYERS:
+        src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16))
+    run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [3, 4, 5, 6], b"")]), src)
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(NS, hashes) == 4
+        assert kv.select(NS, hashes)[LAYERS[1]].view(torch.uint8).equal(src[LAYERS[1]][3:7].view(torch.uint8))
+
+    loader, dst = make_worker(daemon.address)
+    errors = run_step(loader, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [10, 20, 11, 12])]), dst)
+    assert errors == set()
+    for name in LAYERS:
+        for s, d in zip([3, 4, 5, 6], [10, 20, 11, 12], strict=True):
+            assert dst[name][d].view(torch.uint8).equal(src[name][s].view(torch.uint8))
+        assert dst[name][0].eq(0).all()
+    stats = loader.take_stats()
+    assert stats is not None and stats.data["blocks_loaded"] == 4
+    saver.close()
+    loader.close()
+
+
+def test_blocks_missing_from_the_store_are_reported_for_recompute(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    store_blocks(daemon.address, hashes[:2])
+    worker, caches = make_worker(daemon.address)
+    errors = run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])]), caches)
+    assert errors == {3}  # blocks 1 and 2 loaded; the third was not there
+    worker.close()
+
+
+def test_a_dead_store_fails_loads_fast_and_whole(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    store_blocks(daemon.address, hashes)
+    worker, caches = make_worker(daemon.address)
+    daemon.kill()
+    meta = KVStoreConnectorMetadata(
+        loads=[LoadSpec("r", hashes, [1, 2, 3])], saves=[SaveSpec("s", hashes, [4, 5, 6], b"")]
+    )
+    assert run_step(worker, meta, caches) == {1, 2, 3}
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["load_errors"] == 3
+    worker.close()
+
+
+def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:2]
+    other = {name: torch.ones((2, 4, BS, 64), dtype=torch.bfloat16) for name in LAYERS}  # another shape
+    with KVStoreClient(daemon.address) as kv:
+        kv.put(NS, hashes, other)
+    worker, caches = make_worker(daemon.address)
+    assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2])]), caches) == {1, 2}
+    assert all(c.eq(0).all() for c in caches.values())
+    worker.close()

@@ -1,0 +1,141 @@
+"""The connector's pure parts: config, namespaces, stats, block movement (CPU)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.stats import KVStoreConnectorStats
+from kvstore_connector.transfer import BlockMover, find_block_dim
+
+
+# ---- config
+def test_extra_config_maps_documented_keys() -> None:
+    config = ConnectorConfig.from_extra_config(
+        {"kvstore_address": "store:50051", "consume": True, "lookup_timeout_s": 0.2, "save_mode": "sync"}
+    )
+    assert (config.address, config.consume, config.lookup_timeout, config.save_mode) == (
+        "store:50051",
+        True,
+        0.2,
+        "sync",
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"kvstore_adress": "x:1"}, "unknown kv_connector_extra_config keys"),
+        ({"save_mode": "later"}, "save_mode"),
+        ({"lookup_timeout_s": 0}, "lookup_timeout"),
+        ({"load_timeout_s": "fast"}, "load_timeout"),
+        ({"consume": "yes"}, "consume"),
+        ({"kvstore_address": "nohostport"}, "HOST:PORT"),
+    ],
+)
+def test_bad_extra_config_is_refused_with_its_name(extra: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def _info(**overrides: object) -> NamespaceInfo:
+    values = dict(
+        model="/models/llama",
+        kv_dtype="bfloat16",
+        block_size=16,
+        num_kv_heads=8,
+        head_size=128,
+        mla=False,
+        device="cuda",
+        tp_size=2,
+        pp_size=1,
+    )
+    values.update(overrides)
+    return NamespaceInfo(**values)  # type: ignore[arg-type]
+
+
+def test_each_rank_has_its_own_namespace_under_one_hash_root() -> None:
+    info = _info()
+    assert info.all_namespaces() == [info.rank_namespace(0, 0), info.rank_namespace(1, 0)]
+    assert len(set(info.all_namespaces())) == 2
+    for ns in info.all_namespaces():
+        assert ns.decode().startswith(info.hash_root + "|tp")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "/models/other"},
+        {"kv_dtype": "float8_e4m3fn"},
+        {"block_size": 32},
+        {"num_kv_heads": 4},
+        {"head_size": 64},
+        {"mla": True},
+        {"device": "cpu"},
+    ],
+)
+def test_what_makes_kv_incompatible_changes_the_namespace(change: dict) -> None:
+    assert _info(**change).hash_root != _info().hash_root
+    assert _info(**change).rank_namespace(0, 0) != _info().rank_namespace(0, 0)
+
+
+def test_long_model_names_keep_namespaces_within_the_store_limit() -> None:
+    info = _info(model="/very/long/path/" + "x" * 400)
+    assert len(info.rank_namespace(1, 0)) <= 256
+    assert _info(model="/very/long/path/" + "y" * 400).hash_root != info.hash_root
+
+
+# ---- stats
+def test_stats_aggregate_reduce_and_travel_between_processes() -> None:
+    a, b = KVStoreConnectorStats(), KVStoreConnectorStats()
+    assert a.is_empty() and a.take() is None
+    a.add(blocks_loaded=3, bytes_loaded=3_000_000_000, load_seconds=2.0)
+    b.add(blocks_loaded=1, bytes_loaded=1_000_000_000, load_seconds=2.0, load_errors=2)
+    merged = pickle.loads(pickle.dumps(a)).aggregate(b)
+    summary = merged.reduce()
+    assert summary["Blocks loaded"] == 4
+    assert summary["Load GB/s"] == 1.0
+    assert summary["Load errors (blocks)"] == 2
+    taken = merged.take()
+    assert taken is not None and taken.data["blocks_loaded"] == 4
+    assert merged.is_empty()
+
+
+# ---- block movement
+def test_block_dim_is_found_not_assumed() -> None:
+    blocks = 10
+    standard = torch.arange(blocks * 2 * 4 * 8).reshape(blocks, 2, 4, 8)
+    assert find_block_dim(standard, blocks) is standard
+    kv_first = torch.zeros(2, blocks, 4, 8)  # older [2, num_blocks, ...] layouts
+    view = find_block_dim(kv_first, blocks)
+    assert view.shape == (blocks, 2, 4, 8)
+    view[3].fill_(1.0)
+    assert kv_first[:, 3].eq(1.0).all()  # a view, not a copy
+    split = torch.zeros(blocks * 2, 4, 8)  # kernel blocks: 2 per manager block
+    assert find_block_dim(split, blocks).shape == (blocks, 2, 4, 8)
+    with pytest.raises(ValueError, match="indexes its 10 blocks"):
+        find_block_dim(torch.zeros(7, 3), blocks)
+
+
+def test_gather_then_scatter_restores_exact_blocks_on_cpu() -> None:
+    mover = BlockMover(torch.device("cpu"))
+    cache = torch.randn(16, 2, 32, 8).to(torch.bfloat16)
+    ids = mover.index([5, 1, 9])
+    copy = mover.gather(cache, ids).wait()
+    assert copy.shape == (3, 2, 32, 8) and copy.is_contiguous()
+    target = torch.zeros_like(cache)
+    assert mover.scatter(target, ids, copy) is None  # CPU: done on return
+    for block in (5, 1, 9):
+        assert torch.equal(target[block].view(torch.uint8), cache[block].view(torch.uint8))
+    assert target[0].eq(0).all()
+
+
+def test_load_spec_types_are_plain_data() -> None:
+    # metadata crosses vLLM's scheduler -> worker boundary: it must pickle
+    from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+
+    meta = KVStoreConnectorMetadata(loads=[LoadSpec("r", [b"h" * 32], [3])], saves=[SaveSpec("r", [], [], b"")])
+    assert pickle.loads(pickle.dumps(meta)) == meta
