@@ -6,8 +6,8 @@
         "consume": false,            # kv_consumer: take blocks with DropSelect (hand-off, frees them)
         "save_mode": null,           # "sync" | "async"; default sync for kv_producer, async for kv_both
         "lookup_timeout_s": 0.5,     # scheduler's Lookup deadline; a slower store counts as a miss
-        "load_timeout_s": 30,        # longest a layer may wait for its load before it is recomputed
-        "save_timeout_s": 60,        # deadline of one request's save
+        "load_timeout_s": 10,        # longest a layer may wait for its load before it is recomputed
+        "save_timeout_s": 10,        # deadline of one request's save (and of a sync step's wait)
         "retry_interval_s": 2.0,     # after a failure, how long lookups are skipped (store deemed down)
         "tune_malloc": true          # keep large buffers in glibc's heap (see kvstore.memory)
     }
@@ -49,8 +49,8 @@ class ConnectorConfig:
     """'sync': a step returns only after its saves are committed (a prefill's output then
     guarantees its KV is in the store); 'async': saves complete in the background."""
     lookup_timeout: float = 0.5
-    load_timeout: float = 30.0
-    save_timeout: float = 60.0
+    load_timeout: float = 10.0
+    save_timeout: float = 10.0
     retry_interval: float = 2.0
     tune_malloc: bool = True
     """Keep multi-MiB transfer buffers in glibc's heap instead of fresh mappings: page

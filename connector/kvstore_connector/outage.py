@@ -10,9 +10,12 @@ import time
 class StoreHealth:
     """Tracks whether the store answers; logs one WARNING when it stops and one INFO when it is back.
 
-    `available()` is False for `retry_interval` seconds after a failure, so a
-    store that is down costs the scheduler nothing but a clock read.
+    After a failure `available()` is False for `retry_interval` seconds, doubling
+    with each further failure up to `MAX_RETRY_INTERVAL`: a store that is down
+    or stalled costs the engine one deadline per interval, not one per request.
     """
+
+    MAX_RETRY_INTERVAL = 30.0
 
     def __init__(self, address: str, retry_interval: float, log: logging.Logger) -> None:
         self.address = address
@@ -21,6 +24,7 @@ class StoreHealth:
         self._lock = threading.Lock()
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._interval = retry_interval
 
     def available(self) -> bool:
         return self._down_since is None or time.monotonic() >= self._retry_at
@@ -28,7 +32,8 @@ class StoreHealth:
     def failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
             now = time.monotonic()
-            self._retry_at = now + self.retry_interval
+            self._retry_at = now + self._interval
+            self._interval = min(self._interval * 2, max(self.MAX_RETRY_INTERVAL, self.retry_interval))
             if self._down_since is None:
                 self._down_since = now
                 self._log.warning(
@@ -45,6 +50,7 @@ class StoreHealth:
             return
         with self._lock:
             if self._down_since is not None:
+                self._interval = self.retry_interval
                 self._log.info(
                     "kvstore at %s is back after %.1fs", self.address, time.monotonic() - self._down_since
                 )

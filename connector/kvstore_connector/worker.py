@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvstore_client import KVStoreClient, LayerSpec, PutStream
+from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
 from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import dtype_name
 from kvstore_connector.config import ConnectorConfig
@@ -92,8 +92,10 @@ class WorkerSide:
         # one sender thread: a request's layers reach its stream in order
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
         self._gates = _LayerGates([], 0)
-        self._load_jobs: list[Future[None]] = []
+        self._load_jobs: list[tuple[LoadSpec, Future[None]]] = []
+        self._abandoned = False  # this step's loads were given up: layers stop waiting
         self._load_errors: set[int] = set()
+        self._streams: list[LayerStream] = []  # this step's Get/DropSelect calls
         self._errors_lock = threading.Lock()
         self._saves: list[_Save] = []
         self._save_ids: torch.Tensor | None = None
@@ -128,7 +130,8 @@ class WorkerSide:
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         loads = [spec for spec in meta.loads if spec.block_ids]
         self._gates = _LayerGates([s.name for s in self._specs], len(loads))
-        self._load_jobs = [self._loader.submit(self._load_one, spec, self._gates) for spec in loads]
+        self._abandoned = False
+        self._load_jobs = [(spec, self._loader.submit(self._load_one, spec, self._gates)) for spec in loads]
 
     def _load_one(self, spec: LoadSpec, gates: _LayerGates) -> None:
         mover = self._mover
@@ -138,10 +141,17 @@ class WorkerSide:
         try:
             if mover is None:
                 raise RuntimeError("load before register_kv_caches")
+            timeout = self.config.load_timeout
             if self.config.consume:
-                stream = self.client.take_stream(self.namespace, spec.hashes, wait=1.0, allocate=self._host_buffer)
+                stream = self.client.take_stream(
+                    self.namespace, spec.hashes, wait=1.0, transfer_timeout=timeout, allocate=self._host_buffer
+                )
             else:
-                stream = self.client.get_stream(self.namespace, spec.hashes, allocate=self._host_buffer)
+                stream = self.client.get_stream(
+                    self.namespace, spec.hashes, timeout=timeout, allocate=self._host_buffer
+                )
+            with self._errors_lock:
+                self._streams.append(stream)
             n = stream.num_blocks
             if n and [(s.name, s.dtype, s.shape) for s in stream.layers] != [
                 (s.name, s.dtype, s.shape) for s in self._specs
@@ -182,6 +192,8 @@ class WorkerSide:
         return mover.host_buffer((num_blocks, *spec.shape), self._caches[spec.name].dtype)
 
     def wait_for_layer(self, layer: str) -> None:
+        if self._abandoned:
+            return
         if not self._gates.wait(layer, self.config.load_timeout):
             log.warning("kvstore load of layer %s timed out; its requests will be recomputed", layer)
             self._give_up_loads()
@@ -191,21 +203,32 @@ class WorkerSide:
                 self._mover.wait_on_compute_stream(event)
 
     def _give_up_loads(self) -> None:
-        # NOTE: the loader threads may still write into these blocks; vLLM only
-        # reuses them after this step, and recomputation overwrites them.
+        # Cancelling the calls ends the loader threads promptly (their blocks are
+        # then reported as load errors) so nothing writes into the paged buffer
+        # once vLLM starts recomputing those blocks.
         with self._errors_lock:
-            for job in self._load_jobs:
-                job.cancel()
+            self._abandoned = True
+            for spec, job in self._load_jobs:
+                if job.cancel():  # never started: nothing of it reached the paged buffer
+                    self._load_errors.update(spec.block_ids)
+            for stream in self._streams:
+                stream.cancel()
 
     def block_ids_with_load_errors(self) -> set[int]:
-        for job in self._load_jobs:
+        deadline = time.monotonic() + self.config.load_timeout
+        for _spec, job in self._load_jobs:
+            if job.cancelled():
+                continue
             try:
-                job.result(timeout=self.config.load_timeout)
+                job.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                log.warning("kvstore load still running at the end of the step")
+                log.warning("kvstore loads still running at the end of the step; recomputing them")
+                self._give_up_loads()
+                break
         self._load_jobs = []
         with self._errors_lock:
             errors, self._load_errors = self._load_errors, set()
+            self._streams = []
         return errors
 
     # ---- saves
@@ -274,11 +297,13 @@ class WorkerSide:
 
     def wait_for_commits(self) -> None:
         commits, self._commits = self._commits, []
+        deadline = time.monotonic() + self.config.save_timeout
         for future in commits:
             try:
-                future.result(timeout=self.config.save_timeout)
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                log.warning("kvstore save did not finish within %.0fs", self.config.save_timeout)
+                log.warning("kvstore saves did not finish within %.0fs; continuing", self.config.save_timeout)
+                return
 
     def close(self) -> None:
         self.wait_for_commits()

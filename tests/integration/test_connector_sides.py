@@ -238,3 +238,24 @@ def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
     assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2])]), caches) == {1, 2}
     assert all(c.eq(0).all() for c in caches.values())
     worker.close()
+
+
+def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
+    import os
+    import signal
+
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    store_blocks(daemon.address, hashes)
+    worker, caches = make_worker(daemon.address, load_timeout=1.0, save_timeout=1.0)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # alive and connected, answering nothing
+    try:
+        meta = KVStoreConnectorMetadata(
+            loads=[LoadSpec("r", hashes, [1, 2, 3])], saves=[SaveSpec("s", hashes, [4, 5, 6], b"")]
+        )
+        errors = run_step(worker, meta, caches)  # returns: each wait is bounded by a deadline
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert errors == {1, 2, 3}
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["load_errors"] == 3
+    worker.close()
