@@ -39,6 +39,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -208,7 +209,9 @@ def create_app(proxy: Proxy) -> FastAPI:
         # 2. decode: the original request; the decode instance loads the prompt's KV from the store.
         stream = bool(body.get("stream"))
         try:
-            url, response = await proxy.send(proxy.decode, "POST", path, body=body, headers=headers, stream=stream)
+            url, response = await proxy.send(
+                proxy.decode, "POST", path, body=body, headers=headers, stream=stream
+            )
         except BackendError as exc:
             return error_response(502, str(exc), "bad_gateway")
         if response.status_code >= 400 or not stream:
@@ -220,7 +223,9 @@ def create_app(proxy: Proxy) -> FastAPI:
                 await response.aclose()
             if response.status_code >= 500:
                 return error_response(
-                    502, f"decode backend {url} answered {response.status_code}: {_excerpt(content)}", "bad_gateway"
+                    502,
+                    f"decode backend {url} answered {response.status_code}: {_excerpt(content)}",
+                    "bad_gateway",
                 )
             return _passthrough(response, content)
 
@@ -260,14 +265,28 @@ class _Server(uvicorn.Server):
             host, port = sockets[0].getsockname()[:2]
             print(f"kvstore-proxy ready on {host}:{port}", flush=True)
 
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would
+        # die of it; a requested stop is a clean exit here (0), as for kvstore-server.
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
+
 
 def _parser() -> argparse.ArgumentParser:
     env = os.environ.get
-    p = argparse.ArgumentParser(prog="kvstore-proxy", description="P/D proxy: prefill (max_tokens=1), then decode.")
+    p = argparse.ArgumentParser(
+        prog="kvstore-proxy", description="P/D proxy: prefill (max_tokens=1), then decode."
+    )
     p.add_argument("--prefill", action="append", help="prefill URL(s), comma-separated; env PREFILL_URLS")
     p.add_argument("--decode", action="append", help="decode URL(s), comma-separated; env DECODE_URLS")
-    p.add_argument("--host", default=env("PROXY_HOST", "0.0.0.0"), help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=int(env("PROXY_PORT", "8000")), help="default 8000; 0: any free")
+    p.add_argument(
+        "--host", default=env("PROXY_HOST", "0.0.0.0"), help="address to listen on (default 0.0.0.0)"
+    )
+    p.add_argument(
+        "--port", type=int, default=int(env("PROXY_PORT", "8000")), help="default 8000; 0: any free"
+    )
     p.add_argument(
         "--timeout", type=float, default=float(env("PROXY_TIMEOUT", "600")), help="backend timeout, s (600)"
     )
@@ -281,10 +300,15 @@ def main(argv: list[str] | None = None) -> int:
     prefill = parse_urls(args.prefill or [os.environ.get("PREFILL_URLS", "")])
     decode = parse_urls(args.decode or [os.environ.get("DECODE_URLS", "")])
     if not prefill or not decode:
-        parser.error("give at least one prefill and one decode URL (--prefill/--decode or PREFILL_URLS/DECODE_URLS)")
+        parser.error(
+            "give at least one prefill and one decode URL (--prefill/--decode or PREFILL_URLS/DECODE_URLS)"
+        )
     if args.timeout <= 0:
         parser.error("--timeout must be positive")
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per backend call is too many
     app = create_app(Proxy(prefill, decode, args.timeout))
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -298,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("prefill %s; decode %s", ", ".join(prefill), ", ".join(decode))
     server = _Server(uvicorn.Config(app, log_level=args.log_level.lower(), timeout_graceful_shutdown=30))
     server.run(sockets=[sock])
-    return 0
+    return 0 if server.started else 3
 
 
 if __name__ == "__main__":

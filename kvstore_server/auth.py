@@ -1,0 +1,188 @@
+"""Bearer tokens, tenants and roles.
+
+The token file (TOML) maps tokens to a tenant and a role:
+
+    [[tokens]]
+    token = "s3cret-writer"        # or token_sha256 = "<hex>", to keep no plain tokens at rest
+    tenant = "team-a"
+    role = "writer"                 # reader | writer | admin
+
+Roles nest: a reader may Lookup, Get, Describe, List, Stats and Watch; a
+writer also Put and DropSelect (which removes what it takes); an admin also
+Evict. The tenant is enforced by the server as part of every namespace (see
+Scope): one tenant can never hit, read, list, watch or evict another's blocks.
+Health checks and server reflection stay open (load balancers need them).
+
+Clients send `authorization: Bearer <token>`. Tokens are compared in constant
+time, against every entry, by their SHA-256 digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROLES = ("reader", "writer", "admin")
+SERVICE_PREFIX = "/kvstore.v1.KVStore/"
+MAX_TENANT_BYTES = 64
+
+# the least role each RPC needs
+METHOD_ROLES = {
+    "Lookup": "reader",
+    "Get": "reader",
+    "Describe": "reader",
+    "List": "reader",
+    "Stats": "reader",
+    "Watch": "reader",
+    "Put": "writer",
+    "DropSelect": "writer",
+    "Evict": "admin",
+}
+_STREAMING_REQUESTS = {"Put"}
+_STREAMING_RESPONSES = {"Get", "DropSelect", "Watch"}
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str
+    role: str
+
+    def may(self, role: str) -> bool:
+        return ROLES.index(self.role) >= ROLES.index(role)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    digest: bytes
+    principal: Principal
+
+
+class TokenTable:
+    """Tokens from a token file; `resolve` is constant-time in the token presented."""
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        if not entries:
+            raise ValueError("the token file defines no tokens")
+        self._entries = entries
+
+    @classmethod
+    def load(cls, path: Path) -> TokenTable:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+        entries = []
+        for i, item in enumerate(doc.get("tokens", [])):
+            where = f"{path}: tokens[{i}]"
+            unknown = set(item) - {"token", "token_sha256", "tenant", "role"}
+            if unknown:
+                raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+            role, tenant = item.get("role"), item.get("tenant")
+            if role not in ROLES:
+                raise ValueError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
+            if not isinstance(tenant, str) or not 0 < len(tenant.encode()) <= MAX_TENANT_BYTES:
+                raise ValueError(f"{where}: tenant must be a string of 1..{MAX_TENANT_BYTES} bytes")
+            if ("token" in item) == ("token_sha256" in item):
+                raise ValueError(f"{where}: give exactly one of token, token_sha256")
+            if "token" in item:
+                token = item["token"]
+                if not isinstance(token, str) or len(token) < 16:
+                    raise ValueError(f"{where}: token must be a string of at least 16 characters")
+                digest = hashlib.sha256(token.encode()).digest()
+            else:
+                try:
+                    digest = bytes.fromhex(item["token_sha256"])
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{where}: token_sha256 must be 64 hex digits") from exc
+                if len(digest) != 32:
+                    raise ValueError(f"{where}: token_sha256 must be 64 hex digits")
+            entries.append(_Entry(digest, Principal(tenant, role)))
+        return cls(entries)
+
+    def resolve(self, token: str) -> Principal | None:
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for entry in self._entries:  # no early exit: same work whichever entry matches
+            if hmac.compare_digest(entry.digest, digest):
+                found = entry.principal
+        return found
+
+
+def bearer_token(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer ") :]
+    return None
+
+
+def _refusal(method: str, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    if method in _STREAMING_REQUESTS:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if method in _STREAMING_RESPONSES:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED without a valid token, PERMISSION_DENIED beyond the token's role."""
+
+    def __init__(self, tokens: TokenTable) -> None:
+        self.tokens = tokens
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        if not details.method.startswith(SERVICE_PREFIX):
+            return continuation(details)  # health, reflection
+        method = details.method[len(SERVICE_PREFIX) :]
+        needed = METHOD_ROLES.get(method)
+        if needed is None:
+            return continuation(details)  # unknown method: gRPC answers UNIMPLEMENTED
+        token = bearer_token(details.invocation_metadata)
+        principal = self.tokens.resolve(token) if token is not None else None
+        if principal is None:
+            return _refusal(method, grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
+        if not principal.may(needed):
+            return _refusal(
+                method,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"role {principal.role!r} may not call {method} (needs {needed})",
+            )
+        return continuation(details)
+
+
+class Scope:
+    """Maps client namespaces to stored ones and back, per caller.
+
+    Without auth it is the identity. With auth, tenant T's namespace N is
+    stored as `0x00 || T || 0x00 || N`: unreachable from any other tenant, and
+    from clients of a store that runs without auth (they cannot send 0x00-led
+    namespaces through a tenant).
+    """
+
+    def __init__(self, tokens: TokenTable | None) -> None:
+        self.tokens = tokens
+
+    def prefix(self, context: grpc.ServicerContext) -> bytes:
+        if self.tokens is None:
+            return b""
+        token = bearer_token(context.invocation_metadata())
+        principal = self.tokens.resolve(token) if token is not None else None
+        if principal is None:  # the interceptor let it through: cannot happen
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
+        return b"\x00" + principal.tenant.encode() + b"\x00"

