@@ -4,6 +4,8 @@
     parse_hash("ab" * 32)                     short_hash(h) -> first 16 hex digits
     parse_duration("15m") == 900.0            format_duration(93784) == "1d 2h"
     format_table(rows, headers, right={2})    aligned columns, two spaces apart
+    parse_token_ids("1 2, 3") == [1, 2, 3]    also a JSON list: "[1, 2, 3]"
+    connector_hash_root(ns), connector_block_size(ns)   for namespaces of the vLLM connector
 
 render_namespace and parse_namespace round-trip: whatever the CLI prints as a
 namespace can be passed back to --namespace.
@@ -11,6 +13,7 @@ namespace can be passed back to --namespace.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime, tzinfo
@@ -21,6 +24,12 @@ SHORT_HASH_DIGITS = 16
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+# A rank namespace of the vLLM connector (kvstore_connector.config.NamespaceInfo):
+#   kvc1|MODEL|KV_DTYPE|bsN|kvhN|hdN|mla-or-mha|DEVICE|tpRofN|ppRofN
+# Its blocks are hashed from the part before |tp...: one chain root for every rank.
+_CONNECTOR_NAMESPACE_RE = re.compile(r"^(?P<root>kvc1\|.*)\|tp\d+of\d+\|pp\d+of\d+$", re.DOTALL)
+_CONNECTOR_BLOCK_SIZE_RE = re.compile(r"\|bs(\d+)\|")
+MAX_TOKEN_ID = 2**32 - 1
 
 
 def parse_namespace(text: str) -> bytes:
@@ -118,3 +127,46 @@ def format_table(
         ]
         out.append("  ".join(cells).rstrip())
     return "\n".join(out)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """Token ids separated by whitespace and/or commas, or a JSON list of integers."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            values = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"invalid JSON list of token ids: {exc}") from None
+        if not isinstance(values, list) or not all(type(v) is int for v in values):
+            raise ValueError("the JSON must be a flat list of integer token ids")
+        tokens: list[int] = values
+    else:
+        words = [w for w in re.split(r"[\s,]+", stripped) if w]
+        try:
+            tokens = [int(w) for w in words]
+        except ValueError:
+            bad = next(w for w in words if not w.lstrip("+-").isdigit())
+            raise ValueError(f"not a token id: {bad[:40]!r}") from None
+    if not tokens:
+        raise ValueError("no token ids given")
+    out_of_range = next((t for t in tokens if not 0 <= t <= MAX_TOKEN_ID), None)
+    if out_of_range is not None:
+        raise ValueError(f"token id {out_of_range} is outside 0..{MAX_TOKEN_ID}")
+    return tokens
+
+
+def connector_hash_root(namespace: bytes) -> bytes | None:
+    """The chain root of a vLLM-connector rank namespace (without |tp..|pp..); None for others."""
+    try:
+        text = namespace.decode()
+    except UnicodeDecodeError:
+        return None
+    match = _CONNECTOR_NAMESPACE_RE.match(text)
+    return match.group("root").encode() if match else None
+
+
+def connector_block_size(namespace: bytes) -> int | None:
+    """The block size (bsN) named in a vLLM-connector namespace; None for others."""
+    root = connector_hash_root(namespace)
+    match = _CONNECTOR_BLOCK_SIZE_RE.search(root.decode()) if root else None
+    return int(match.group(1)) if match else None

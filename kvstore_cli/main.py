@@ -14,6 +14,12 @@ Commands:
         --block HASH --namespace NS     one block and all its descendants
         --older-than DURATION           blocks last used longer ago (90s, 15m, 2h, 7d, seconds)
         --down-to SIZE                  least recently used chain tails until usage <= SIZE (10GiB)
+    watch [--from SEQ] [--namespace NS] [--count N]
+                                    one line per stored/removed event, until Ctrl-C (exit 0)
+                                    or N events; --from replays from sequence SEQ
+    explain --namespace NS [--block-size N] [--hash-root ROOT] [FILE]
+                                    which blocks of a prompt (token ids from FILE or stdin)
+                                    are stored, where its chain breaks, tokens reusable
 
 The address defaults to $KVSTORE_ADDRESS, else 127.0.0.1:50051. --address,
 --timeout and --json may also follow the command. Namespaces are UTF-8 text, or
@@ -37,6 +43,8 @@ from itertools import islice
 from typing import Any
 
 from kvstore_cli.formatting import (
+    connector_block_size,
+    connector_hash_root,
     format_duration,
     format_percent,
     format_table,
@@ -44,11 +52,13 @@ from kvstore_cli.formatting import (
     parse_duration,
     parse_hash,
     parse_namespace,
+    parse_token_ids,
     render_namespace,
     short_hash,
 )
-from kvstore_client import KVStoreClient
+from kvstore_client import Event, KVStoreClient
 from kvstore_client.errors import KVStoreError, StoreUnavailable
+from kvstore_client.hashing import block_hashes
 from kvstore_server.config import format_size, parse_size
 
 PROG = "kvstore-cli"
@@ -58,6 +68,17 @@ DEFAULT_LIMIT = 100
 PAGE_SIZE = 1000
 LS_HEADERS = ("NAMESPACE", "HASH", "SIZE", "CHILDREN", "LAST ACCESS", "CREATED")
 LAYER_HEADERS = ("LAYER", "DTYPE", "SHAPE", "BYTES", "CHECKSUM")
+EXPLAIN_HEADERS = ("BLOCK", "TOKENS", "HASH", "STATUS")
+DEFAULT_EXPLAIN_BLOCK_SIZE = 32
+# explain's statuses: in the stored prefix; the first block not stored (the chain
+# breaks there); after the break, stored but not reachable as a prefix, or not stored.
+HIT, MISS, UNREACHABLE, MISSING = "hit", "miss", "unreachable", "missing"
+_STATUS_TEXT = {
+    HIT: "hit",
+    MISS: "MISS  <- the chain breaks here",
+    UNREACHABLE: "stored, unreachable (behind the break)",
+    MISSING: "missing",
+}
 
 Command = Callable[[KVStoreClient, argparse.Namespace], int]
 
@@ -243,6 +264,144 @@ def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _event_json(event: Event) -> dict[str, Any]:
+    return {
+        "sequence": event.sequence,
+        "kind": event.kind,
+        "namespace": render_namespace(event.namespace),
+        "block_hashes": [h.hex() for h in event.block_hashes],
+        "parent_hashes": [h.hex() for h in event.parent_hashes],
+        "timestamp": event.timestamp,
+        "store_id": event.store_id,
+    }
+
+
+def _event_line(event: Event) -> str:
+    hashes = event.block_hashes
+    count = f"{len(hashes)} block" + ("" if len(hashes) == 1 else "s")
+    span = "-"
+    if hashes:
+        span = short_hash(hashes[0]) + (f"..{short_hash(hashes[-1])}" if len(hashes) > 1 else "")
+    return "  ".join(
+        (str(event.sequence), format_timestamp(event.timestamp), f"{event.kind:<7}",
+         render_namespace(event.namespace), count, span)
+    )  # fmt: skip
+
+
+def cmd_watch(client: KVStoreClient, args: argparse.Namespace) -> int:
+    seen = 0
+    try:
+        with client.watch(args.from_sequence, args.namespace) as stream:
+            if not args.json:
+                print(
+                    f"watching {args.address} (store {stream.store_id}, "
+                    f"from sequence {stream.start_sequence}); Ctrl-C to stop",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            try:
+                for event in stream:
+                    print(json.dumps(_event_json(event)) if args.json else _event_line(event), flush=True)
+                    seen += 1
+                    if args.count and seen >= args.count:
+                        break
+            except StoreUnavailable as exc:  # not unreachable: it was there and is going away
+                _error(f"the watch ended after {seen} events: {exc}")
+                return 1
+    except KeyboardInterrupt:
+        pass  # the way a watch ends: quietly, exit 0
+    return 0
+
+
+def _read_prompt(path: str | None) -> tuple[str, str]:
+    """(text, where) of the token ids: FILE, or stdin for None or '-'."""
+    if path is None or path == "-":
+        if sys.stdin.isatty():
+            print("reading token ids from stdin (end with Ctrl-D)", file=sys.stderr, flush=True)
+        return sys.stdin.read(), "stdin"
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from None
+
+
+def cmd_explain(client: KVStoreClient, args: argparse.Namespace) -> int:
+    text, where = _read_prompt(args.file)
+    try:
+        tokens = parse_token_ids(text)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+    namespace: bytes = args.namespace
+    derived_root = connector_hash_root(namespace)
+    root = args.hash_root if args.hash_root is not None else (derived_root or namespace)
+    block_size = args.block_size or connector_block_size(namespace) or DEFAULT_EXPLAIN_BLOCK_SIZE
+    hashes = block_hashes(root, tokens, block_size, cache_salt=args.cache_salt, lora_name=args.lora)
+    hit = client.lookup(namespace, hashes) if hashes else 0
+    statuses = [HIT] * hit
+    if hit < len(hashes):
+        statuses.append(MISS)
+        # one-block lookups: which blocks past the break are stored all the same
+        statuses += [UNREACHABLE if client.lookup(namespace, [h]) else MISSING for h in hashes[hit + 1 :]]
+    # vLLM computes at least the prompt's last token: a prompt that is all whole,
+    # stored blocks reuses one block less.
+    max_reusable = (len(tokens) - 1) // block_size
+    reusable = min(hit, max_reusable)
+    blocks = [
+        {
+            "index": i,
+            "first_token": i * block_size,
+            "last_token": (i + 1) * block_size - 1,
+            "hash": h.hex(),
+            "status": status,
+        }
+        for i, (h, status) in enumerate(zip(hashes, statuses, strict=True))
+    ]
+    if args.json:
+        _emit_json(
+            {
+                "namespace": render_namespace(namespace),
+                "hash_root": render_namespace(root),
+                "block_size": block_size,
+                "num_tokens": len(tokens),
+                "full_blocks": len(hashes),
+                "hit_blocks": hit,
+                "break_at": hit if hit < len(hashes) else None,
+                "max_reusable_blocks": max_reusable,
+                "reusable_blocks": reusable,
+                "reusable_tokens": reusable * block_size,
+                "blocks": blocks,
+            }
+        )
+        return 0
+    partial = len(tokens) % block_size
+    root_note = ""
+    if args.hash_root is None and derived_root is not None:
+        root_note = " (vLLM connector namespace: the rank suffix is not part of the root)"
+    fields = [
+        ("namespace", render_namespace(namespace)),
+        ("hash root", render_namespace(root) + root_note),
+        ("block size", block_size),
+        ("tokens", f"{len(tokens)}: {len(hashes)} full blocks"
+                   + (f" + {partial} in a partial block, never stored" if partial else "")),
+    ]  # fmt: skip
+    print(format_table(fields))
+    if blocks:
+        print()
+        rows = [
+            (i, f"{i * block_size}-{(i + 1) * block_size - 1}", short_hash(h), _STATUS_TEXT[status])
+            for i, (h, status) in enumerate(zip(hashes, statuses, strict=True))
+        ]
+        print(format_table(rows, EXPLAIN_HEADERS, right={0}))
+    print()
+    summary = f"{hit} of {len(hashes)} full blocks hit = {reusable * block_size} tokens reusable"
+    if reusable < hit:
+        noun = "block" if reusable == 1 else "blocks"
+        summary += f" ({reusable} {noun}: a prompt reuses at most the blocks that leave one token to compute)"
+    print(summary)
+    return 0
+
+
 # ---- command line ------------------------------------------------------------------
 def _checked(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     """An argparse type from a parser that raises ValueError with a readable message."""
@@ -268,6 +427,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise ValueError(f"must not be negative, not {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be a positive integer, not {text!r}")
     return value
 
 
@@ -340,6 +506,53 @@ def build_parser() -> argparse.ArgumentParser:
         help="least recently used chain tails until at most SIZE is used (e.g. 10GiB)",
     )
     evict.add_argument("-y", "--yes", action="store_true", help="do not ask before --all")
+
+    watch = command("watch", cmd_watch, "print stored/removed events as they happen, until Ctrl-C")
+    watch.add_argument(
+        "--from",
+        dest="from_sequence",
+        metavar="SEQ",
+        type=_checked(_non_negative_int, "sequence"),
+        default=0,
+        help="replay from event sequence SEQ, if the daemon still holds it (default: only new events)",
+    )
+    watch.add_argument("--namespace", type=_NAMESPACE, help="only events of this namespace (text or 0xHEX)")
+    watch.add_argument(
+        "--count",
+        metavar="N",
+        type=_checked(_non_negative_int, "count"),
+        default=0,
+        help="exit after N events (default 0: run until interrupted)",
+    )
+
+    explain = command(
+        "explain", cmd_explain, "which blocks of a prompt are stored, where its chain breaks, tokens reusable"
+    )
+    explain.add_argument(
+        "file",
+        metavar="FILE",
+        nargs="?",
+        help="the prompt's token ids, whitespace/comma separated or a JSON list (default: stdin)",
+    )
+    explain.add_argument(
+        "--namespace", type=_NAMESPACE, required=True, help="the namespace looked up (text or 0xHEX)"
+    )
+    explain.add_argument(
+        "--block-size",
+        metavar="N",
+        type=_checked(_positive_int, "block size"),
+        help=f"tokens per block (default: the bsN of a vLLM connector namespace, "
+        f"else {DEFAULT_EXPLAIN_BLOCK_SIZE})",
+    )
+    explain.add_argument(
+        "--hash-root",
+        metavar="ROOT",
+        type=_NAMESPACE,
+        help="chain root of the block hashes (default: the namespace; for a vLLM connector "
+        "namespace, the namespace without its |tpNofM|ppNofM suffix)",
+    )
+    explain.add_argument("--cache-salt", metavar="SALT", help="the request's cache salt, if it had one")
+    explain.add_argument("--lora", metavar="NAME", help="the request's LoRA adapter name, if it had one")
     return parser
 
 

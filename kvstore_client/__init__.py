@@ -4,8 +4,17 @@
     from kvstore_client.hashing import block_hashes
 """
 
-from kvstore_client.client import EvictResult, KVStoreClient, LayerSpec, LayerStream, PutResult, PutStream
+from kvstore_client.client import (
+    Event,
+    EvictResult,
+    KVStoreClient,
+    LayerSpec,
+    LayerStream,
+    PutResult,
+    PutStream,
+    WatchStream,
+)
 from kvstore.memory import tune_malloc
 from kvstore_client.errors import KVStoreError
 
-__all__ = ["EvictResult", "KVStoreClient", "KVStoreError", "LayerSpec", "LayerStream", "PutResult", "PutStream", "tune_malloc"]
+__all__ = ["Event", "EvictResult", "KVStoreClient", "KVStoreError", "LayerSpec", "LayerStream", "PutResult", "PutStream", "WatchStream", "tune_malloc"]

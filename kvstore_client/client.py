@@ -5,6 +5,8 @@
         n = kv.lookup("ns", hashes)                                # blocks stored as a prefix
         layers = kv.select("ns", hashes)                           # {} on a miss
         layers = kv.drop_select("ns", hashes, timeout=5.0)         # waits, then consumes
+        with kv.watch(from_sequence=0) as events:                  # stored/removed Events
+            for event in events: ...                               # until events.cancel()
 
 Tensors: one per layer, dim 0 indexes blocks, every layer with the same
 number of blocks; contiguous CPU tensors (copy device tensors to pinned host
@@ -36,6 +38,11 @@ if TYPE_CHECKING:
     import torch
 
 _SERVICE = "/kvstore.v1.KVStore/"
+# Initial metadata of a Watch stream (see WatchRequest in the proto).
+_WATCH_STORE_ID = "kvstore-store-id"
+_WATCH_START_SEQUENCE = "kvstore-start-sequence"
+EVENT_STORED = "stored"
+EVENT_REMOVED = "removed"
 
 
 def _ns(namespace: str | bytes) -> bytes:
@@ -71,6 +78,79 @@ class PutResult:
 class EvictResult:
     blocks_evicted: int
     bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One change of the store as Watch reports it: blocks of one namespace stored or removed."""
+
+    sequence: int
+    """1, 2, 3, ... in commit order; restarts with every daemon start (see store_id)."""
+    kind: str
+    """EVENT_STORED ("stored") or EVENT_REMOVED ("removed")."""
+    namespace: bytes
+    block_hashes: tuple[bytes, ...]
+    parent_hashes: tuple[bytes, ...]
+    """Stored: each block's parent (b"" where a chain starts). Removed: ()."""
+    timestamp: float
+    """Unix seconds of the commit."""
+    store_id: str
+    """Random per daemon start: a new value means the store's picture must be rebuilt."""
+
+
+_KINDS = {pb.Event.STORED: EVENT_STORED, pb.Event.REMOVED: EVENT_REMOVED}
+
+
+class WatchStream:
+    """An open Watch: iterate it for Events, in order, until `cancel()` or an error.
+
+    The subscription is in place when KVStoreClient.watch returns: every change
+    committed after that is delivered. Iterating blocks while nothing happens;
+    `cancel()` (from any thread, or leaving a `with` block) ends the iteration
+    quietly. The daemon shutting down raises StoreUnavailable; falling behind
+    its event window raises EventsOutOfRange.
+    """
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._cancelled = False
+        metadata = dict(call.initial_metadata() or ())  # waits until subscribed, or the call failed
+        if _WATCH_STORE_ID not in metadata:
+            if call.code() is grpc.StatusCode.OK:
+                raise errors.StoreInternalError("Watch stream ended before it started")
+            raise errors.from_rpc_error(call)
+        self.store_id: str = metadata[_WATCH_STORE_ID]
+        """The daemon's id for this run."""
+        self.start_sequence: int = int(metadata.get(_WATCH_START_SEQUENCE, 0))
+        """The first sequence this stream can deliver (events of other namespaces are skipped)."""
+
+    def __iter__(self) -> Iterator[Event]:
+        try:
+            for msg in self._call:
+                yield Event(
+                    sequence=msg.sequence,
+                    kind=_KINDS.get(msg.kind, "unknown"),
+                    namespace=msg.namespace,
+                    block_hashes=tuple(msg.block_hashes),
+                    parent_hashes=tuple(msg.parent_hashes),
+                    timestamp=msg.timestamp,
+                    store_id=msg.store_id,
+                )
+        except grpc.RpcError as exc:
+            if self._cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+                return
+            raise errors.from_rpc_error(exc) from exc
+
+    def cancel(self) -> None:
+        """End the stream; a blocked iteration returns. Safe to call twice, from any thread."""
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
 
 
 _END = object()
@@ -277,6 +357,9 @@ class KVStoreClient:
         self._list = unary(_SERVICE + "List", pb.ListRequest.SerializeToString, pb.ListResponse.FromString)
         self._describe = unary(
             _SERVICE + "Describe", pb.DescribeRequest.SerializeToString, pb.DescribeResponse.FromString
+        )
+        self._watch = self._channel.unary_stream(
+            _SERVICE + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
         )
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
@@ -493,6 +576,22 @@ class KVStoreClient:
     ) -> pb.DescribeResponse:
         req = pb.DescribeRequest(namespace=_ns(namespace), block_hash=block_hash)
         return self._unary(self._describe, req, timeout)
+
+    def watch(
+        self, from_sequence: int = 0, namespace: str | bytes | None = None, *, timeout: float | None = None
+    ) -> WatchStream:
+        """Subscribe to stored/removed events; returns once subscribed.
+
+        from_sequence 0: events from now on; N: replay from sequence N if the
+        daemon still holds it (else EventsOutOfRange: resync with List and
+        watch from 0). `timeout` bounds the whole stream; None: no deadline.
+        Compare each event's store_id with the last one seen: a new id means
+        the daemon restarted and sequences began again at 1.
+        """
+        if from_sequence < 0:
+            raise ValueError("from_sequence must not be negative")
+        req = pb.WatchRequest(from_sequence=from_sequence, namespace=_ns(namespace) if namespace else b"")
+        return WatchStream(self._watch(req, timeout=timeout))
 
     def health(self, *, timeout: float | None = None) -> str:
         """The standard gRPC health status of the KVStore service: 'SERVING', 'NOT_SERVING', ..."""

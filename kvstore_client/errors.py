@@ -13,6 +13,9 @@
     ├── BlockNotFound               describe of a block that is not stored (NOT_FOUND).
     ├── PutAborted                  a put stream ended without commit (ABORTED, CANCELLED);
     │                               nothing was stored.
+    ├── EventsOutOfRange            watch from a sequence the daemon no longer holds, or a
+    │                               watcher that fell behind its window (OUT_OF_RANGE).
+    │                               Events were missed: resync with List, then watch from 0.
     ├── AuthError                   UNAUTHENTICATED or PERMISSION_DENIED
     └── StoreInternalError          anything else the daemon reported (INTERNAL, ...)
 
@@ -59,6 +62,10 @@ class PutAborted(KVStoreError):
     pass
 
 
+class EventsOutOfRange(KVStoreError):
+    pass
+
+
 class AuthError(KVStoreError):
     pass
 
@@ -75,6 +82,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.NOT_FOUND: BlockNotFound,
     grpc.StatusCode.ABORTED: PutAborted,
     grpc.StatusCode.CANCELLED: PutAborted,
+    grpc.StatusCode.OUT_OF_RANGE: EventsOutOfRange,
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.PERMISSION_DENIED: AuthError,
 }

@@ -54,6 +54,10 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_waiting_drop_selects": _INT,
     "grace_seconds": ((int, float), "a number"),
     "log_level": _STR,
+    "metrics_port": _INT,
+    "metrics_host": _STR,
+    "event_window": _INT,
+    "max_watchers": _INT,
 }
 
 
@@ -109,6 +113,16 @@ class ServerConfig:
     grace_seconds: float = 10.0
     """On SIGTERM/SIGINT, how long in-flight calls may take to finish."""
     log_level: str = "INFO"
+    metrics_port: int | None = None
+    """Serve Prometheus metrics over HTTP on this port (0: a free one, shown in the ready
+    line); not set: no metrics endpoint."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics endpoint binds ("0.0.0.0" for every interface)."""
+    event_window: int = 100_000
+    """Recent events kept for Watch replay. Memory: about 32 bytes per block hash plus
+    ~200 bytes per event (100k events of 128 blocks: ~430 MB)."""
+    max_watchers: int = 16
+    """Watch streams open at once (each holds a worker thread); beyond it RESOURCE_EXHAUSTED."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -122,13 +136,19 @@ class ServerConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"listen must be HOST:PORT, not {self.listen!r}")
-        for name in ("workers", "max_concurrent_rpcs", "max_waiting_drop_selects"):
+        for name in (
+            "workers", "max_concurrent_rpcs", "max_waiting_drop_selects", "event_window", "max_watchers"
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must not be negative")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError("log_level must be DEBUG, INFO, WARNING or ERROR")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be 0..65535, not {self.metrics_port}")
+        if not self.metrics_host:
+            raise ValueError("metrics_host must not be empty")
 
     @classmethod
     def load(cls, path: Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:
@@ -152,6 +172,9 @@ class ServerConfig:
         lines = []
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None:  # TOML has no null: an unset setting is left out
+                lines.append(f"# {f.name} is not set")
+                continue
             if isinstance(value, bool):
                 text = "true" if value else "false"
             elif isinstance(value, (int, float)):

@@ -1,10 +1,14 @@
 """Entry point of `kvstore-server`.
 
     kvstore-server [--listen HOST:PORT] [--data-dir DIR] [--backend lmdb|disk]
-                   [--capacity SIZE] [--sync] [--config FILE] [--print-config]
+                   [--capacity SIZE] [--sync] [--metrics-port PORT] [--config FILE] [--print-config]
 
 `create_server(config, store)` builds a server bound to its port without
 starting signal handling, so tests can run one in-process on port 0.
+
+Stdout carries exactly one line, once the daemon serves:
+    kvstore-server ready on HOST:PORT (backend=..., data_dir=..., capacity=...[, metrics=URL])
+Everything else goes to the log (stderr).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from kvstore.v1 import kvstore_pb2
 from kvstore_server import __version__
 from kvstore_server.config import ServerConfig, format_size
 from kvstore_server.datadir import DataDir, DataDirInUse
+from kvstore_server.events import EventLog
+from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
 from kvstore_server.storage import open_backend
 from kvstore_server.store import Store
@@ -43,12 +49,17 @@ class Running:
     port: int
     health: health.HealthServicer
     store: Store
+    events: EventLog | None = None
+    # None unless config.metrics_port is set; serving them over HTTP is main()'s job
+    metrics: Metrics | None = None
 
 
 def create_server(config: ServerConfig, store: Store) -> Running:
     """A bound, not yet started server for `store`; port 0 binds a free port."""
+    metrics = Metrics() if config.metrics_port is not None else None
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
+        interceptors=[metrics.interceptor] if metrics is not None else None,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
@@ -56,7 +67,10 @@ def create_server(config: ServerConfig, store: Store) -> Running:
             ("grpc.so_reuseport", 0),
         ],
     )
-    server.add_generic_rpc_handlers((generic_handler(Servicer(store, config)),))
+    servicer = Servicer(store, config)
+    if metrics is not None:
+        metrics.watch(store, servicer)
+    server.add_generic_rpc_handlers((generic_handler(servicer),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -72,7 +86,7 @@ def create_server(config: ServerConfig, store: Store) -> Running:
         raise OSError(f"could not bind {config.listen}")
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return Running(server, port, health_servicer, store)
+    return Running(server, port, health_servicer, store, servicer.events, metrics)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +105,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-put-bytes", dest="max_put_bytes", help="largest single put (default 2GiB)")
     p.add_argument("--max-inflight-put-bytes", dest="max_inflight_put_bytes", help="default 4GiB")
     p.add_argument("--grace-seconds", dest="grace_seconds", type=float, help="shutdown grace (default 10)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics (0: any)")
+    p.add_argument("--metrics-host", dest="metrics_host", help="metrics address (default 127.0.0.1)")
+    p.add_argument("--event-window", dest="event_window", type=int, help="events kept for Watch (100000)")
+    p.add_argument("--max-watchers", dest="max_watchers", type=int, help="Watch streams at once (16)")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
@@ -134,11 +152,32 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
         datadir.close(sync=config.sync)
         return 1
+    metrics_http = None
+    if running.metrics is not None and config.metrics_port is not None:
+        try:
+            metrics_http = MetricsServer.start(
+                running.metrics.registry, config.metrics_host, config.metrics_port
+            )
+        except OSError as exc:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+            log.error("cannot serve metrics on %s:%d: %s", config.metrics_host, config.metrics_port, exc)
+            store.close()
+            datadir.close(sync=config.sync)
+            return 1
+        log.info("serving Prometheus metrics on %s", metrics_http.url)
+    if config.max_watchers + config.max_waiting_drop_selects >= config.workers:
+        log.warning(
+            "max_watchers (%d) + max_waiting_drop_selects (%d) leave no worker thread of %d for other calls",
+            config.max_watchers,
+            config.max_waiting_drop_selects,
+            config.workers,
+        )
     running.server.start()
     host = config.listen.rpartition(":")[0]
+    metrics_note = f", metrics={metrics_http.url}" if metrics_http is not None else ""
     print(
         f"kvstore-server ready on {host}:{running.port} (backend={config.backend}, "
-        f"data_dir={config.data_dir}, capacity={format_size(config.capacity)})",
+        f"data_dir={config.data_dir}, capacity={format_size(config.capacity)}{metrics_note})",
         flush=True,
     )
     signum = signal.sigwait(_STOP_SIGNALS)
@@ -149,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     running.health.enter_graceful_shutdown()
     store.begin_shutdown()
+    if running.events is not None:
+        running.events.close()  # Watch streams end now (UNAVAILABLE), not at the grace deadline
     running.server.stop(config.grace_seconds).wait()
+    if metrics_http is not None:
+        metrics_http.close()
     store.close()
     datadir.close(sync=config.sync)
     log.info("stopped cleanly")

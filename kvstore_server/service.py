@@ -8,7 +8,8 @@ translated to a status code here and nowhere else:
     DEADLINE_EXCEEDED   DropSelect waited its full time
     NOT_FOUND           Describe of a block that is not stored
     ABORTED             Put stream closed before its commit (nothing stored)
-    UNAVAILABLE         the daemon is shutting down
+    OUT_OF_RANGE        Watch from (or fallen behind to) a sequence no longer held
+    UNAVAILABLE         the daemon is shutting down (also ends Watch streams)
     INTERNAL            the backend failed (logged with details)
 """
 
@@ -28,6 +29,7 @@ from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.config import ServerConfig
+from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.storage import LayerSpec, StorageError, checksum
 from kvstore_server.store import (
     CapacityError,
@@ -44,6 +46,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvstore.v1.KVStore"
 DEFAULT_LIST_LIMIT = 1000
 MAX_LIST_LIMIT = 10000
+# A Watch stream's initial metadata: sent once the subscription is in place.
+WATCH_STORE_ID_KEY = "kvstore-store-id"
+WATCH_START_SEQUENCE_KEY = "kvstore-start-sequence"
+# How often a waiting watcher rechecks its call (cancellation also wakes it at once).
+WATCH_POLL_SECONDS = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,6 +65,7 @@ _STATUS = (
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (EventsOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
 )
 
@@ -72,7 +80,10 @@ def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
 
 def translated(method: F) -> F:
     """Map store and validation errors to status codes (unary and streaming methods)."""
-    errors = (InvalidRequest, InvalidChain, CapacityError, WaitTimeout, NotFoundError, ShuttingDown, StorageError)
+    errors = (
+        InvalidRequest, InvalidChain, CapacityError, WaitTimeout, NotFoundError, EventsOutOfRange,
+        ShuttingDown, StorageError,
+    )  # fmt: skip
 
     @functools.wraps(method)
     def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
@@ -179,6 +190,14 @@ class Servicer:
         self.config = config
         self._put_budget = ByteBudget(config.max_inflight_put_bytes)
         self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
+        self._watchers = threading.BoundedSemaphore(config.max_watchers)
+        self.events = EventLog(config.event_window)
+        store.add_listener(self.events.record)
+
+    @property
+    def inflight_put_bytes(self) -> int:
+        """Bytes of Put data buffered right now, across clients."""
+        return self._put_budget.used
 
     # ---- serving path
     @translated
@@ -378,6 +397,49 @@ class Servicer:
             ],
         )
 
+    # ---- routers and observers
+    @translated
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
+        namespace = check_namespace(request.namespace) if request.namespace else None
+        if not self._watchers.acquire(blocking=False):
+            raise CapacityError(f"more than {self.config.max_watchers} Watch streams open (max_watchers)")
+        try:
+            cursor = self.events.subscribe(request.from_sequence, namespace)
+            try:
+                context.add_callback(lambda: self.events.cancel(cursor))
+                # Once this arrives, every event committed afterwards reaches this stream.
+                try:
+                    context.send_initial_metadata(
+                        (
+                            (WATCH_STORE_ID_KEY, self.events.store_id),
+                            (WATCH_START_SEQUENCE_KEY, str(cursor.next_sequence)),
+                        )
+                    )
+                except grpc.RpcError:
+                    return  # the client already went away
+                while not cursor.cancelled and context.is_active():
+                    batch = self.events.read(cursor, WATCH_POLL_SECONDS)
+                    if batch is None:
+                        raise ShuttingDown("the daemon is shutting down; watch again once it is back")
+                    for event in batch:
+                        yield _event_message(event, self.events.store_id)
+            finally:
+                self.events.unsubscribe(cursor)
+        finally:
+            self._watchers.release()
+
+
+def _event_message(event: Event, store_id: str) -> pb.Event:
+    return pb.Event(
+        sequence=event.sequence,
+        kind=pb.Event.STORED if event.kind == STORED else pb.Event.REMOVED,
+        namespace=event.namespace,
+        block_hashes=event.block_hashes(),
+        parent_hashes=event.parent_hashes(),
+        timestamp=event.timestamp,
+        store_id=store_id,
+    )
+
 
 def _stream(result: ReadResult, chunk_bytes: int) -> Iterator[pb.GetResponse | bytes]:
     """GetHeader, then each layer's blocks in chunks of at most `chunk_bytes`."""
@@ -432,5 +494,8 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         "Stats": unary(servicer.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
         "List": unary(servicer.List, pb.ListRequest.FromString, pb.ListResponse.SerializeToString),
         "Describe": unary(servicer.Describe, pb.DescribeRequest.FromString, pb.DescribeResponse.SerializeToString),
+        "Watch": grpc.unary_stream_rpc_method_handler(
+            servicer.Watch, pb.WatchRequest.FromString, pb.Event.SerializeToString
+        ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

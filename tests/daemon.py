@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ class Daemon:
     proc: subprocess.Popen[str] | None = None
     address: str = ""
     ready_line: str = ""
+    # with extra_args ["--metrics-port", "0"]: the endpoint from the ready line
+    metrics_url: str = ""
 
     def start(self) -> Daemon:
         cmd = [
@@ -53,6 +56,8 @@ class Daemon:
             raise RuntimeError(f"daemon did not start: {line!r}; log:\n{self.log_path.read_text()}")
         self.ready_line = line.strip()
         self.address = line.split()[3]
+        metrics = re.search(r"metrics=(http://\S+?)\)?$", self.ready_line)
+        self.metrics_url = metrics.group(1) if metrics else ""
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

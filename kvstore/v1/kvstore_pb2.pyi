@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -251,3 +252,37 @@ class DescribeResponse(_message.Message):
     block: BlockInfo
     layers: _containers.RepeatedCompositeFieldContainer[LayerInfo]
     def __init__(self, block: _Optional[_Union[BlockInfo, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerInfo, _Mapping]]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("from_sequence", "namespace")
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    from_sequence: int
+    namespace: bytes
+    def __init__(self, from_sequence: _Optional[int] = ..., namespace: _Optional[bytes] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("sequence", "kind", "namespace", "block_hashes", "parent_hashes", "timestamp", "store_id")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Event.Kind]
+        STORED: _ClassVar[Event.Kind]
+        REMOVED: _ClassVar[Event.Kind]
+    KIND_UNSPECIFIED: Event.Kind
+    STORED: Event.Kind
+    REMOVED: Event.Kind
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: Event.Kind
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    timestamp: float
+    store_id: str
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hashes: _Optional[_Iterable[bytes]] = ..., timestamp: _Optional[float] = ..., store_id: _Optional[str] = ...) -> None: ...

@@ -74,6 +74,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/kvstore.v1.KVStore/Watch',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.Event.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -127,6 +132,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,6 +180,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Describe,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WatchRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.Event.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +403,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Describe',
             kvstore_dot_v1_dot_kvstore__pb2.DescribeRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.DescribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Watch',
+            kvstore_dot_v1_dot_kvstore__pb2.WatchRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

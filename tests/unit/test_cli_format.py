@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timezone
 
 import pytest
 
 from kvstore_cli.formatting import (
+    connector_block_size,
+    connector_hash_root,
     format_duration,
     format_percent,
     format_table,
@@ -14,6 +17,7 @@ from kvstore_cli.formatting import (
     parse_duration,
     parse_hash,
     parse_namespace,
+    parse_token_ids,
     render_namespace,
     short_hash,
 )
@@ -169,3 +173,51 @@ def test_format_table_edge_cases() -> None:
     ragged = format_table([("a",), ("bb", "c")])
     assert ragged.splitlines() == ["a", "bb  c"]  # short rows padded, no trailing spaces
     assert all(line == line.rstrip() for line in format_table([("x", "")], ("H", "LAST")).splitlines())
+
+
+# ---- explain's inputs -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        ("1 2 3", [1, 2, 3]),
+        ("1,2,3", [1, 2, 3]),
+        (" 1, 2 ,3\n4\t5 \n", [1, 2, 3, 4, 5]),
+        ("[1, 2, 3]", [1, 2, 3]),
+        ("\n [0, 4294967295] \n", [0, 4294967295]),
+    ],
+)
+def test_parse_token_ids(text: str, tokens: list[int]) -> None:
+    assert parse_token_ids(text) == tokens
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no token ids"),
+        (" ,\n", "no token ids"),
+        ("[]", "no token ids"),
+        ("1 two 3", "not a token id: 'two'"),
+        ("1.5", "not a token id"),
+        ("-1", "outside 0..4294967295"),
+        ("4294967296", "outside"),
+        ("[1, 2.0]", "flat list of integer"),
+        ("[true]", "flat list of integer"),
+        ('{"a": 1}', "not a token id"),
+        ("[1, 2", "invalid JSON"),
+    ],
+)
+def test_parse_token_ids_rejects(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_token_ids(text)
+
+
+def test_connector_namespaces_hash_from_their_rank_free_root() -> None:
+    from kvstore_connector.config import NamespaceInfo  # needs no vLLM
+
+    info = NamespaceInfo("org/model|odd", "bfloat16", 16, 8, 128, False, "cpu", tp_size=2, pp_size=2)
+    for namespace in info.all_namespaces():
+        assert connector_hash_root(namespace) == info.hash_root.encode()
+        assert connector_block_size(namespace) == 16
+    for other in (b"my-model", info.hash_root.encode(), b"\xff\xfe", b"kvc1|m|tp0of1"):
+        assert connector_hash_root(other) is None
+        assert connector_block_size(other) is None

@@ -155,6 +155,11 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ({"max_waiting_drop_selects": 0}, "max_waiting_drop_selects"),
         ({"grace_seconds": -1.0}, "grace_seconds"),
         ({"log_level": "chatty"}, "log_level"),
+        ({"metrics_port": 65536}, "metrics_port must be 0..65535"),
+        ({"metrics_port": -1}, "metrics_port must be 0..65535"),
+        ({"metrics_host": ""}, "metrics_host must not be empty"),
+        ({"event_window": 0}, "event_window must be at least 1"),
+        ({"max_watchers": 0}, "max_watchers must be at least 1"),
     ],
 )
 def test_validation_errors(overrides: dict, message: str) -> None:
@@ -177,6 +182,10 @@ def test_to_toml_round_trips(tmp_path: Path) -> None:
         workers=3,
         grace_seconds=0.25,
         log_level="WARNING",
+        metrics_port=9400,
+        metrics_host="0.0.0.0",
+        event_window=50,
+        max_watchers=2,
     )
     text = config.to_toml()
     doc = tomllib.loads(text)
@@ -212,3 +221,24 @@ def test_toml_values_of_the_wrong_type_are_value_errors(tmp_path: Path, line: st
 def test_toml_numbers_where_numbers_are_expected(tmp_path: Path) -> None:
     config = ServerConfig.load(write(tmp_path, "grace_seconds = 3\ncapacity = 1048576\nworkers = 2\n"))
     assert (config.grace_seconds, config.capacity, config.workers) == (3, 1 << 20, 2)
+
+
+def test_service_settings_defaults_file_and_flags(tmp_path: Path) -> None:
+    config = ServerConfig()
+    assert (config.metrics_port, config.metrics_host) == (None, "127.0.0.1")
+    assert (config.event_window, config.max_watchers) == (100_000, 16)
+    path = write(tmp_path, 'metrics-port = 9400\nmetrics_host = "::"\nevent-window = 10\nmax_watchers = 3\n')
+    config = ServerConfig.load(path, {"metrics_port": 0, "max_watchers": 5})
+    assert (config.metrics_port, config.metrics_host, config.event_window, config.max_watchers) == (0, "::", 10, 5)
+    with pytest.raises(ValueError, match="metrics_port must be an integer"):
+        ServerConfig.load(write(tmp_path, 'metrics_port = "9400"\n'))
+    with pytest.raises(ValueError, match="event_window must be an integer"):
+        ServerConfig.load(write(tmp_path, "event_window = true\n"))
+
+
+def test_unset_metrics_port_prints_as_a_comment_and_round_trips(tmp_path: Path) -> None:
+    config = ServerConfig(data_dir=tmp_path)
+    text = config.to_toml()
+    assert "# metrics_port is not set\n" in text
+    assert "metrics_port" not in tomllib.loads(text)
+    assert ServerConfig.load(write(tmp_path, text)) == config

@@ -10,6 +10,7 @@ from kvstore_client.errors import (
     AuthError,
     BlockNotFound,
     CapacityExceeded,
+    EventsOutOfRange,
     InvalidRequest,
     KVStoreError,
     PutAborted,
@@ -62,6 +63,7 @@ DOCUMENTED = {
     grpc.StatusCode.NOT_FOUND: BlockNotFound,
     grpc.StatusCode.ABORTED: PutAborted,
     grpc.StatusCode.CANCELLED: PutAborted,
+    grpc.StatusCode.OUT_OF_RANGE: EventsOutOfRange,
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.PERMISSION_DENIED: AuthError,
 }
@@ -115,6 +117,7 @@ def test_exception_tree() -> None:
         CapacityExceeded,
         BlockNotFound,
         PutAborted,
+        EventsOutOfRange,
         AuthError,
         StoreInternalError,
     ):

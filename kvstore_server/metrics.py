@@ -1,0 +1,322 @@
+"""Prometheus metrics of the daemon, served as text on `--metrics-port`.
+
+    metrics = Metrics()                                    # a registry of its own
+    grpc.server(..., interceptors=[metrics.interceptor])   # per-RPC calls, errors, latency
+    metrics.watch(store, servicer)                         # store state, read at scrape time
+    http = MetricsServer.start(metrics.registry, "127.0.0.1", 0)   # port 0: a free one
+    http.address; http.close()
+
+Per RPC of kvstore.v1.KVStore (health and reflection calls are not counted),
+recorded when the call ends — for streams, when the stream ends; a call the
+client cancels counts as CANCELLED (DEADLINE_EXCEEDED if its deadline passed):
+
+    kvstore_rpc_calls_total{method,code}        finished calls by status code (OK included)
+    kvstore_rpc_errors_total{method,code}       the same, for codes other than OK
+    kvstore_rpc_duration_seconds{method}        histogram: call start to call end
+    kvstore_received_bytes_total                KV payload received in Put streams, as it
+                                                arrives (also for puts that fail or repeat
+                                                stored blocks)
+
+Read from the store (Store.stats(), the same numbers as the Stats RPC) and the
+servicer at scrape time, so there is no second set of books to drift:
+
+    kvstore_blocks, kvstore_stored_bytes, kvstore_capacity_bytes, kvstore_namespaces
+    kvstore_lookups_total, kvstore_lookup_hit_blocks_total, kvstore_lookup_miss_blocks_total
+    kvstore_puts_total, kvstore_written_blocks_total, kvstore_written_bytes_total
+    kvstore_read_bytes_total                    KV payload of Get and DropSelect streams
+    kvstore_evictions_total, kvstore_checksum_failures_total
+    kvstore_inflight_put_bytes                  Put data buffered now (max_inflight_put_bytes)
+    kvstore_active_watchers                     open Watch streams (max_watchers)
+    kvstore_events_total                        events recorded for Watch since start
+    kvstore_start_time_seconds                  unix time the daemon started
+    kvstore_info{version,backend,store_id}      always 1
+
+Calls refused by gRPC itself before reaching a handler (beyond
+max_concurrent_rpcs) are not seen here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_server import __version__
+
+if TYPE_CHECKING:
+    from kvstore_server.service import Servicer
+    from kvstore_server.store import Store
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "/kvstore.v1.KVStore/"
+# Lookups take well under a millisecond; a Put of a long prompt or a waiting DropSelect, seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """The daemon's metrics in a CollectorRegistry of their own (not the global one)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.calls = Counter(
+            "kvstore_rpc_calls",
+            "Finished KVStore calls by method and status code (streams: when the stream ended).",
+            ("method", "code"),
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "kvstore_rpc_errors",
+            "Finished KVStore calls whose status code was not OK.",
+            ("method", "code"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvstore_rpc_duration_seconds",
+            "KVStore call time from start to end (streams: to the end of the stream).",
+            ("method",),
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.received_bytes = Counter(
+            "kvstore_received_bytes",
+            "KV payload bytes received in Put streams, as they arrive.",
+            registry=self.registry,
+        )
+        self.interceptor = _Interceptor(self)
+
+    def watch(self, store: Store, servicer: Servicer | None = None) -> None:
+        """Export `store`'s (and `servicer`'s) state, read at each scrape. Call once."""
+        self.registry.register(StoreCollector(store, servicer))
+
+    def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        name = code.name
+        self.calls.labels(method, name).inc()
+        if code is not grpc.StatusCode.OK:
+            self.errors.labels(method, name).inc()
+        self.latency.labels(method).observe(seconds)
+
+
+class StoreCollector(Collector):
+    """Store.stats() and the servicer's gauges as metric families, at scrape time."""
+
+    def __init__(self, store: Store, servicer: Servicer | None = None) -> None:
+        self.store = store
+        self.servicer = servicer
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.store.stats()
+
+        def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=float(s[key]))
+
+        def counter(name: str, doc: str, key: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=float(s[key]))
+
+        yield gauge("kvstore_blocks", "Blocks stored.", "blocks")
+        yield gauge("kvstore_stored_bytes", "KV bytes stored (counted against capacity).", "bytes_used")
+        yield gauge("kvstore_capacity_bytes", "The byte budget for KV data.", "capacity_bytes")
+        yield gauge("kvstore_namespaces", "Namespaces with a stored block.", "namespaces")
+        yield counter("kvstore_lookups", "Prefix lookups (per namespace asked).", "lookups")
+        yield counter("kvstore_lookup_hit_blocks", "Blocks found by lookups (stored prefixes).", "hit_blocks")
+        yield counter("kvstore_lookup_miss_blocks", "Blocks asked for by lookups, not found.", "miss_blocks")
+        yield counter("kvstore_puts", "Committed puts.", "puts")
+        yield counter("kvstore_written_blocks", "Blocks written by puts (repeats skipped).", "blocks_written")
+        yield counter("kvstore_written_bytes", "KV bytes written by puts (repeats skipped).", "bytes_written")
+        yield counter("kvstore_read_bytes", "KV payload of completed Get/DropSelect streams.", "bytes_read")
+        yield counter("kvstore_evictions", "Blocks evicted, for capacity and by Evict calls.", "evictions")
+        yield counter("kvstore_checksum_failures", "Layers failing checksums on read.", "checksum_failures")
+        yield GaugeMetricFamily(
+            "kvstore_start_time_seconds", "Unix time the daemon started.", value=self.store.started_at
+        )
+        info = InfoMetricFamily("kvstore", "The daemon: version, backend and store id (random per start).")
+        labels = {"version": __version__, "backend": str(s["backend"]), "store_id": ""}
+        if self.servicer is not None:
+            events = self.servicer.events
+            yield GaugeMetricFamily(
+                "kvstore_inflight_put_bytes",
+                "Bytes of Put data buffered now, across clients.",
+                value=self.servicer.inflight_put_bytes,
+            )
+            yield GaugeMetricFamily("kvstore_active_watchers", "Open Watch streams.", value=events.watchers)
+            yield CounterMetricFamily(
+                "kvstore_events", "Events recorded for Watch since start.", value=events.next_sequence - 1
+            )
+            labels["store_id"] = events.store_id
+        info.add_metric([], labels)
+        yield info
+
+
+class _Call:
+    """One instrumented call, recorded exactly once.
+
+    When the handler returns or raises (before gRPC sends the status, so a
+    client that has its answer finds it counted), or, if the client went away
+    first, from gRPC's termination callback as CANCELLED / DEADLINE_EXCEEDED.
+    """
+
+    __slots__ = ("metrics", "method", "context", "started", "recorded", "lock")
+
+    def __init__(self, metrics: Metrics, method: str, context: grpc.ServicerContext) -> None:
+        self.metrics = metrics
+        self.method = method
+        self.context = context
+        self.started = time.perf_counter()
+        self.recorded = False
+        self.lock = threading.Lock()
+        if not context.add_callback(self.ended):
+            self.ended()  # already over: the client went away before the handler ran
+
+    def finish(self, code: grpc.StatusCode) -> None:
+        """The handler returned or raised, with this status."""
+        self._record(code)
+
+    def ended(self) -> None:
+        # gRPC's termination callback: runs after `finish` for a call that completed,
+        # or first when the client cancelled (then possibly while the handler still runs).
+        remaining = self.context.time_remaining()
+        expired = remaining is not None and remaining <= 0
+        self._record(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
+
+    def _record(self, code: grpc.StatusCode) -> None:
+        with self.lock:
+            if self.recorded:
+                return
+            self.recorded = True
+        self.metrics.record(self.method, code, time.perf_counter() - self.started)
+
+
+class _Interceptor(grpc.ServerInterceptor):
+    """Wraps each KVStore method handler to time it and record its status code."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._lock = threading.Lock()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        full_name = handler_call_details.method
+        if handler is None or not full_name.startswith(_PREFIX):
+            return handler
+        # The generic handler hands out the same handler object per method: wrap it once.
+        cached = self._wrapped.get(full_name)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(full_name[len(_PREFIX) :], handler)
+        with self._lock:
+            self._wrapped[full_name] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Any) -> grpc.RpcMethodHandler:
+        if handler.request_streaming and handler.response_streaming:
+            return handler._replace(stream_stream=self._streaming(method, handler.stream_stream))  # type: ignore[no-any-return]
+        if handler.request_streaming:
+            behavior = handler.stream_unary
+            if method == "Put":
+                behavior = self._counting_put(behavior)
+            return handler._replace(stream_unary=self._unary(method, behavior))  # type: ignore[no-any-return]
+        if handler.response_streaming:
+            return handler._replace(unary_stream=self._streaming(method, handler.unary_stream))  # type: ignore[no-any-return]
+        return handler._replace(unary_unary=self._unary(method, handler.unary_unary))  # type: ignore[no-any-return]
+
+    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        metrics = self.metrics
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            call = _Call(metrics, method, context)
+            try:
+                response = behavior(request, context)
+            except BaseException:
+                call.finish(context.code() or grpc.StatusCode.UNKNOWN)
+                raise
+            call.finish(context.code() or grpc.StatusCode.OK)
+            return response
+
+        return unary
+
+    def _streaming(self, method: str, behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+        metrics = self.metrics
+
+        def observed(call: _Call, responses: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            try:
+                yield from responses
+            except GeneratorExit:
+                raise  # gRPC dropped the stream: the client went away; `ended` records it
+            except BaseException:
+                call.finish(context.code() or grpc.StatusCode.UNKNOWN)
+                raise
+            call.finish(context.code() or grpc.StatusCode.OK)
+
+        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            # not a generator itself: the call is registered even if the stream is never read
+            call = _Call(metrics, method, context)
+            try:
+                responses = behavior(request, context)
+            except BaseException:
+                call.finish(context.code() or grpc.StatusCode.UNKNOWN)
+                raise
+            return observed(call, responses, context)
+
+        return streaming
+
+    def _counting_put(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        received = self.metrics.received_bytes
+
+        def count(requests: Iterator[Any]) -> Iterator[Any]:
+            for msg in requests:
+                if isinstance(msg, wire.Chunk):
+                    received.inc(len(msg.data))
+                elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
+                    received.inc(len(msg.chunk.data))
+                yield msg
+
+        def put(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return behavior(count(requests), context)
+
+        return put
+
+
+class MetricsServer:
+    """The HTTP endpoint serving a registry in the Prometheus text format (any path)."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        host, port = httpd.server_address[:2]
+        self.host: str = host
+        self.port: int = port
+
+    @classmethod
+    def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsServer:
+        """Bind HOST:PORT (port 0: a free port) and serve from a daemon thread. Raises OSError."""
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        return cls(httpd, thread)
+
+    @property
+    def address(self) -> str:
+        """HOST:PORT actually bound (IPv6 hosts in brackets)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port. Called once."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join()

@@ -1,0 +1,266 @@
+"""kvstore-cli watch and explain against a real daemon (both backends), through
+kvstore_cli.main.main, and `watch` once as the installed command interrupted by Ctrl-C."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from daemon import Daemon
+
+from kvstore_cli.main import main
+from kvstore_client import KVStoreClient
+from kvstore_client.hashing import block_hashes
+
+NS = "cli-ns"
+BLOCK = 4  # tokens per block in these tests
+PROMPT = list(range(1000, 1000 + 6 * BLOCK + 2))  # six full blocks and two tokens more
+
+
+def layers(n: int) -> dict[str, torch.Tensor]:
+    return {"k": torch.zeros((n, 2, 4), dtype=torch.float16), "v": torch.ones((n, 2, 4), dtype=torch.float16)}
+
+
+def run(capsys: pytest.CaptureFixture[str], address: str, *args: str) -> tuple[int, str, str]:
+    code = main(["--address", address, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- watch ------------------------------------------------------------------------------
+def _make_events(address: str) -> list[bytes]:
+    hashes = block_hashes(NS, PROMPT, BLOCK)
+    with KVStoreClient(address) as kv:
+        kv.put(NS, hashes[:3], layers(3))  # 1 stored
+        kv.put("other", hashes[:1], layers(1))  # 2 stored, another namespace
+        kv.evict(namespace=NS, block_hash=hashes[2])  # 3 removed
+    return hashes
+
+
+def test_watch_json_replays_and_stops_after_count(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+    hashes = _make_events(daemon.address)
+    code, out, err = run(capsys, daemon.address, "watch", "--json", "--from", "1", "--count", "3")
+    assert (code, err) == (0, "")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [(e["sequence"], e["kind"], e["namespace"]) for e in lines] == [
+        (1, "stored", NS), (2, "stored", "other"), (3, "removed", NS),
+    ]  # fmt: skip
+    assert lines[0]["block_hashes"] == [h.hex() for h in hashes[:3]]
+    assert lines[0]["parent_hashes"] == ["", hashes[0].hex(), hashes[1].hex()]
+    assert lines[2]["block_hashes"] == [hashes[2].hex()] and lines[2]["parent_hashes"] == []
+    assert len({e["store_id"] for e in lines}) == 1
+    assert all(isinstance(e["timestamp"], float) for e in lines)
+
+
+def test_watch_human_lines_and_namespace_filter(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+    hashes = _make_events(daemon.address)
+    code, out, err = run(capsys, daemon.address, "watch", "--from", "1", "--namespace", NS, "--count", "2")
+    assert code == 0
+    assert err.startswith(f"watching {daemon.address} (store ") and "from sequence 1" in err
+    first, second = out.splitlines()
+    short = [h.hex()[:16] for h in hashes]
+    assert first.split("  ")[0] == "1" and second.split("  ")[0] == "3"
+    assert f"stored   {NS}  3 blocks  {short[0]}..{short[2]}" in first
+    assert f"removed  {NS}  1 block  {short[2]}" in second
+
+
+def test_watch_from_a_lost_sequence_exits_1(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, daemon.address, "watch", "--from", "5")
+    assert (code, out) == (1, "")
+    assert "OUT_OF_RANGE" in err and "resync" in err
+
+
+def test_installed_watch_prints_events_until_ctrl_c(daemon: Daemon) -> None:
+    cli = shutil.which("kvstore-cli") or str(Path(sys.executable).parent / "kvstore-cli")
+    proc = subprocess.Popen(
+        [cli, "--address", daemon.address, "watch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        # printed once the daemon holds the subscription: what happens next is seen
+        assert proc.stderr.readline().startswith("watching ")
+        hashes = block_hashes(NS, PROMPT, BLOCK)
+        with KVStoreClient(daemon.address) as kv:
+            kv.put(NS, hashes[:2], layers(2))
+        line = proc.stdout.readline()
+        assert line.startswith("1  ") and f"stored   {NS}  2 blocks" in line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert proc.stderr.read() == ""  # quietly: no traceback
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def test_installed_watch_reports_the_daemon_shutting_down(daemon: Daemon) -> None:
+    cli = shutil.which("kvstore-cli") or str(Path(sys.executable).parent / "kvstore-cli")
+    proc = subprocess.Popen(
+        [cli, "--address", daemon.address, "watch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline().startswith("watching ")
+        assert daemon.stop() == 0
+        assert proc.wait(timeout=30) == 1
+        out, err = proc.communicate()
+        assert out == ""
+        assert "the watch ended after 0 events: UNAVAILABLE: the daemon is shutting down" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+# ---- explain ----------------------------------------------------------------------------
+@pytest.fixture
+def broken_chain(daemon: Daemon) -> list[bytes]:
+    """PROMPT's blocks 0, 1, 3 and 5 stored in NS: the chain breaks at block 2."""
+    hashes = block_hashes(NS, PROMPT, BLOCK)
+    with KVStoreClient(daemon.address) as kv:
+        kv.put(NS, hashes[:2], layers(2))
+        kv.put(NS, [hashes[3]], layers(1), parent_hash=hashes[2])
+        kv.put(NS, [hashes[5]], layers(1), parent_hash=hashes[4])
+    return hashes
+
+
+def test_explain_shows_hits_the_break_and_what_lies_behind_it(
+    daemon: Daemon, broken_chain: list[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(map(str, PROMPT)))
+    code, out, err = run(capsys, daemon.address, "explain", "--namespace", NS, "--block-size", str(BLOCK),
+                         str(prompt))  # fmt: skip
+    assert (code, err) == (0, "")
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (str(i), f"{i * BLOCK}-{i * BLOCK + BLOCK - 1}", broken_chain[i].hex()[:16]) for i in range(6)
+    ]
+    statuses = [" ".join(r[3:]) for r in rows]
+    assert statuses == [
+        "hit",
+        "hit",
+        "MISS <- the chain breaks here",
+        "stored, unreachable (behind the break)",
+        "missing",
+        "stored, unreachable (behind the break)",
+    ]
+    assert "26: 6 full blocks + 2 in a partial block, never stored" in out
+    assert out.rstrip().endswith("2 of 6 full blocks hit = 8 tokens reusable")
+
+
+def test_explain_json_from_stdin(
+    daemon: Daemon,
+    broken_chain: list[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(PROMPT)))
+    code, out, err = run(capsys, daemon.address, "--json", "explain", "--namespace", NS, "--block-size", "4")
+    assert (code, err) == (0, "")
+    doc = json.loads(out)
+    assert {k: v for k, v in doc.items() if k != "blocks"} == {
+        "namespace": NS,
+        "hash_root": NS,
+        "block_size": 4,
+        "num_tokens": 26,
+        "full_blocks": 6,
+        "hit_blocks": 2,
+        "break_at": 2,
+        "max_reusable_blocks": 6,
+        "reusable_blocks": 2,
+        "reusable_tokens": 8,
+    }
+    assert doc["blocks"][3] == {
+        "index": 3, "first_token": 12, "last_token": 15, "hash": broken_chain[3].hex(),
+        "status": "unreachable",
+    }  # fmt: skip
+    statuses = [b["status"] for b in doc["blocks"]]
+    assert statuses == ["hit", "hit", "miss", "unreachable", "missing", "unreachable"]
+
+
+def test_explain_a_fully_stored_prompt_leaves_one_token_to_compute(
+    daemon: Daemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = PROMPT[: 3 * BLOCK]  # exactly three blocks, all stored
+    with KVStoreClient(daemon.address) as kv:
+        kv.put(NS, block_hashes(NS, prompt, BLOCK), layers(3))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(",".join(map(str, prompt))))
+    code, out, _ = run(capsys, daemon.address, "explain", "--namespace", NS, "--block-size", "4", "-")
+    assert code == 0
+    assert out.rstrip().endswith(
+        "3 of 3 full blocks hit = 8 tokens reusable "
+        "(2 blocks: a prompt reuses at most the blocks that leave one token to compute)"
+    )
+    assert "MISS" not in out
+
+
+def test_explain_derives_root_and_block_size_of_a_connector_namespace(
+    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvstore_connector.config import NamespaceInfo
+
+    info = NamespaceInfo("org/model", "bfloat16", 8, 2, 64, False, "cpu", tp_size=2, pp_size=1)
+    rank1 = info.rank_namespace(1, 0)
+    prompt = list(range(3 * 8 + 1))
+    # what the connector stores: hashed from the rank-free root, kept per rank
+    hashes = block_hashes(info.hash_root, prompt, info.block_size)
+    with KVStoreClient(daemon.address) as kv:
+        kv.put(rank1, hashes, layers(3))
+    path = tmp_path / "prompt.json"
+    path.write_text(json.dumps(prompt))
+    args = ["--json", "explain", "--namespace", rank1.decode(), str(path)]
+    doc = json.loads(run(capsys, daemon.address, *args)[1])
+    assert (doc["hash_root"], doc["block_size"]) == (info.hash_root, 8)
+    assert (doc["hit_blocks"], doc["reusable_tokens"]) == (3, 24)
+    code, out, _ = run(capsys, daemon.address, "explain", "--namespace", rank1.decode(), str(path))
+    assert code == 0 and "rank suffix is not part of the root" in out
+    # an explicit root wins: hashed from the rank namespace itself, nothing matches
+    doc = json.loads(
+        run(capsys, daemon.address, "--json", "explain", "--namespace", rank1.decode(),
+            "--hash-root", rank1.decode(), str(path))[1]
+    )  # fmt: skip
+    assert (doc["hash_root"], doc["hit_blocks"], doc["break_at"]) == (rank1.decode(), 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("stdin", "args", "message"),
+    [
+        ("1 2 x", [], "stdin: not a token id: 'x'"),
+        ("", [], "stdin: no token ids given"),
+        ("1 2 3", ["/nonexistent/prompt.txt"], "cannot read /nonexistent/prompt.txt"),
+        ("1 2 3", ["--block-size", "0"], "must be a positive integer"),
+    ],
+)
+def test_explain_usage_errors_exit_2(
+    daemon: Daemon,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    stdin: str,
+    args: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code, out, err = run(capsys, daemon.address, "explain", "--namespace", NS, *args)
+    assert (code, out) == (2, "")
+    assert message in err
+
+
+def test_help_lists_the_new_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "watch" in out and "explain" in out
+    assert main(["explain", "--help"]) == 0
+    assert "--hash-root ROOT" in capsys.readouterr().out
