@@ -21,6 +21,9 @@ Commands:
                                     which blocks of a prompt (token ids from FILE or stdin)
                                     are stored, where its chain breaks, tokens reusable
 
+Security: --token (or $KVSTORE_TOKEN) sends a bearer token; --tls-ca (or
+$KVSTORE_TLS_CA) connects with TLS, --tls-cert/--tls-key add a client certificate.
+
 The address defaults to $KVSTORE_ADDRESS, else 127.0.0.1:50051. --address,
 --timeout and --json may also follow the command. Namespaces are UTF-8 text, or
 hex after `0x` (0x6e73 is "ns"); namespaces that are not printable text are
@@ -452,6 +455,12 @@ def _global_options(parser: argparse.ArgumentParser) -> None:
         help=f"deadline of each call in seconds (default {DEFAULT_TIMEOUT:g})",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable JSON output")
+    parser.add_argument("--token", metavar="TOKEN", help="bearer token (default $KVSTORE_TOKEN)")
+    parser.add_argument(
+        "--tls-ca", metavar="PEM", help="CA bundle: connect with TLS (default $KVSTORE_TLS_CA, if set)"
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -461,7 +470,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 ok; 1 error or not SERVING; 2 usage error or daemon unreachable.",
     )
     _global_options(parser)
-    parser.set_defaults(address=os.environ.get("KVSTORE_ADDRESS") or DEFAULT_ADDRESS, timeout=DEFAULT_TIMEOUT)
+    parser.set_defaults(
+        address=os.environ.get("KVSTORE_ADDRESS") or DEFAULT_ADDRESS,
+        timeout=DEFAULT_TIMEOUT,
+        token=os.environ.get("KVSTORE_TOKEN") or None,
+        tls_ca=os.environ.get("KVSTORE_TLS_CA") or None,
+        tls_cert=None,
+        tls_key=None,
+    )
     # The same options after the command; SUPPRESS keeps the values given before it.
     common = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
     _global_options(common)
@@ -563,7 +579,19 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error (2)
         return int(exc.code or 0)
     try:
-        with KVStoreClient(args.address, timeout=args.timeout) as client:
+        client = KVStoreClient(
+            args.address,
+            timeout=args.timeout,
+            token=args.token,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except (OSError, ValueError) as exc:  # unreadable PEM files, cert without key
+        _error(f"cannot set up the connection: {exc}")
+        return 2
+    try:
+        with client:
             return int(args.run(client, args))
     except UsageError as exc:
         args.subparser.print_usage(sys.stderr)

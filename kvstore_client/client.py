@@ -20,11 +20,13 @@ Thread-safe: one client may be shared by threads. Every call has a deadline
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -43,6 +45,53 @@ _WATCH_STORE_ID = "kvstore-store-id"
 _WATCH_START_SEQUENCE = "kvstore-start-sequence"
 EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
+
+
+def _pem(value: str | Path | bytes | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call (works without TLS too)."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            [*(details.metadata or ()), self._header],
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
 
 
 def _ns(namespace: str | bytes) -> bytes:
@@ -327,7 +376,15 @@ class KVStoreClient:
         chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES,
         insert_workers: int = 2,
         channel_options: Sequence[tuple[str, Any]] = (),
+        token: str | None = None,
+        tls: bool = False,
+        tls_ca: str | Path | bytes | None = None,
+        tls_cert: str | Path | bytes | None = None,
+        tls_key: str | Path | bytes | None = None,
     ) -> None:
+        """`token`: bearer token sent with every call (daemons run with --token-file).
+        TLS when `tls` is true or a CA is given: `tls_ca` (PEM path or bytes; default: the
+        system roots), `tls_cert` + `tls_key` for a client certificate (mutual TLS)."""
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         if not 0 < chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -340,7 +397,17 @@ class KVStoreClient:
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
             *channel_options,
         ]
-        self._channel = grpc.insecure_channel(address, options=options)
+        if tls or tls_ca is not None or tls_cert is not None:
+            if (tls_cert is None) != (tls_key is None):
+                raise ValueError("tls_cert and tls_key go together")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(tls_ca), private_key=_pem(tls_key), certificate_chain=_pem(tls_cert)
+            )
+            channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(address, options=options)
+        self._channel = grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+        self._raw_channel = channel
         unary = self._channel.unary_unary
         self._lookup = unary(_SERVICE + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString)
         self._put = self._channel.stream_unary(
@@ -371,7 +438,7 @@ class KVStoreClient:
             return
         self._closed.set()
         self._inserts.shutdown(wait=True)
-        self._channel.close()
+        self._raw_channel.close()
 
     def __enter__(self) -> KVStoreClient:
         return self

@@ -7,6 +7,7 @@ prints the effective result as TOML.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -58,6 +59,11 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "metrics_host": _STR,
     "event_window": _INT,
     "max_watchers": _INT,
+    "token_file": _STR,
+    "tls_cert": _STR,
+    "tls_key": _STR,
+    "tls_client_ca": _STR,
+    "insecure": ((bool,), "true or false"),
 }
 
 
@@ -123,6 +129,17 @@ class ServerConfig:
     ~200 bytes per event (100k events of 128 blocks: ~430 MB)."""
     max_watchers: int = 16
     """Watch streams open at once (each holds a worker thread); beyond it RESOURCE_EXHAUSTED."""
+    token_file: Path | None = None
+    """TOML file of bearer tokens, each with a tenant and a role (see kvstore_server.auth).
+    Set: every KVStore call needs a token, and tenants are isolated."""
+    tls_cert: Path | None = None
+    """PEM certificate chain: serve gRPC over TLS (needs tls_key)."""
+    tls_key: Path | None = None
+    """PEM private key of tls_cert."""
+    tls_client_ca: Path | None = None
+    """PEM CA bundle: require client certificates signed by it (mutual TLS)."""
+    insecure: bool = False
+    """Allow listening on a non-loopback address with neither tokens nor TLS."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -149,6 +166,33 @@ class ServerConfig:
             raise ValueError(f"metrics_port must be 0..65535, not {self.metrics_port}")
         if not self.metrics_host:
             raise ValueError("metrics_host must not be empty")
+        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, Path(value).expanduser())
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key")
+
+    def exposure_problem(self) -> str | None:
+        """Why serving this config would be unsafe, or None. The daemon refuses to start on it."""
+        if self.is_loopback() or self.token_file or self.tls_cert or self.insecure:
+            return None
+        return (
+            f"refusing to listen on {self.listen} without --token-file or --tls-cert: anyone who can "
+            "reach it could read and overwrite KV; give one of them, or --insecure on a private network"
+        )
+
+    def is_loopback(self) -> bool:
+        """Whether `listen` is reachable from this machine only."""
+        host = self.listen.rpartition(":")[0].strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve to anything
 
     @classmethod
     def load(cls, path: Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:

@@ -90,12 +90,18 @@ def _pack(
 class Cursor:
     """One watcher's position in the log: the next sequence it wants, and its filter."""
 
-    __slots__ = ("next_sequence", "namespace", "cancelled")
+    __slots__ = ("next_sequence", "namespace", "prefix", "cancelled")
 
-    def __init__(self, next_sequence: int, namespace: bytes | None) -> None:
+    def __init__(self, next_sequence: int, namespace: bytes | None, prefix: bytes = b"") -> None:
         self.next_sequence = next_sequence
-        self.namespace = namespace
+        self.namespace = namespace  # exact match, or None for every namespace ...
+        self.prefix = prefix  # ... that starts with this (a tenant's scope)
         self.cancelled = False
+
+    def matches(self, namespace: bytes) -> bool:
+        if self.namespace is not None:
+            return namespace == self.namespace
+        return namespace.startswith(self.prefix)
 
 
 class EventLog:
@@ -154,7 +160,7 @@ class EventLog:
         with self._cond:
             return self._watchers
 
-    def subscribe(self, from_sequence: int = 0, namespace: bytes | None = None) -> Cursor:
+    def subscribe(self, from_sequence: int = 0, namespace: bytes | None = None, prefix: bytes = b"") -> Cursor:
         """A cursor at `from_sequence` (0: the next new event). Release it with `unsubscribe`.
 
         Raises EventsOutOfRange when the sequence is older than the window, or
@@ -176,7 +182,7 @@ class EventLog:
             else:
                 start = from_sequence
             self._watchers += 1
-            return Cursor(start, namespace)
+            return Cursor(start, namespace, prefix)
 
     def unsubscribe(self, cursor: Cursor) -> None:
         """Release a cursor; called exactly once per subscribe."""
@@ -215,8 +221,9 @@ class EventLog:
                 end = min(self._next, seq + 16 * limit)
                 while seq < end and len(out) < limit:
                     event = self._ring[seq % self.window]
-                    assert event is not None and event.sequence == seq
-                    if cursor.namespace is None or event.namespace == cursor.namespace:
+                    if event is None or event.sequence != seq:
+                        raise RuntimeError(f"event log ring is inconsistent at sequence {seq}")
+                    if cursor.matches(event.namespace):
                         out.append(event)
                     seq += 1
                 cursor.next_sequence = seq

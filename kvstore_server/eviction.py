@@ -42,18 +42,25 @@ def subtree(index: PrefixIndex, namespace: bytes, block_hash: bytes) -> list[Blo
     return keys
 
 
-def older_than(index: PrefixIndex, cutoff: float) -> list[BlockKey]:
-    """Evict blocks last used before `cutoff` (unix seconds), with what hangs below them."""
-    old = [key for key in index.keys() if (entry := index.get(*key)) is not None and entry.last_access < cutoff]
+def older_than(index: PrefixIndex, cutoff: float, prefix: bytes = b"") -> list[BlockKey]:
+    """Evict blocks last used before `cutoff` (unix seconds), with what hangs below them.
+
+    Only namespaces starting with `prefix` (a tenant's) are considered.
+    """
+    old = [
+        key
+        for key in index.keys(prefix=prefix)
+        if (entry := index.get(*key)) is not None and entry.last_access < cutoff
+    ]
     victims: list[BlockKey] = []
     for key in old:
         victims.extend(subtree(index, *key))
     return victims
 
 
-def namespace(index: PrefixIndex, ns: bytes | None) -> list[BlockKey]:
-    """Evict every block of one namespace, or of all when `ns` is None."""
-    keys = list(index.keys(ns))
+def namespace(index: PrefixIndex, ns: bytes | None, prefix: bytes = b"") -> list[BlockKey]:
+    """Evict every block of one namespace, or of all (starting with `prefix`) when `ns` is None."""
+    keys = list(index.keys(ns, prefix))
     # Newest first: children go before their parents, so no removal has
     # descendants left to walk (root-first is quadratic in chain length).
     keys.reverse()

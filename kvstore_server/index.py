@@ -58,8 +58,9 @@ class PrefixIndex:
     def namespaces(self) -> list[bytes]:
         return list(self._blocks)
 
-    def keys(self, namespace: bytes | None = None) -> Iterator[BlockKey]:
-        spaces = [namespace] if namespace is not None else list(self._blocks)
+    def keys(self, namespace: bytes | None = None, prefix: bytes = b"") -> Iterator[BlockKey]:
+        """Keys of one namespace, or of every namespace starting with `prefix`."""
+        spaces = [namespace] if namespace is not None else [ns for ns in self._blocks if ns.startswith(prefix)]
         for ns in spaces:
             for block_hash in self._blocks.get(ns, ()):
                 yield (ns, block_hash)

@@ -1,7 +1,9 @@
 """Entry point of `kvstore-server`.
 
     kvstore-server [--listen HOST:PORT] [--data-dir DIR] [--backend lmdb|disk]
-                   [--capacity SIZE] [--sync] [--metrics-port PORT] [--config FILE] [--print-config]
+                   [--capacity SIZE] [--sync] [--metrics-port PORT] [--token-file FILE]
+                   [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]] [--insecure]
+                   [--config FILE] [--print-config]
 
 `create_server(config, store)` builds a server bound to its port without
 starting signal handling, so tests can run one in-process on port 0.
@@ -30,6 +32,7 @@ from kvstore import wire
 from kvstore.memory import tune_malloc
 from kvstore.v1 import kvstore_pb2
 from kvstore_server import __version__
+from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
 from kvstore_server.config import ServerConfig, format_size
 from kvstore_server.datadir import DataDir, DataDirInUse
 from kvstore_server.events import EventLog
@@ -54,12 +57,22 @@ class Running:
     metrics: Metrics | None = None
 
 
-def create_server(config: ServerConfig, store: Store) -> Running:
-    """A bound, not yet started server for `store`; port 0 binds a free port."""
+def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None = None) -> Running:
+    """A bound, not yet started server for `store`; port 0 binds a free port.
+
+    `tokens` (else loaded from config.token_file) turns on bearer-token auth and tenants.
+    """
     metrics = Metrics() if config.metrics_port is not None else None
+    if tokens is None and config.token_file is not None:
+        tokens = TokenTable.load(config.token_file)
+    interceptors: list[grpc.ServerInterceptor] = []
+    if metrics is not None:
+        interceptors.append(metrics.interceptor)  # first: refused calls are counted too
+    if tokens is not None:
+        interceptors.append(AuthInterceptor(tokens))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="kvstore-rpc"),
-        interceptors=[metrics.interceptor] if metrics is not None else None,
+        interceptors=interceptors or None,
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
@@ -67,7 +80,7 @@ def create_server(config: ServerConfig, store: Store) -> Running:
             ("grpc.so_reuseport", 0),
         ],
     )
-    servicer = Servicer(store, config)
+    servicer = Servicer(store, config, Scope(tokens))
     if metrics is not None:
         metrics.watch(store, servicer)
     server.add_generic_rpc_handlers((generic_handler(servicer),))
@@ -81,7 +94,15 @@ def create_server(config: ServerConfig, store: Store) -> Running:
         ),
         server,
     )
-    port = server.add_insecure_port(config.listen)
+    if config.tls_cert is not None and config.tls_key is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+            root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
+            require_client_auth=config.tls_client_ca is not None,
+        )
+        port = server.add_secure_port(config.listen, credentials)
+    else:
+        port = server.add_insecure_port(config.listen)
     if port == 0:
         raise OSError(f"could not bind {config.listen}")
     for service in ("", SERVICE_NAME):
@@ -109,6 +130,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", dest="metrics_host", help="metrics address (default 127.0.0.1)")
     p.add_argument("--event-window", dest="event_window", type=int, help="events kept for Watch (100000)")
     p.add_argument("--max-watchers", dest="max_watchers", type=int, help="Watch streams at once (16)")
+    p.add_argument("--token-file", dest="token_file", type=Path, help="bearer tokens, tenants and roles (TOML)")
+    p.add_argument("--tls-cert", dest="tls_cert", type=Path, help="PEM certificate chain: serve over TLS")
+    p.add_argument("--tls-key", dest="tls_key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", dest="tls_client_ca", type=Path, help="require client certs from this CA")
+    p.add_argument(
+        "--insecure", action="store_true", help="allow a non-loopback listen address without tokens or TLS"
+    )
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
@@ -127,6 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     if print_config:
         sys.stdout.write(config.to_toml())
         return 0
+    problem = config.exposure_problem()
+    if problem is not None:
+        print(f"kvstore-server: {problem}", file=sys.stderr)
+        return 2
+    try:
+        tokens = TokenTable.load(config.token_file) if config.token_file is not None else None
+        for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
+            if path is not None:
+                path.read_bytes()
+    except (ValueError, OSError) as exc:
+        print(f"kvstore-server: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -145,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     # below; a Python handler never runs if a C thread received the signal.
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        running = create_server(config, store)
+        running = create_server(config, store, tokens)
     except (OSError, RuntimeError) as exc:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         log.error("cannot listen on %s: %s", config.listen, exc)

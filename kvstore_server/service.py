@@ -28,6 +28,7 @@ import grpc
 from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
+from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.storage import LayerSpec, StorageError, checksum
@@ -185,9 +186,10 @@ class ByteBudget:
 class Servicer:
     """Implements kvstore.v1.KVStore on a Store. One instance per server."""
 
-    def __init__(self, store: Store, config: ServerConfig) -> None:
+    def __init__(self, store: Store, config: ServerConfig, scope: Scope | None = None) -> None:
         self.store = store
         self.config = config
+        self.scope = scope or Scope(None)
         self._put_budget = ByteBudget(config.max_inflight_put_bytes)
         self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
@@ -199,6 +201,10 @@ class Servicer:
         """Bytes of Put data buffered right now, across clients."""
         return self._put_budget.used
 
+    def _ns(self, context: grpc.ServicerContext, namespace: bytes) -> bytes:
+        """The stored namespace for a caller's: the tenant's prefix + the validated name."""
+        return self.scope.prefix(context) + check_namespace(namespace)
+
     # ---- serving path
     @translated
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
@@ -208,9 +214,9 @@ class Servicer:
                 raise InvalidRequest("give namespace or namespaces, not both")
             if len(request.namespaces) > wire.MAX_LOOKUP_NAMESPACES:
                 raise InvalidRequest(f"at most {wire.MAX_LOOKUP_NAMESPACES} namespaces per lookup")
-            spaces = [check_namespace(ns) for ns in request.namespaces]
+            spaces = [self._ns(context, ns) for ns in request.namespaces]
             return pb.LookupResponse(num_blocks=min(self.store.lookup(ns, hashes) for ns in spaces))
-        return pb.LookupResponse(num_blocks=self.store.lookup(check_namespace(request.namespace), hashes))
+        return pb.LookupResponse(num_blocks=self.store.lookup(self._ns(context, request.namespace), hashes))
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:
@@ -218,7 +224,7 @@ class Servicer:
         if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
             raise InvalidRequest("a Put stream must start with a header")
         header = first.header
-        namespace = check_namespace(header.namespace)
+        namespace = self._ns(context, header.namespace)
         hashes = check_hashes(header.block_hashes, wire.MAX_BLOCKS_PER_PUT)
         parent = check_hash(header.parent_hash, "parent_hash") if header.parent_hash else b""
         if parent and parent in hashes:
@@ -310,7 +316,7 @@ class Servicer:
 
     @translated
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
-        namespace = check_namespace(request.namespace)
+        namespace = self._ns(context, request.namespace)
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
         with self.store.read(namespace, hashes) as result:
             yield from _stream(result, _chunk_size(request.max_chunk_bytes))
@@ -319,7 +325,7 @@ class Servicer:
     def DropSelect(
         self, request: pb.DropSelectRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GetResponse | bytes]:
-        namespace = check_namespace(request.namespace)
+        namespace = self._ns(context, request.namespace)
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
         if not request.wait_seconds >= 0:  # also refuses NaN
             raise InvalidRequest("wait_seconds must be a non-negative number")
@@ -339,23 +345,29 @@ class Servicer:
     @translated
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         which = request.WhichOneof("selector")
+        prefix = self.scope.prefix(context)
         if which == "all":
             if not request.all:
                 raise InvalidRequest("all must be true to evict everything")
-            count, freed = self.store.evict(lambda index: eviction.namespace(index, None))
+            count, freed = self.store.evict(lambda index: eviction.namespace(index, None, prefix))
         elif which == "namespace":
-            ns = check_namespace(request.namespace)
+            ns = self._ns(context, request.namespace)
             count, freed = self.store.evict(lambda index: eviction.namespace(index, ns))
         elif which == "block":
-            ns = check_namespace(request.block.namespace)
+            ns = self._ns(context, request.block.namespace)
             block_hash = check_hash(request.block.block_hash)
             count, freed = self.store.evict(lambda index: eviction.subtree(index, ns, block_hash))
         elif which == "older_than_seconds":
             if not request.older_than_seconds >= 0:
                 raise InvalidRequest("older_than_seconds must be a non-negative number")
             cutoff = time.time() - request.older_than_seconds
-            count, freed = self.store.evict(lambda index: eviction.older_than(index, cutoff))
+            count, freed = self.store.evict(lambda index: eviction.older_than(index, cutoff, prefix))
         elif which == "target_bytes":
+            if prefix:
+                # the byte budget is shared by every tenant: one may not squeeze the others out
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED, "target_bytes eviction is not available with tenants"
+                )
             target = request.target_bytes
             count, freed = self.store.evict(lambda index: eviction.down_to(index, target))
         else:
@@ -368,25 +380,29 @@ class Servicer:
 
     @translated
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        namespace = check_namespace(request.namespace) if request.namespace else None
+        prefix = self.scope.prefix(context)
+        namespace = self._ns(context, request.namespace) if request.namespace else None
         if request.limit > MAX_LIST_LIMIT:
             raise InvalidRequest(f"limit {request.limit} is above {MAX_LIST_LIMIT}")
         limit = request.limit or DEFAULT_LIST_LIMIT
         after = _decode_page_token(request.page_token) if request.page_token else None
-        infos = self.store.list_blocks(namespace, limit, after)
+        if after is not None:
+            after = (prefix + after[0], after[1])
+        infos = self.store.list_blocks(namespace, limit, after, prefix)
         token = b""
         if len(infos) == limit:
             last = infos[-1]
-            token = len(last.namespace).to_bytes(2, "big") + last.namespace + last.block_hash
-        return pb.ListResponse(blocks=[_block_info(i) for i in infos], next_page_token=token)
+            name = last.namespace[len(prefix) :]
+            token = len(name).to_bytes(2, "big") + name + last.block_hash
+        return pb.ListResponse(blocks=[_block_info(i, prefix) for i in infos], next_page_token=token)
 
     @translated
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
-        namespace = check_namespace(request.namespace)
+        namespace = self._ns(context, request.namespace)
         block_hash = check_hash(request.block_hash)
         info, meta = self.store.describe(namespace, block_hash)
         return pb.DescribeResponse(
-            block=_block_info(info),
+            block=_block_info(info, self.scope.prefix(context)),
             layers=[
                 pb.LayerInfo(
                     spec=pb.LayerSpec(name=layer.name, dtype=layer.dtype, shape=layer.shape),
@@ -400,11 +416,12 @@ class Servicer:
     # ---- routers and observers
     @translated
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
-        namespace = check_namespace(request.namespace) if request.namespace else None
+        prefix = self.scope.prefix(context)
+        namespace = self._ns(context, request.namespace) if request.namespace else None
         if not self._watchers.acquire(blocking=False):
             raise CapacityError(f"more than {self.config.max_watchers} Watch streams open (max_watchers)")
         try:
-            cursor = self.events.subscribe(request.from_sequence, namespace)
+            cursor = self.events.subscribe(request.from_sequence, namespace, prefix)
             try:
                 context.add_callback(lambda: self.events.cancel(cursor))
                 # Once this arrives, every event committed afterwards reaches this stream.
@@ -422,18 +439,18 @@ class Servicer:
                     if batch is None:
                         raise ShuttingDown("the daemon is shutting down; watch again once it is back")
                     for event in batch:
-                        yield _event_message(event, self.events.store_id)
+                        yield _event_message(event, self.events.store_id, prefix)
             finally:
                 self.events.unsubscribe(cursor)
         finally:
             self._watchers.release()
 
 
-def _event_message(event: Event, store_id: str) -> pb.Event:
+def _event_message(event: Event, store_id: str, prefix: bytes = b"") -> pb.Event:
     return pb.Event(
         sequence=event.sequence,
         kind=pb.Event.STORED if event.kind == STORED else pb.Event.REMOVED,
-        namespace=event.namespace,
+        namespace=event.namespace[len(prefix) :],
         block_hashes=event.block_hashes(),
         parent_hashes=event.parent_hashes(),
         timestamp=event.timestamp,
@@ -463,9 +480,9 @@ def _decode_page_token(token: bytes) -> tuple[bytes, bytes]:
     return token[2 : 2 + size], token[2 + size :]
 
 
-def _block_info(info: Any) -> pb.BlockInfo:
+def _block_info(info: Any, prefix: bytes = b"") -> pb.BlockInfo:
     return pb.BlockInfo(
-        namespace=info.namespace,
+        namespace=info.namespace[len(prefix) :],
         block_hash=info.block_hash,
         parent_hash=info.entry.parent,
         size_bytes=info.entry.size,

@@ -389,10 +389,15 @@ class Store:
                 **vars(self.counters),
             }
 
-    def list_blocks(self, namespace: bytes | None, limit: int, after: BlockKey | None) -> list[BlockInfo]:
-        """Blocks in (namespace, hash) order, after `after`; at most `limit`."""
+    def list_blocks(
+        self, namespace: bytes | None, limit: int, after: BlockKey | None, prefix: bytes = b""
+    ) -> list[BlockInfo]:
+        """Blocks in (namespace, hash) order, after `after`; at most `limit`.
+
+        `namespace` None: every namespace that starts with `prefix`.
+        """
         with self._lock:
-            keys = sorted(k for k in self._index.keys(namespace) if after is None or k > after)[:limit]
+            keys = sorted(k for k in self._index.keys(namespace, prefix) if after is None or k > after)[:limit]
             return [self._info(k) for k in keys]
 
     def describe(self, namespace: bytes, block_hash: bytes) -> tuple[BlockInfo, BlockMeta]:

@@ -9,13 +9,20 @@
         "load_timeout_s": 10,        # longest a layer may wait for its load before it is recomputed
         "save_timeout_s": 10,        # deadline of one request's save (and of a sync step's wait)
         "retry_interval_s": 2.0,     # after a failure, how long lookups are skipped (store deemed down)
-        "tune_malloc": true          # keep large buffers in glibc's heap (see kvstore.memory)
+        "tune_malloc": true,         # keep large buffers in glibc's heap (see kvstore.memory)
+        "token_env": "KVSTORE_TOKEN",  # environment variable holding the bearer token, if any
+        "tls_ca": null,              # PEM CA bundle: connect with TLS
+        "tls_cert": null, "tls_key": null  # client certificate for mutual TLS
     }
+
+A token is read from the environment, not from this config: vLLM prints the
+kv-transfer config in its logs.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +39,10 @@ _KEYS = {
     "save_timeout_s": "save_timeout",
     "retry_interval_s": "retry_interval",
     "tune_malloc": "tune_malloc",
+    "token_env": "token_env",
+    "tls_ca": "tls_ca",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
 }
 _MAX_MODEL_ID = 120
 
@@ -56,6 +67,12 @@ class ConnectorConfig:
     """Keep multi-MiB transfer buffers in glibc's heap instead of fresh mappings: page
     faults were most of a load's CPU time. Up to 1 GiB of freed memory stays resident."""
 
+    token_env: str = "KVSTORE_TOKEN"
+    """Environment variable holding the bearer token (unset or empty: no token)."""
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
     def __post_init__(self) -> None:
         if self.save_mode not in (None, "sync", "async"):
             raise ValueError(f"save_mode must be 'sync' or 'async', not {self.save_mode!r}")
@@ -67,8 +84,19 @@ class ConnectorConfig:
         for name in ("consume", "tune_malloc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
         if not isinstance(self.address, str) or ":" not in self.address:
             raise ValueError(f"kvstore_address must be HOST:PORT, not {self.address!r}")
+
+    def client_options(self) -> dict[str, Any]:
+        """KVStoreClient keyword arguments for the security settings."""
+        return {
+            "token": os.environ.get(self.token_env) or None,
+            "tls_ca": self.tls_ca,
+            "tls_cert": self.tls_cert,
+            "tls_key": self.tls_key,
+        }
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:

@@ -56,7 +56,7 @@ class SchedulerSide:
         self.save = save
         self.block_size = info.block_size
         self.namespaces = info.all_namespaces()
-        self.client = KVStoreClient(config.address, timeout=config.lookup_timeout)
+        self.client = KVStoreClient(config.address, timeout=config.lookup_timeout, **config.client_options())
         self.health = StoreHealth(config.address, config.retry_interval, log)
         self.stats = KVStoreConnectorStats()
         self._requests: dict[str, _Tracked] = {}

@@ -81,7 +81,7 @@ class WorkerSide:
         self.load = load
         self.save = save
         self.save_sync = save_sync
-        self.client = KVStoreClient(config.address, timeout=config.load_timeout)
+        self.client = KVStoreClient(config.address, timeout=config.load_timeout, **config.client_options())
         self.health = StoreHealth(config.address, config.retry_interval, log)
         self.stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()

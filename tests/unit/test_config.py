@@ -186,10 +186,12 @@ def test_to_toml_round_trips(tmp_path: Path) -> None:
         metrics_host="0.0.0.0",
         event_window=50,
         max_watchers=2,
+        token_file=tmp_path / "tokens.toml",
+        insecure=True,
     )
     text = config.to_toml()
     doc = tomllib.loads(text)
-    assert set(doc) == set(asdict(config))
+    assert set(doc) == {k for k, v in asdict(config).items() if v is not None}  # TOML has no null
     assert doc["data_dir"] == str(config.data_dir)
     assert doc["sync"] is True
     assert ServerConfig(**doc) == config
@@ -242,3 +244,37 @@ def test_unset_metrics_port_prints_as_a_comment_and_round_trips(tmp_path: Path) 
     assert "# metrics_port is not set\n" in text
     assert "metrics_port" not in tomllib.loads(text)
     assert ServerConfig.load(write(tmp_path, text)) == config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ({"listen": "127.0.0.1:1"}, False),
+        ({"listen": "[::1]:1"}, False),
+        ({"listen": "localhost:1"}, False),
+        ({"listen": "0.0.0.0:1"}, True),
+        ({"listen": "[::]:1"}, True),
+        ({"listen": "kvstore.internal:1"}, True),
+        ({"listen": "0.0.0.0:1", "insecure": True}, False),
+        ({"listen": "0.0.0.0:1", "token_file": "/etc/kv/tokens.toml"}, False),
+        ({"listen": "0.0.0.0:1", "tls_cert": "c.pem", "tls_key": "k.pem"}, False),
+    ],
+)
+def test_non_loopback_listen_needs_tokens_tls_or_insecure(overrides: dict, refused: bool) -> None:
+    problem = ServerConfig(**overrides).exposure_problem()
+    assert (problem is not None) == refused
+    if refused:
+        assert "--insecure" in problem
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tls_cert": "c.pem"}, "go together"),
+        ({"tls_key": "k.pem"}, "go together"),
+        ({"tls_client_ca": "ca.pem"}, "needs tls_cert"),
+    ],
+)
+def test_tls_settings_are_checked(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**overrides)
