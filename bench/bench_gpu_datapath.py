@@ -114,8 +114,10 @@ def main() -> None:
 
 
 def full_path(args, mover: BlockMover, caches, ids, gb: float) -> None:
-    from kvstore_client import KVStoreClient, LayerSpec
+    from kvstore_client import KVStoreClient, LayerSpec, tune_malloc
     from kvstore_client.hashing import block_hashes
+
+    tune_malloc()  # as the connector does in vLLM's worker process
 
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-gpu-"))
     proc = subprocess.Popen(
