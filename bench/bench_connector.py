@@ -84,7 +84,7 @@ def main() -> None:
         print(f"{name:<24}{seconds:>10.3f}{rows['recompute'] / seconds:>14.1f}x")
     print(f"kvstore hit vs ExampleConnector hit: {rows['ExampleConnector hit'] / rows['kvstore hit']:.2f}x "
           "(>1: kvstore faster)")  # fmt: skip
-    print(f"goal: hit >= 10x faster than recompute, no slower than ExampleConnector")
+    print("goal: hit >= 10x faster than recompute, no slower than ExampleConnector")
 
 
 if __name__ == "__main__":

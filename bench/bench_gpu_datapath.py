@@ -57,7 +57,9 @@ def main() -> None:
     mover = BlockMover(dev)
     nblk = args.tokens // args.block_size
     per_block = (KV_HEADS, args.block_size, 2 * HEAD_DIM)  # standardized [B, H, N, C] view
-    caches = [torch.randn((args.pool_blocks, *per_block), dtype=torch.bfloat16, device=dev) for _ in range(LAYERS)]
+    caches = [
+        torch.randn((args.pool_blocks, *per_block), dtype=torch.bfloat16, device=dev) for _ in range(LAYERS)
+    ]
     gen = torch.Generator().manual_seed(0)
     ids_list = torch.randperm(args.pool_blocks, generator=gen)[:nblk].tolist()
     ids = mover.index(ids_list)
@@ -75,7 +77,7 @@ def main() -> None:
     t_plain_h2d = timed(lambda: flat.copy_(pinned, non_blocking=True), args.repeat)
 
     def plain_layers_d2h() -> None:
-        for src, dst in zip(layer_src, layer_pinned):
+        for src, dst in zip(layer_src, layer_pinned, strict=False):
             dst.copy_(src, non_blocking=True)
 
     t_layers_d2h = timed(plain_layers_d2h, args.repeat)
@@ -87,7 +89,7 @@ def main() -> None:
             copy.wait()
 
     def connector_load() -> None:
-        events = [mover.scatter(c, ids, copy.host) for c, copy in zip(caches, saved)]
+        events = [mover.scatter(c, ids, copy.host) for c, copy in zip(caches, saved, strict=False)]
         for event in events:
             mover.wait_on_compute_stream(event)
 
@@ -95,7 +97,7 @@ def main() -> None:
     t_scatter = timed(connector_load, args.repeat)
     # the round trip restored the same bytes
     check = [mover.gather(c, ids).wait() for c in caches[:2]]
-    if not all(torch.equal(a, b.host) for a, b in zip(check, saved[:2])):
+    if not all(torch.equal(a, b.host) for a, b in zip(check, saved[:2], strict=False)):
         raise SystemExit("round trip changed the bytes")
 
     print("\n(a) device <-> host, median of", args.repeat)
@@ -107,7 +109,9 @@ def main() -> None:
         ("connector H2D + scatter (32 layers)", t_scatter, t_plain_h2d),
     ]
     for name, seconds, ref in rows:
-        print(f"  {name:<38}{seconds * 1e3:8.1f} ms {gb / seconds:7.1f} GB/s  {ref / seconds * 100:5.0f}% of plain")
+        print(
+            f"  {name:<38}{seconds * 1e3:8.1f} ms {gb / seconds:7.1f} GB/s  {ref / seconds * 100:5.0f}% of plain"
+        )
     if args.no_daemon:
         return
     full_path(args, mover, caches, ids, gb)
@@ -138,13 +142,15 @@ def full_path(args, mover: BlockMover, caches, ids, gb: float) -> None:
                 start = time.perf_counter()
                 copies = [mover.gather(c, ids) for c in caches]
                 with kv.put_stream("bench", hashes, specs) as stream:
-                    for name, copy in zip(names, copies):
+                    for name, copy in zip(names, copies, strict=False):
                         stream.write_layer(name, copy.wait())
                     stream.commit()
                 saves.append(time.perf_counter() - start)
 
                 start = time.perf_counter()
-                layers = kv.get_stream("bench", hashes, allocate=lambda s, n: mover.host_buffer((n, *s.shape), torch.bfloat16))
+                layers = kv.get_stream(
+                    "bench", hashes, allocate=lambda s, n: mover.host_buffer((n, *s.shape), torch.bfloat16)
+                )
                 events = [mover.scatter(caches[i], ids, host) for i, (_, host) in enumerate(layers)]
                 for event in events:
                     mover.wait_on_compute_stream(event)

@@ -1,9 +1,10 @@
 """kvstore_client: the Python client of the kvstore daemon.
 
-    from kvstore_client import KVStoreClient
-    from kvstore_client.hashing import block_hashes
+from kvstore_client import KVStoreClient
+from kvstore_client.hashing import block_hashes
 """
 
+from kvstore.memory import tune_malloc
 from kvstore_client.client import (
     Event,
     EvictResult,
@@ -14,7 +15,17 @@ from kvstore_client.client import (
     PutStream,
     WatchStream,
 )
-from kvstore.memory import tune_malloc
 from kvstore_client.errors import KVStoreError
 
-__all__ = ["Event", "EvictResult", "KVStoreClient", "KVStoreError", "LayerSpec", "LayerStream", "PutResult", "PutStream", "WatchStream", "tune_malloc"]
+__all__ = [
+    "Event",
+    "EvictResult",
+    "KVStoreClient",
+    "KVStoreError",
+    "LayerSpec",
+    "LayerStream",
+    "PutResult",
+    "PutStream",
+    "WatchStream",
+    "tune_malloc",
+]

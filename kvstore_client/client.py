@@ -54,7 +54,9 @@ def _pem(value: str | Path | bytes | None) -> bytes | None:
 
 
 class _CallDetails(
-    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
     grpc.ClientCallDetails,
 ):
     pass
@@ -344,7 +346,9 @@ class LayerStream:
                         or chunk.first_block * spec.block_bytes != filled
                         or filled + len(chunk.data) > total
                     ):
-                        raise errors.StoreInternalError(f"out-of-order data in Get stream at layer {spec.name!r}")
+                        raise errors.StoreInternalError(
+                            f"out-of-order data in Get stream at layer {spec.name!r}"
+                        )
                     size = len(chunk.data)
                     dest[filled : filled + size] = np.frombuffer(chunk.data, dtype=np.uint8)
                     filled += size
@@ -352,7 +356,9 @@ class LayerStream:
             # Read the call's end too: the server finishes its side (and counts
             # the read) when the stream closes, not at its last chunk.
             for extra in self._call:
-                raise errors.StoreInternalError(f"unexpected message after the last layer: {type(extra).__name__}")
+                raise errors.StoreInternalError(
+                    f"unexpected message after the last layer: {type(extra).__name__}"
+                )
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from exc
         except StopIteration:
@@ -409,7 +415,9 @@ class KVStoreClient:
         self._channel = grpc.intercept_channel(channel, _Bearer(token)) if token else channel
         self._raw_channel = channel
         unary = self._channel.unary_unary
-        self._lookup = unary(_SERVICE + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString)
+        self._lookup = unary(
+            _SERVICE + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+        )
         self._put = self._channel.stream_unary(
             _SERVICE + "Put", wire.encode_put_request, pb.PutResponse.FromString
         )
@@ -419,8 +427,12 @@ class KVStoreClient:
         self._drop_select = self._channel.unary_stream(
             _SERVICE + "DropSelect", pb.DropSelectRequest.SerializeToString, wire.decode_get_response
         )
-        self._evict = unary(_SERVICE + "Evict", pb.EvictRequest.SerializeToString, pb.EvictResponse.FromString)
-        self._stats = unary(_SERVICE + "Stats", pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString)
+        self._evict = unary(
+            _SERVICE + "Evict", pb.EvictRequest.SerializeToString, pb.EvictResponse.FromString
+        )
+        self._stats = unary(
+            _SERVICE + "Stats", pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString
+        )
         self._list = unary(_SERVICE + "List", pb.ListRequest.SerializeToString, pb.ListResponse.FromString)
         self._describe = unary(
             _SERVICE + "Describe", pb.DescribeRequest.SerializeToString, pb.DescribeResponse.FromString
@@ -503,7 +515,9 @@ class KVStoreClient:
         if not layers:
             raise ValueError("a put needs at least one layer")
         specs = [LayerSpec.of(name, t) for name, t in layers.items()]
-        with self.put_stream(namespace, block_hashes, specs, parent_hash=parent_hash, timeout=timeout) as stream:
+        with self.put_stream(
+            namespace, block_hashes, specs, parent_hash=parent_hash, timeout=timeout
+        ) as stream:
             for name, tensor in layers.items():
                 stream.write_layer(name, tensor.contiguous())
             return stream.commit()
@@ -537,7 +551,9 @@ class KVStoreClient:
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
     ) -> LayerStream:
         """Start reading the stored prefix of `block_hashes`, one layer at a time."""
-        req = pb.GetRequest(namespace=_ns(namespace), block_hashes=block_hashes, max_chunk_bytes=self.chunk_bytes)
+        req = pb.GetRequest(
+            namespace=_ns(namespace), block_hashes=block_hashes, max_chunk_bytes=self.chunk_bytes
+        )
         return LayerStream(self._get(req, timeout=timeout or max(self.timeout, 60.0)), allocate)
 
     def select(
@@ -559,7 +575,10 @@ class KVStoreClient:
         if not wait >= 0:
             raise ValueError("wait must be a non-negative number of seconds")
         req = pb.DropSelectRequest(
-            namespace=_ns(namespace), block_hashes=block_hashes, wait_seconds=wait, max_chunk_bytes=self.chunk_bytes
+            namespace=_ns(namespace),
+            block_hashes=block_hashes,
+            wait_seconds=wait,
+            max_chunk_bytes=self.chunk_bytes,
         )
         call = self._drop_select(req, timeout=wait + (transfer_timeout or max(self.timeout, 60.0)))
         return LayerStream(call, allocate)
@@ -576,7 +595,9 @@ class KVStoreClient:
 
         Raises StoreTimeout if they are not all stored in time (nothing is removed then).
         """
-        return self.take_stream(namespace, block_hashes, timeout, transfer_timeout=transfer_timeout).read_all()
+        return self.take_stream(
+            namespace, block_hashes, timeout, transfer_timeout=transfer_timeout
+        ).read_all()
 
     # ---- operators
     def evict(
@@ -594,7 +615,9 @@ class KVStoreClient:
         given = [all, namespace is not None and block_hash is None, block_hash is not None,
                  older_than is not None, target_bytes is not None]  # fmt: skip
         if sum(bool(g) for g in given) != 1:
-            raise ValueError("evict needs exactly one of: all, namespace, block_hash, older_than, target_bytes")
+            raise ValueError(
+                "evict needs exactly one of: all, namespace, block_hash, older_than, target_bytes"
+            )
         if block_hash is not None:
             if namespace is None:
                 raise ValueError("block_hash needs its namespace")
@@ -626,11 +649,15 @@ class KVStoreClient:
         timeout: float | None = None,
     ) -> tuple[list[pb.BlockInfo], bytes]:  # fmt: skip
         """One page of stored blocks and the token for the next page (b"" at the end)."""
-        req = pb.ListRequest(namespace=_ns(namespace) if namespace else b"", limit=limit, page_token=page_token)
+        req = pb.ListRequest(
+            namespace=_ns(namespace) if namespace else b"", limit=limit, page_token=page_token
+        )
         resp = self._unary(self._list, req, timeout)
         return list(resp.blocks), resp.next_page_token
 
-    def iter_blocks(self, namespace: str | bytes | None = None, *, page_size: int = 1000) -> Iterator[pb.BlockInfo]:
+    def iter_blocks(
+        self, namespace: str | bytes | None = None, *, page_size: int = 1000
+    ) -> Iterator[pb.BlockInfo]:
         token = b""
         while True:
             blocks, token = self.list_blocks(namespace, limit=page_size, page_token=token)

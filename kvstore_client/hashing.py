@@ -1,7 +1,8 @@
 """Chained block hashes: the keys of the store.
 
     h_{-1} = SHA-256("kvstore-root-v1" || namespace)
-    h_i    = SHA-256("kvstore-block-v1" || h_{i-1} || block size || tokens of block i || extra keys of block i)
+    h_i    = SHA-256("kvstore-block-v1" || h_{i-1} || block size || tokens of block i
+                     || extra keys of block i)
 
 Tokens are encoded as little-endian uint32. Extra keys, each length-prefixed:
 multimodal inputs overlapping the block (identifier, placeholder offset and
@@ -43,7 +44,9 @@ class MultiModalInput:
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length <= 0:
-            raise ValueError(f"multimodal input needs offset >= 0 and length > 0, got {self.offset}, {self.length}")
+            raise ValueError(
+                f"multimodal input needs offset >= 0 and length > 0, got {self.offset}, {self.length}"
+            )
 
 
 def _field(tag: bytes, value: bytes) -> bytes:

@@ -40,7 +40,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     import torch
 
     flat = tensor.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]  # ndarray is a buffer
 
 
 def writable_view(tensor: torch.Tensor) -> np.ndarray:

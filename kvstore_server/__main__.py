@@ -1,4 +1,5 @@
-from kvstore_server.main import main
 import sys
+
+from kvstore_server.main import main
 
 sys.exit(main())

@@ -160,7 +160,9 @@ class EventLog:
         with self._cond:
             return self._watchers
 
-    def subscribe(self, from_sequence: int = 0, namespace: bytes | None = None, prefix: bytes = b"") -> Cursor:
+    def subscribe(
+        self, from_sequence: int = 0, namespace: bytes | None = None, prefix: bytes = b""
+    ) -> Cursor:
         """A cursor at `from_sequence` (0: the next new event). Release it with `unsubscribe`.
 
         Raises EventsOutOfRange when the sequence is older than the window, or

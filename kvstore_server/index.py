@@ -19,7 +19,9 @@ from kvstore_server.storage import BlockKey
 class Entry:
     __slots__ = ("parent", "size", "num_layers", "created_at", "last_access")
 
-    def __init__(self, parent: bytes, size: int, num_layers: int, created_at: float, last_access: float) -> None:
+    def __init__(
+        self, parent: bytes, size: int, num_layers: int, created_at: float, last_access: float
+    ) -> None:
         self.parent = parent
         self.size = size
         self.num_layers = num_layers
@@ -60,7 +62,9 @@ class PrefixIndex:
 
     def keys(self, namespace: bytes | None = None, prefix: bytes = b"") -> Iterator[BlockKey]:
         """Keys of one namespace, or of every namespace starting with `prefix`."""
-        spaces = [namespace] if namespace is not None else [ns for ns in self._blocks if ns.startswith(prefix)]
+        spaces = (
+            [namespace] if namespace is not None else [ns for ns in self._blocks if ns.startswith(prefix)]
+        )
         for ns in spaces:
             for block_hash in self._blocks.get(ns, ()):
                 yield (ns, block_hash)
@@ -92,7 +96,13 @@ class PrefixIndex:
 
     # ---- updates
     def add(
-        self, namespace: bytes, block_hash: bytes, parent: bytes, size: int, created_at: float, num_layers: int = 0
+        self,
+        namespace: bytes,
+        block_hash: bytes,
+        parent: bytes,
+        size: int,
+        created_at: float,
+        num_layers: int = 0,
     ) -> bool:
         blocks = self._blocks.setdefault(namespace, {})
         if block_hash in blocks:

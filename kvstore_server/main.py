@@ -118,7 +118,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", type=Path, help="TOML file with any of the settings below")
     p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:50051)")
-    p.add_argument("--data-dir", dest="data_dir", type=Path, help="data directory (default ~/.local/share/kvstore)")
+    p.add_argument(
+        "--data-dir", dest="data_dir", type=Path, help="data directory (default ~/.local/share/kvstore)"
+    )
     p.add_argument("--backend", choices=("lmdb", "disk"), help="storage backend (default lmdb)")
     p.add_argument("--capacity", help="byte budget, e.g. 512MiB, 64GiB (default 8GiB)")
     p.add_argument("--sync", action="store_true", help="fsync every commit (survives power loss)")
@@ -130,10 +132,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", dest="metrics_host", help="metrics address (default 127.0.0.1)")
     p.add_argument("--event-window", dest="event_window", type=int, help="events kept for Watch (100000)")
     p.add_argument("--max-watchers", dest="max_watchers", type=int, help="Watch streams at once (16)")
-    p.add_argument("--token-file", dest="token_file", type=Path, help="bearer tokens, tenants and roles (TOML)")
+    p.add_argument(
+        "--token-file", dest="token_file", type=Path, help="bearer tokens, tenants and roles (TOML)"
+    )
     p.add_argument("--tls-cert", dest="tls_cert", type=Path, help="PEM certificate chain: serve over TLS")
     p.add_argument("--tls-key", dest="tls_key", type=Path, help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", dest="tls_client_ca", type=Path, help="require client certs from this CA")
+    p.add_argument(
+        "--tls-client-ca", dest="tls_client_ca", type=Path, help="require client certs from this CA"
+    )
     p.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback listen address without tokens or TLS"
     )
@@ -168,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
     )
     tune_malloc()
     try:

@@ -77,6 +77,7 @@ def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
             context.abort(code, str(exc))
     log.error("backend failure: %s", exc)
     context.abort(grpc.StatusCode.INTERNAL, f"storage failure: {exc}")
+    raise RuntimeError("context.abort returned") from exc  # it raises; this keeps type checkers honest
 
 
 def translated(method: F) -> F:
@@ -154,7 +155,9 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
             )
         nbytes = wire.layer_block_bytes(spec.dtype, shape)
         if nbytes > wire.MAX_CHUNK_BYTES:
-            raise InvalidRequest(f"layer {name!r}: {nbytes} bytes per block; the limit is {wire.MAX_CHUNK_BYTES}")
+            raise InvalidRequest(
+                f"layer {name!r}: {nbytes} bytes per block; the limit is {wire.MAX_CHUNK_BYTES}"
+            )
         out.append(LayerSpec(name, spec.dtype, shape, nbytes))
     return tuple(out)
 
@@ -238,7 +241,10 @@ class Servicer:
         try:
             received = self._receive(requests, layers, len(hashes), context)
             if received is None:
-                context.abort(grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored")
+                context.abort(
+                    grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored"
+                )
+                raise RuntimeError("context.abort returned")
             data, sums = received
             result = self.store.put(namespace, parent, hashes, layers, data, sums)
         finally:
@@ -251,7 +257,11 @@ class Servicer:
         )
 
     def _receive(
-        self, requests: Iterator[Any], layers: Sequence[LayerSpec], num_blocks: int, context: grpc.ServicerContext
+        self,
+        requests: Iterator[Any],
+        layers: Sequence[LayerSpec],
+        num_blocks: int,
+        context: grpc.ServicerContext,
     ) -> tuple[list[list[memoryview]], list[list[int]]] | None:
         """Collect chunks (and their per-block checksums) until the commit; None if the stream ends first."""
         data: list[list[memoryview]] = [[] for _ in layers]
@@ -371,7 +381,9 @@ class Servicer:
             target = request.target_bytes
             count, freed = self.store.evict(lambda index: eviction.down_to(index, target))
         else:
-            raise InvalidRequest("Evict needs a selector: all, namespace, block, older_than_seconds or target_bytes")
+            raise InvalidRequest(
+                "Evict needs a selector: all, namespace, block, older_than_seconds or target_bytes"
+            )
         return pb.EvictResponse(blocks_evicted=count, bytes_freed=freed)
 
     @translated
@@ -510,7 +522,9 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         "Evict": unary(servicer.Evict, pb.EvictRequest.FromString, pb.EvictResponse.SerializeToString),
         "Stats": unary(servicer.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
         "List": unary(servicer.List, pb.ListRequest.FromString, pb.ListResponse.SerializeToString),
-        "Describe": unary(servicer.Describe, pb.DescribeRequest.FromString, pb.DescribeResponse.SerializeToString),
+        "Describe": unary(
+            servicer.Describe, pb.DescribeRequest.FromString, pb.DescribeResponse.SerializeToString
+        ),
         "Watch": grpc.unary_stream_rpc_method_handler(
             servicer.Watch, pb.WatchRequest.FromString, pb.Event.SerializeToString
         ),

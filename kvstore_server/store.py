@@ -120,7 +120,12 @@ class Store:
         self._listeners: list[Listener] = []
         for meta in backend.scan():
             self._index.add(
-                meta.namespace, meta.block_hash, meta.parent_hash, meta.size, meta.created_at, len(meta.layers)
+                meta.namespace,
+                meta.block_hash,
+                meta.parent_hash,
+                meta.size,
+                meta.created_at,
+                len(meta.layers),
             )
         self._index.sort_leaves()
         if self._index.bytes_used > capacity_bytes:
@@ -192,12 +197,12 @@ class Store:
                         parent_hash=hashes[i - 1] if i else parent_hash,
                         layers=tuple(layers),
                         checksums=tuple(
-                            checksums[l][i] if checksums is not None else checksum(data[l][i])
-                            for l in range(len(layers))
+                            checksums[k][i] if checksums is not None else checksum(data[k][i])
+                            for k in range(len(layers))
                         ),
                         created_at=now,
                     ),
-                    [data[l][i] for l in range(len(layers))],
+                    [data[k][i] for k in range(len(layers))],
                 )
                 for i in fresh
             ]
@@ -397,7 +402,9 @@ class Store:
         `namespace` None: every namespace that starts with `prefix`.
         """
         with self._lock:
-            keys = sorted(k for k in self._index.keys(namespace, prefix) if after is None or k > after)[:limit]
+            keys = sorted(k for k in self._index.keys(namespace, prefix) if after is None or k > after)[
+                :limit
+            ]
             return [self._info(k) for k in keys]
 
     def describe(self, namespace: bytes, block_hash: bytes) -> tuple[BlockInfo, BlockMeta]:

@@ -44,7 +44,9 @@ class Daemon:
         ]
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
         log = open(self.log_path, "a")  # noqa: SIM115 - owned by the process
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ.copy())
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ.copy()
+        )
         log.close()
         # The daemon prints exactly one line on stdout when it serves; reading it
         # is the synchronisation (no sleeps, no polling).

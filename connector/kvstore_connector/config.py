@@ -129,7 +129,7 @@ class NamespaceInfo:
         model_config = vllm_config.model_config
         cache_config = vllm_config.cache_config
         parallel = vllm_config.parallel_config
-        kv_dtype = cache_config.cache_dtype
+        kv_dtype = str(cache_config.cache_dtype)
         if kv_dtype == "auto":
             kv_dtype = str(model_config.dtype).removeprefix("torch.")
         return cls(

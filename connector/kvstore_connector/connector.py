@@ -64,14 +64,18 @@ log = logging.getLogger("vllm." + __name__)
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
         info = NamespaceInfo.from_vllm(vllm_config, self.config.namespace)
         self._load = transfer.kv_role in ("kv_consumer", "kv_both")
         self._save = transfer.kv_role in ("kv_producer", "kv_both")
-        save_sync = (self.config.save_mode or ("sync" if transfer.kv_role == "kv_producer" else "async")) == "sync"
+        save_sync = (
+            self.config.save_mode or ("sync" if transfer.kv_role == "kv_producer" else "async")
+        ) == "sync"
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -111,10 +115,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise RuntimeError("scheduler-side hook called on a worker connector")
         return self._scheduler
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

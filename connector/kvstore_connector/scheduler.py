@@ -98,7 +98,9 @@ class SchedulerSide:
             return 0, False
         return hit * self.block_size - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         tracked = self._tracked(request)
         if num_external_tokens <= 0:
             return
@@ -106,7 +108,9 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         first = tracked.pending_local // self.block_size
         last = (tracked.pending_local + num_external_tokens) // self.block_size
-        self._loads.append(LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last])))
+        self._loads.append(
+            LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last]))
+        )
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._loads)
@@ -117,7 +121,9 @@ class SchedulerSide:
             tracked = self._requests.get(new.req_id)
             if tracked is not None:
                 tracked.block_ids = list(new.block_ids[0])
-                self._plan_save(meta, new.req_id, tracked, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+                self._plan_save(
+                    meta, new.req_id, tracked, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id]
+                )
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             tracked = self._requests.get(req_id)
@@ -128,10 +134,14 @@ class SchedulerSide:
                 tracked.block_ids = list(new_ids[0]) if new_ids is not None else []
             elif new_ids is not None:
                 tracked.block_ids.extend(new_ids[0])
-            self._plan_save(meta, req_id, tracked, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+            self._plan_save(
+                meta, req_id, tracked, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id]
+            )
         return meta
 
-    def _plan_save(self, meta: KVStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int) -> None:
+    def _plan_save(
+        self, meta: KVStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int
+    ) -> None:
         """Save prompt blocks that are full and computed by the end of this step, once each."""
         full = min(len(tracked.hashes), computed // self.block_size, len(tracked.block_ids))
         if full <= tracked.stored:
@@ -155,4 +165,3 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.client.close()
-

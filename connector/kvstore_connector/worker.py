@@ -144,7 +144,11 @@ class WorkerSide:
             timeout = self.config.load_timeout
             if self.config.consume:
                 stream = self.client.take_stream(
-                    self.namespace, spec.hashes, wait=1.0, transfer_timeout=timeout, allocate=self._host_buffer
+                    self.namespace,
+                    spec.hashes,
+                    wait=1.0,
+                    transfer_timeout=timeout,
+                    allocate=self._host_buffer,
                 )
             else:
                 stream = self.client.get_stream(

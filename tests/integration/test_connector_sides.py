@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from kvstore_client import KVStoreClient
-from kvstore_client.hashing import block_hashes
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.scheduler import SchedulerSide
 from kvstore_connector.worker import WorkerSide
+
+from kvstore_client import KVStoreClient
+from kvstore_client.hashing import block_hashes
 
 BS = 32
 INFO = NamespaceInfo("test-model", "bfloat16", BS, 2, 64, False, "cpu", tp_size=1, pp_size=1)
@@ -106,7 +106,9 @@ def test_hits_are_whole_blocks_beyond_the_local_cache_and_leave_a_token(daemon) 
     assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
     assert side.get_num_new_matched_tokens(req, BS) == (2 * BS, False)  # vLLM had block 0 itself
     side.update_state_after_alloc(req, blocks([7, 8, 9, 10, 11, 12, 13]), 2 * BS)
-    meta = side.build_connector_meta(step(new=[("r1", [7, 8, 9, 10, 11, 12, 13], 3 * BS)], scheduled={"r1": 104}))
+    meta = side.build_connector_meta(
+        step(new=[("r1", [7, 8, 9, 10, 11, 12, 13], 3 * BS)], scheduled={"r1": 104})
+    )
     assert [(ld.hashes, ld.block_ids) for ld in meta.loads] == [(hashes[1:3], [8, 9])]
     # what the store had is not saved again; what it lacked is
     assert [(s.hashes, s.parent_hash) for s in meta.saves] == [(hashes[3:6], hashes[2])]
@@ -146,7 +148,10 @@ def test_a_consumer_never_saves_and_a_producer_never_loads(daemon) -> None:
     meta = producer.build_connector_meta(step(new=[("r1", list(range(1, 8)), 0)], scheduled={"r1": 200}))
     assert [s.hashes for s in meta.saves] == [hashes[2:6]]  # the stored prefix is skipped
     consumer.update_state_after_alloc(req, blocks(list(range(1, 8))), 2 * BS)
-    assert consumer.build_connector_meta(step(new=[("r1", list(range(1, 8)), 64)], scheduled={"r1": 136})).saves == []
+    assert (
+        consumer.build_connector_meta(step(new=[("r1", list(range(1, 8)), 64)], scheduled={"r1": 136})).saves
+        == []
+    )
     consumer.close()
     producer.close()
 

@@ -15,12 +15,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from daemon import Daemon
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors
 from kvstore_client.hashing import block_hashes
-
-from daemon import Daemon
 
 TOKENS = {
     "a-reader": ("team-a", "reader"),
@@ -188,8 +187,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         key = ec.generate_private_key(ec.SECP256R1())
         files[name] = _cert(name, ca_key, ca_name, key, ca=False, sans=sans)
         (out / f"{name}.key").write_bytes(
-            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption())  # fmt: skip
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )  # fmt: skip
         )
     paths = {}
     for name, cert in files.items():
@@ -209,8 +209,9 @@ def test_tls_handshake_with_generated_certificates(tmp_path: Path, pki: dict[str
             assert kv.lookup("ns", HASHES) == 1
         with KVStoreClient(d.address, timeout=3) as plain, pytest.raises(errors.StoreUnavailable):
             plain.lookup("ns", HASHES)  # plaintext against a TLS port
-        with KVStoreClient(d.address, timeout=3, tls_ca=pki["other_ca"]) as wrong_ca, pytest.raises(
-            errors.StoreUnavailable
+        with (
+            KVStoreClient(d.address, timeout=3, tls_ca=pki["other_ca"]) as wrong_ca,
+            pytest.raises(errors.StoreUnavailable),
         ):
             wrong_ca.lookup("ns", HASHES)  # a CA that did not sign the server's certificate
     finally:
@@ -222,10 +223,13 @@ def test_mutual_tls_requires_a_client_certificate(tmp_path: Path, pki: dict[str,
             "--tls-client-ca", str(pki["ca"])]  # fmt: skip
     d = Daemon(tmp_path / "data", extra_args=args).start()
     try:
-        with KVStoreClient(d.address, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client.key"]) as kv:
+        with KVStoreClient(
+            d.address, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client.key"]
+        ) as kv:
             assert kv.lookup("ns", HASHES) == 0
-        with KVStoreClient(d.address, timeout=3, tls_ca=pki["ca"]) as anonymous, pytest.raises(
-            errors.StoreUnavailable
+        with (
+            KVStoreClient(d.address, timeout=3, tls_ca=pki["ca"]) as anonymous,
+            pytest.raises(errors.StoreUnavailable),
         ):
             anonymous.lookup("ns", HASHES)
     finally:

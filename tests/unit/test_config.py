@@ -231,7 +231,12 @@ def test_service_settings_defaults_file_and_flags(tmp_path: Path) -> None:
     assert (config.event_window, config.max_watchers) == (100_000, 16)
     path = write(tmp_path, 'metrics-port = 9400\nmetrics_host = "::"\nevent-window = 10\nmax_watchers = 3\n')
     config = ServerConfig.load(path, {"metrics_port": 0, "max_watchers": 5})
-    assert (config.metrics_port, config.metrics_host, config.event_window, config.max_watchers) == (0, "::", 10, 5)
+    assert (config.metrics_port, config.metrics_host, config.event_window, config.max_watchers) == (
+        0,
+        "::",
+        10,
+        5,
+    )
     with pytest.raises(ValueError, match="metrics_port must be an integer"):
         ServerConfig.load(write(tmp_path, 'metrics_port = "9400"\n'))
     with pytest.raises(ValueError, match="event_window must be an integer"):

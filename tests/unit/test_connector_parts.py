@@ -6,7 +6,6 @@ import pickle
 
 import pytest
 import torch
-
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.transfer import BlockMover, find_block_dim
@@ -137,5 +136,7 @@ def test_load_spec_types_are_plain_data() -> None:
     # metadata crosses vLLM's scheduler -> worker boundary: it must pickle
     from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 
-    meta = KVStoreConnectorMetadata(loads=[LoadSpec("r", [b"h" * 32], [3])], saves=[SaveSpec("r", [], [], b"")])
+    meta = KVStoreConnectorMetadata(
+        loads=[LoadSpec("r", [b"h" * 32], [3])], saves=[SaveSpec("r", [], [], b"")]
+    )
     assert pickle.loads(pickle.dumps(meta)) == meta
