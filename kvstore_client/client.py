@@ -320,24 +320,17 @@ class LayerStream:
         self.num_blocks: int = first.header.num_blocks
         self.layers = [LayerSpec(s.name, s.dtype, tuple(s.shape)) for s in first.header.layers]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.num_blocks == 0:
-            return
-        import numpy as np
-        import torch
+    def chunks(self) -> Iterator[wire.Chunk]:
+        """The raw stream: each chunk's layer index, first block and bytes, in order.
 
+        For callers that place blocks themselves (the connector scatters them
+        straight into a paged KV cache); the views are valid until the next chunk.
+        A layer is complete when a chunk reaches its last block.
+        """
         try:
-            for index, spec in enumerate(self.layers):
-                shape = (self.num_blocks, *spec.shape)
-                if self._allocate is not None:
-                    tensor = self._allocate(spec, self.num_blocks)
-                    if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != spec.dtype:
-                        raise ValueError(f"allocate gave {tensor.dtype} {list(tensor.shape)} for {spec}")
-                else:
-                    tensor = torch.empty(shape, dtype=torch_dtype(spec.dtype))
-                dest = writable_view(tensor)
-                filled = 0
+            for index, spec in enumerate(self.layers if self.num_blocks else ()):
                 total = spec.block_bytes * self.num_blocks
+                filled = 0
                 while filled < total:
                     chunk = next(self._call)
                     if (
@@ -345,14 +338,13 @@ class LayerStream:
                         or chunk.layer_index != index
                         or chunk.first_block * spec.block_bytes != filled
                         or filled + len(chunk.data) > total
+                        or len(chunk.data) % spec.block_bytes
                     ):
                         raise errors.StoreInternalError(
                             f"out-of-order data in Get stream at layer {spec.name!r}"
                         )
-                    size = len(chunk.data)
-                    dest[filled : filled + size] = np.frombuffer(chunk.data, dtype=np.uint8)
-                    filled += size
-                yield spec.name, tensor
+                    filled += len(chunk.data)
+                    yield chunk
             # Read the call's end too: the server finishes its side (and counts
             # the read) when the stream closes, not at its last chunk.
             for extra in self._call:
@@ -363,6 +355,34 @@ class LayerStream:
             raise errors.from_rpc_error(exc) from exc
         except StopIteration:
             raise errors.StoreInternalError("Get stream ended early") from None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.num_blocks == 0:
+            self._drain()
+            return
+        import numpy as np
+        import torch
+
+        tensor = dest = None
+        for chunk in self.chunks():
+            spec = self.layers[chunk.layer_index]
+            if chunk.first_block == 0:
+                shape = (self.num_blocks, *spec.shape)
+                if self._allocate is not None:
+                    tensor = self._allocate(spec, self.num_blocks)
+                    if tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != spec.dtype:
+                        raise ValueError(f"allocate gave {tensor.dtype} {list(tensor.shape)} for {spec}")
+                else:
+                    tensor = torch.empty(shape, dtype=torch_dtype(spec.dtype))
+                dest = writable_view(tensor)
+            start = chunk.first_block * spec.block_bytes
+            dest[start : start + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)  # type: ignore[index]
+            if start + len(chunk.data) == spec.block_bytes * self.num_blocks:
+                yield spec.name, tensor  # type: ignore[misc]
+
+    def _drain(self) -> None:
+        for _ in self.chunks():
+            pass
 
     def cancel(self) -> None:
         self._call.cancel()

@@ -15,11 +15,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
 from kvstore_client.errors import KVStoreError
-from kvstore_client.tensors import dtype_name
+from kvstore_client.tensors import dtype_name, writable_view
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import StoreHealth
@@ -86,6 +87,7 @@ class WorkerSide:
         self.stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
         self._caches: dict[str, torch.Tensor] = {}  # block-major views
+        self._raw: dict[str, np.ndarray] | None = None  # their bytes, for contiguous CPU caches
         self._specs: list[LayerSpec] = []
         self._mover: BlockMover | None = None
         self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-load")
@@ -109,6 +111,9 @@ class WorkerSide:
             self._specs.append(LayerSpec(name, dtype_name(view.dtype), tuple(view.shape[1:])))
         first = next(iter(self._caches.values()))
         self._mover = BlockMover(first.device)
+        if first.device.type == "cpu" and all(v.is_contiguous() for v in self._caches.values()):
+            # loads copy blocks from the received messages straight into these
+            self._raw = {name: writable_view(view) for name, view in self._caches.items()}
         log.info(
             "kvstore connector: %d layers, block %s %s (%d bytes/block), namespace %s",
             len(self._specs),
@@ -162,11 +167,14 @@ class WorkerSide:
             ]:
                 stream.cancel()
                 raise KVStoreError("stored layers do not match this engine's KV cache layout")
-            ids = mover.index(spec.block_ids[:n])
-            for name, host in stream:
-                event = mover.scatter(self._caches[name], ids, host)
-                pending.remove(name)
-                gates.done(name, event)
+            if self._raw is not None:
+                self._place_blocks(stream, spec.block_ids[:n], pending, gates)
+            else:
+                ids = mover.index(spec.block_ids[:n])
+                for name, host in stream:
+                    event = mover.scatter(self._caches[name], ids, host)
+                    pending.remove(name)
+                    gates.done(name, event)
             loaded_blocks = n
             self.health.ok()
         except (KVStoreError, RuntimeError, ValueError) as exc:
@@ -188,6 +196,25 @@ class WorkerSide:
                     bytes_loaded=nbytes,
                     load_seconds=time.perf_counter() - started,
                 )
+
+    def _place_blocks(
+        self, stream: LayerStream, block_ids: list[int], pending: list[str], gates: _LayerGates
+    ) -> None:
+        """CPU caches: copy each received block straight into its paged block (one copy)."""
+        raw = self._raw
+        if raw is None:
+            raise RuntimeError("raw placement needs contiguous CPU caches")
+        for chunk in stream.chunks():
+            spec = stream.layers[chunk.layer_index]
+            size = spec.block_bytes
+            dest = raw[spec.name]
+            data = np.frombuffer(chunk.data, dtype=np.uint8)
+            for i in range(len(data) // size):
+                block = block_ids[chunk.first_block + i]
+                dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
+            if (chunk.first_block + len(data) // size) == len(block_ids):
+                pending.remove(spec.name)
+                gates.done(spec.name)
 
     def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
         mover = self._mover

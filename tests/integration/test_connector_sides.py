@@ -171,10 +171,19 @@ def test_a_store_that_is_down_is_a_miss_with_one_warning(caplog: pytest.LogCaptu
 
 
 # ---- worker side
-def make_worker(address: str, **kw: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+def make_worker(
+    address: str, kv_first: bool = False, **kw: object
+) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    """A worker over zeroed caches; `kv_first` lays them out [2, blocks, ...] (non-contiguous
+    block views: loads go through host tensors instead of straight into the pages)."""
     worker = WorkerSide(NS, POOL, config(address, **kw), load=True, save=True, save_sync=True)
-    caches = {name: torch.zeros((POOL, 2, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
-    worker.register_kv_caches(caches)
+    if kv_first:
+        raw = {name: torch.zeros((2, POOL, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
+        worker.register_kv_caches(raw)
+        caches = {name: t.movedim(1, 0) for name, t in raw.items()}  # what the worker sees
+    else:
+        caches = {name: torch.zeros((POOL, 2, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
+        worker.register_kv_caches(caches)
     return worker, caches
 
 
@@ -188,9 +197,10 @@ def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[st
     return worker.block_ids_with_load_errors()
 
 
-def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(daemon) -> None:
+@pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
+def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(daemon, kv_first: bool) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
-    saver, src = make_worker(daemon.address)
+    saver, src = make_worker(daemon.address, kv_first)
     for name in LAYERS:
         src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16))
     run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [3, 4, 5, 6], b"")]), src)
@@ -198,7 +208,7 @@ def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(daemon) -> N
         assert kv.lookup(NS, hashes) == 4
         assert kv.select(NS, hashes)[LAYERS[1]].view(torch.uint8).equal(src[LAYERS[1]][3:7].view(torch.uint8))
 
-    loader, dst = make_worker(daemon.address)
+    loader, dst = make_worker(daemon.address, kv_first)
     errors = run_step(loader, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [10, 20, 11, 12])]), dst)
     assert errors == set()
     for name in LAYERS:
