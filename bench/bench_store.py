@@ -62,6 +62,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "tests"))
+
+from daemon import Daemon  # noqa: E402  (tests/daemon.py: the same start-up as the tests use)
+
 from kvstore_server.config import format_size, parse_size  # noqa: E402
 
 TARGETS = {"store": 0.8, "load": 1.5, "lookup_p50_ms": 1.0}
@@ -284,55 +288,6 @@ def free_port() -> int:
 
 
 # ---------------------------------------------------------------------------- daemon
-class DaemonProc:
-    """kvstore-server on 127.0.0.1:0 in a temp data dir (same logic as tests/daemon.py)."""
-
-    def __init__(self, root: Path, backend: str, capacity: int, sync: bool, env: dict[str, str]) -> None:
-        self.data_dir = root / "daemon-data"
-        self.log_path = root / "daemon.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvstore_server",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(self.data_dir),
-            "--backend",
-            backend,
-            "--capacity",
-            str(capacity),
-            "--log-level",
-            "WARNING",
-        ]
-        if sync:
-            cmd.append("--sync")
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **env}, cwd=REPO
-            )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.startswith("kvstore-server ready on "):
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"daemon did not start: {line!r}\n{self.log_path.read_text()}")
-        self.ready_line = line.strip()
-        self.address = line.split()[3]
-        self.pid = self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout:
-            self.proc.stdout.close()
-
-
 def daemon_store_pass(client, ns: str, w: Workload, hashes: list[bytes], inflight: int = 1) -> None:
     parent = b""
     pending = []
@@ -364,8 +319,15 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
     res = PathResult(f"daemon ({args.backend})")
     out = [res]
     capacity = max(2 * w.total_bytes + (256 << 20), 1 << 30)
-    daemon = DaemonProc(root, args.backend, capacity, args.sync, args.daemon_env)
-    OUR_PIDS["daemon"] = daemon.pid
+    extra = ["--log-level", "WARNING", *(["--sync"] if args.sync else [])]
+    daemon = Daemon(
+        root / "daemon-data",
+        backend=args.backend,
+        capacity=str(capacity),
+        extra_args=extra,
+        env=args.daemon_env,
+    ).start()
+    OUR_PIDS["daemon"] = daemon.proc.pid
     print(f"  {daemon.ready_line}", flush=True)
     nbytes = w.total_bytes
     state = {"hashes": new_hashes(w.num_blocks)}
@@ -389,7 +351,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
             def load() -> None:
                 daemon_load_pass(client, "bench", w, state["hashes"])
 
-            with py_spy(args, daemon.pid, "store-cold"):
+            with py_spy(args, daemon.proc.pid, "store-cold"):
                 res.store_cold = timed_pass("store, cold (fresh daemon)", nbytes, store(), res.passes)
             res.store_warm = best_of(
                 "store, warm (after evict)",
@@ -398,7 +360,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
                 args.repeat,
                 res.passes,
                 fresh,
-                around=lambda i: py_spy(args, daemon.pid, f"store-warm-{i + 1}"),
+                around=lambda i: py_spy(args, daemon.proc.pid, f"store-warm-{i + 1}"),
             )
             res.load_first = timed_pass("load, first pass", nbytes, load, res.passes)
             res.load_warm = best_of(
@@ -407,7 +369,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
                 load,
                 args.repeat,
                 res.passes,
-                around=lambda i: py_spy(args, daemon.pid, f"load-warm-{i + 1}"),
+                around=lambda i: py_spy(args, daemon.proc.pid, f"load-warm-{i + 1}"),
             )
 
             prefix = state["hashes"][: args.lookup_blocks]

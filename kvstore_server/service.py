@@ -82,10 +82,7 @@ def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
 
 def translated(method: F) -> F:
     """Map store and validation errors to status codes (unary and streaming methods)."""
-    errors = (
-        InvalidRequest, InvalidChain, CapacityError, WaitTimeout, NotFoundError, EventsOutOfRange,
-        ShuttingDown, StorageError,
-    )  # fmt: skip
+    errors = (*(kind for kind, _ in _STATUS), StorageError)  # StorageError: INTERNAL
 
     @functools.wraps(method)
     def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:

@@ -249,6 +249,9 @@ class Store:
             return []
         except StorageFullError:
             log.warning("backend full below the byte budget; evicting 10% more and retrying once")
+        except StorageError:
+            self._reconcile(victims)
+            raise
         with self._lock:
             # not the chain being written: its new blocks would hang below nothing
             extra = eviction.down_to(self._index, int(self._index.bytes_used * 0.9), protect)

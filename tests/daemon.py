@@ -21,6 +21,7 @@ class Daemon:
     backend: str = "lmdb"
     capacity: str = "1GiB"
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen[str] | None = None
     address: str = ""
     ready_line: str = ""
@@ -45,7 +46,7 @@ class Daemon:
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"
         log = open(self.log_path, "a")  # noqa: SIM115 - owned by the process
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ.copy()
+            cmd, stdout=subprocess.PIPE, stderr=log, text=True, env={**os.environ, **self.env}
         )
         log.close()
         # The daemon prints exactly one line on stdout when it serves; reading it
