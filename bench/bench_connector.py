@@ -1,12 +1,13 @@
 """Decode-instance time to first token: store hit vs recompute vs vLLM's ExampleConnector.
 
-    python bench/bench_connector.py [--tokens 2048] [--layers 8] [--hidden 1024] [--prompts 3]
+    python bench/bench_connector.py [--tokens 2048] [--layers 8] [--hidden 1024] [--prompts 8]
 
 Builds a random Llama (nothing downloaded), starts a kvstore daemon, fills the
 store (KVStoreConnector, kv_producer) and an ExampleConnector directory from one
 "prefill" process, then in one "decode" process measures, for the same prompts,
 the wall time of generate(max_tokens=1) with: no connector (recompute), the
-kvstore connector (kv_consumer) and ExampleConnector. Each engine first serves
+kvstore connector (kv_consumer; on the same-host fast path, the default, and
+with local_reads=false over gRPC) and ExampleConnector. Each engine first serves
 a warm-up prompt; each measured prompt is new to the engine, so vLLM's own
 prefix cache never hits. Prints medians and ratios. Figures, never pass/fail.
 """
@@ -35,7 +36,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=8)
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-"))
@@ -67,6 +68,8 @@ def main() -> None:
         out = run_engines(tmp, model, [
             {"name": "recompute", "kv": None, **common},
             {"name": "kvstore hit", "kv": kv_config(daemon.address, "kv_consumer"), **common},
+            {"name": "kvstore hit, gRPC", "kv": kv_config(daemon.address, "kv_consumer", local_reads=False),
+             **common},
             {"name": "ExampleConnector hit", "kv": example, **common},
         ])  # fmt: skip
     finally:
@@ -76,7 +79,7 @@ def main() -> None:
     print(f"\nmodel: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads, bf16, block 32; "
           f"prompt {args.tokens} tokens = {kv_bytes / 2**20:.1f} MiB of KV; median of {args.prompts} prompts")  # fmt: skip
     rows = {}
-    for name in ("recompute", "kvstore hit", "ExampleConnector hit"):
+    for name in ("recompute", "kvstore hit", "kvstore hit, gRPC", "ExampleConnector hit"):
         ttft = out[name]["ttft"][1:]  # the first prompt warmed the engine up
         rows[name] = statistics.median(ttft)
     print(f"{'decode TTFT':<24}{'seconds':>10}{'vs recompute':>15}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -69,9 +69,9 @@ _TAG_FIRST: Final = 0x10  # LayerChunk.first_block, varint
 _TAG_DATA: Final = 0x1A  # LayerChunk.data, length-delimited
 
 
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """A decoded LayerChunk whose data is a view into the received message."""
+class Chunk(NamedTuple):
+    """A decoded LayerChunk whose data is a view into the received message (a tuple:
+    cheap to make, and loads make one per block and layer)."""
 
     layer_index: int
     first_block: int

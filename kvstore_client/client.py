@@ -21,6 +21,7 @@ Thread-safe: one client may be shared by threads. Every call has a deadline
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,10 +35,13 @@ import grpc
 from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
+from kvstore_client.local import LocalReads
 from kvstore_client.tensors import byte_view, dtype_name, torch_dtype, writable_view
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 _SERVICE = "/kvstore.v1.KVStore/"
 # Initial metadata of a Watch stream (see WatchRequest in the proto).
@@ -294,21 +298,11 @@ class PutStream:
             self.abort()
 
 
-class LayerStream:
-    """A Get in progress: `num_blocks`, `layers`, then iterate (name, tensor) per layer.
+class _CallSource:
+    """A Get or DropSelect call as a LayerStream's source: header first, then chunks."""
 
-    Layer i is yielded as soon as its bytes arrived, while later layers are
-    still in flight. `allocate(spec, num_blocks)` may supply each destination
-    tensor (e.g. pinned memory); by default a new CPU tensor is made.
-    """
-
-    def __init__(
-        self,
-        call: Any,
-        allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, call: Any) -> None:
         self._call = call
-        self._allocate = allocate
         try:
             first = next(call)
         except grpc.RpcError as exc:
@@ -321,24 +315,20 @@ class LayerStream:
         self.layers = [LayerSpec(s.name, s.dtype, tuple(s.shape)) for s in first.header.layers]
 
     def chunks(self) -> Iterator[wire.Chunk]:
-        """The raw stream: each chunk's layer index, first block and bytes, in order.
-
-        For callers that place blocks themselves (the connector scatters them
-        straight into a paged KV cache); the views are valid until the next chunk.
-        A layer is complete when a chunk reaches its last block.
-        """
+        """The stream's chunks, checked to arrive in order, layer by layer."""
         try:
             for index, spec in enumerate(self.layers if self.num_blocks else ()):
-                total = spec.block_bytes * self.num_blocks
+                block_bytes = spec.block_bytes
+                total = block_bytes * self.num_blocks
                 filled = 0
                 while filled < total:
                     chunk = next(self._call)
                     if (
                         not isinstance(chunk, wire.Chunk)
                         or chunk.layer_index != index
-                        or chunk.first_block * spec.block_bytes != filled
+                        or chunk.first_block * block_bytes != filled
                         or filled + len(chunk.data) > total
-                        or len(chunk.data) % spec.block_bytes
+                        or len(chunk.data) % block_bytes
                     ):
                         raise errors.StoreInternalError(
                             f"out-of-order data in Get stream at layer {spec.name!r}"
@@ -355,6 +345,43 @@ class LayerStream:
             raise errors.from_rpc_error(exc) from exc
         except StopIteration:
             raise errors.StoreInternalError("Get stream ended early") from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class LayerStream:
+    """A Get in progress: `num_blocks`, `layers`, then iterate (name, tensor) per layer.
+
+    Layer i is yielded as soon as its bytes arrived, while later layers are
+    still in flight. `allocate(spec, num_blocks)` may supply each destination
+    tensor (e.g. pinned memory); by default a new CPU tensor is made. `local`
+    tells whether the blocks come straight from the daemon's files (the
+    same-host fast path, see kvstore_client.local) instead of over gRPC.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+        *,
+        local: bool = False,
+    ) -> None:
+        self._source = source
+        self._allocate = allocate
+        self.local = local
+        self.num_blocks: int = source.num_blocks
+        self.layers: list[LayerSpec] = source.layers
+
+    def chunks(self) -> Iterator[wire.Chunk]:
+        """The raw stream: each chunk's layer index, first block and bytes, in order.
+
+        For callers that place blocks themselves (the connector scatters them
+        straight into a paged KV cache); the views are valid until the next chunk.
+        Layers come in order, each one's blocks in order; a layer is complete
+        when a chunk reaches its last block.
+        """
+        return self._source.chunks()  # type: ignore[no-any-return]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.num_blocks == 0:
@@ -385,7 +412,8 @@ class LayerStream:
             pass
 
     def cancel(self) -> None:
-        self._call.cancel()
+        """Stop the transfer; safe from another thread while this one iterates."""
+        self._source.cancel()
 
     def read_all(self) -> dict[str, torch.Tensor]:
         return dict(self)
@@ -407,10 +435,15 @@ class KVStoreClient:
         tls_ca: str | Path | bytes | None = None,
         tls_cert: str | Path | bytes | None = None,
         tls_key: str | Path | bytes | None = None,
+        local_reads: bool = False,
+        local_data_dir: str | Path | None = None,
     ) -> None:
         """`token`: bearer token sent with every call (daemons run with --token-file).
         TLS when `tls` is true or a CA is given: `tls_ca` (PEM path or bytes; default: the
-        system roots), `tls_cert` + `tls_key` for a client certificate (mutual TLS)."""
+        system roots), `tls_cert` + `tls_key` for a client certificate (mutual TLS).
+        `local_reads`: on the daemon's host, get_stream/select read blocks straight from its
+        files when the daemon offers it (see kvstore_client.local); `local_data_dir` is where
+        this process sees the daemon's data directory, if not at the daemon's own path."""
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         if not 0 < chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -460,6 +493,24 @@ class KVStoreClient:
         self._watch = self._channel.unary_stream(
             _SERVICE + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
         )
+        self._local_access = unary(
+            _SERVICE + "LocalAccess",
+            pb.LocalAccessRequest.SerializeToString,
+            pb.LocalAccessResponse.FromString,
+        )
+        self._local = (
+            LocalReads(
+                lambda: self.local_access(timeout=min(self.timeout, 2.0)),
+                self._report_corrupt,
+                local_data_dir,
+            )
+            if local_reads
+            else None
+        )
+        # Lookups answered from the files, on their way to the daemon (one thread sends them)
+        self._touches: queue.SimpleQueue[tuple[pb.LookupRequest, float] | None] = queue.SimpleQueue()
+        self._toucher: threading.Thread | None = None
+        self._touch_start = threading.Lock()
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
 
@@ -470,6 +521,11 @@ class KVStoreClient:
             return
         self._closed.set()
         self._inserts.shutdown(wait=True)
+        if self._local is not None:
+            self._local.close()
+        if self._toucher is not None:  # send what is queued (each call has its deadline)
+            self._touches.put(None)
+            self._toucher.join()
         self._raw_channel.close()
 
     def __enter__(self) -> KVStoreClient:
@@ -495,12 +551,40 @@ class KVStoreClient:
         """How many leading blocks of `block_hashes` are stored. One round trip.
 
         With a list of namespaces: the prefix stored in all of them (e.g. every TP rank).
+        With local reads: answered from the daemon's files, no round trip; the same
+        Lookup still goes to the daemon in the background (recency, hit counters).
         """
         if isinstance(namespace, (str, bytes)):
-            req = pb.LookupRequest(namespace=_ns(namespace), block_hashes=block_hashes)
+            spaces = [_ns(namespace)]
+            req = pb.LookupRequest(namespace=spaces[0], block_hashes=block_hashes)
         else:
-            req = pb.LookupRequest(namespaces=[_ns(ns) for ns in namespace], block_hashes=block_hashes)
+            spaces = [_ns(ns) for ns in namespace]
+            req = pb.LookupRequest(namespaces=spaces, block_hashes=block_hashes)
+        if self._local is not None and not self._closed.is_set():
+            n = self._local.lookup(spaces, block_hashes)
+            if n is not None:
+                self._touch(req, timeout or self.timeout)
+                return n
         return int(self._unary(self._lookup, req, timeout).num_blocks)
+
+    def _touch(self, req: pb.LookupRequest, timeout: float) -> None:
+        if self._toucher is None:
+            with self._touch_start:
+                if self._toucher is None:
+                    self._toucher = threading.Thread(
+                        target=self._send_touches, name="kvstore-touch", daemon=True
+                    )
+                    self._toucher.start()
+        self._touches.put((req, timeout))
+
+    def _send_touches(self) -> None:
+        while (item := self._touches.get()) is not None:
+            req, timeout = item
+            try:
+                self._lookup(req, timeout=timeout)
+            except grpc.RpcError as exc:
+                # the answer came from the files; the daemon only missed a recency update
+                log.debug("background Lookup failed: %s", exc.code())
 
     def put_stream(
         self,
@@ -570,17 +654,44 @@ class KVStoreClient:
         timeout: float | None = None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
     ) -> LayerStream:
-        """Start reading the stored prefix of `block_hashes`, one layer at a time."""
+        """Start reading the stored prefix of `block_hashes`, one layer at a time.
+
+        With local reads the stream may end in errors.LocalDataCorrupt (the daemon
+        was told and drops the bad block; read again for the good prefix)."""
+        if self._local is not None:
+            source = self._local.stream_source(_ns(namespace), block_hashes)
+            if source is not None:
+                return LayerStream(source, allocate, local=True)
+        return self._get_call(namespace, block_hashes, timeout, allocate)
+
+    def _get_call(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        timeout: float | None,
+        allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+    ) -> LayerStream:
         req = pb.GetRequest(
             namespace=_ns(namespace), block_hashes=block_hashes, max_chunk_bytes=self.chunk_bytes
         )
-        return LayerStream(self._get(req, timeout=timeout or max(self.timeout, 60.0)), allocate)
+        return LayerStream(_CallSource(self._get(req, timeout=timeout or max(self.timeout, 60.0))), allocate)
+
+    def _report_corrupt(self, namespace: bytes, block_hash: bytes) -> None:
+        # The daemon verifies a block before it answers a Get: reading the header is
+        # enough for it to count the failure and remove the block.
+        try:
+            self._get_call(namespace, [block_hash], self.timeout).cancel()
+        except errors.KVStoreError as exc:
+            log.warning("could not report a corrupt block to the daemon: %s", exc)
 
     def select(
         self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None
     ) -> dict[str, torch.Tensor]:
         """The stored prefix of `block_hashes` as {layer: [n, ...]}; {} on a miss. Non-destructive."""
-        return self.get_stream(namespace, block_hashes, timeout=timeout).read_all()
+        try:
+            return self.get_stream(namespace, block_hashes, timeout=timeout).read_all()
+        except errors.LocalDataCorrupt:
+            return self._get_call(namespace, block_hashes, timeout).read_all()
 
     def take_stream(
         self,
@@ -601,7 +712,7 @@ class KVStoreClient:
             max_chunk_bytes=self.chunk_bytes,
         )
         call = self._drop_select(req, timeout=wait + (transfer_timeout or max(self.timeout, 60.0)))
-        return LayerStream(call, allocate)
+        return LayerStream(_CallSource(call), allocate)
 
     def drop_select(
         self,
@@ -706,6 +817,16 @@ class KVStoreClient:
             raise ValueError("from_sequence must not be negative")
         req = pb.WatchRequest(from_sequence=from_sequence, namespace=_ns(namespace) if namespace else b"")
         return WatchStream(self._watch(req, timeout=timeout))
+
+    def local_access(self, *, timeout: float | None = None) -> pb.LocalAccessResponse:
+        """Where a client on the daemon's host may read blocks itself (see kvstore_client.local).
+        Raises errors.NotOffered when the daemon does not offer it."""
+        return self._unary(self._local_access, pb.LocalAccessRequest(), timeout)
+
+    @property
+    def local_data_dir(self) -> Path | None:
+        """The daemon data directory this client reads from directly now, or None."""
+        return self._local.data_dir if self._local is not None else None
 
     def health(self, *, timeout: float | None = None) -> str:
         """The standard gRPC health status of the KVStore service: 'SERVING', 'NOT_SERVING', ..."""

@@ -17,6 +17,10 @@
     │                               watcher that fell behind its window (OUT_OF_RANGE).
     │                               Events were missed: resync with List, then watch from 0.
     ├── AuthError                   UNAUTHENTICATED or PERMISSION_DENIED
+    ├── NotOffered                  the daemon is configured without what was asked
+    │                               (FAILED_PRECONDITION), e.g. LocalAccess with local reads off
+    ├── LocalDataCorrupt            a same-host read found bytes failing their checksum; the
+    │                               daemon was told (it removes the block); read it again
     └── StoreInternalError          anything else the daemon reported (INTERNAL, ...)
 
 Who catches what: serving code (the vLLM connector) catches KVStoreError and
@@ -70,6 +74,14 @@ class AuthError(KVStoreError):
     pass
 
 
+class NotOffered(KVStoreError):
+    pass
+
+
+class LocalDataCorrupt(KVStoreError):
+    pass
+
+
 class StoreInternalError(KVStoreError):
     pass
 
@@ -85,6 +97,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.OUT_OF_RANGE: EventsOutOfRange,
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.PERMISSION_DENIED: AuthError,
+    grpc.StatusCode.FAILED_PRECONDITION: NotOffered,
 }
 
 

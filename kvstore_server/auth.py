@@ -7,10 +7,12 @@ The token file (TOML) maps tokens to a tenant and a role:
     tenant = "team-a"
     role = "writer"                 # reader | writer | admin
 
-Roles nest: a reader may Lookup, Get, Describe, List, Stats and Watch; a
+Roles nest: a reader may Lookup, Get, Describe, List, Stats, Watch and LocalAccess; a
 writer also Put and DropSelect (which removes what it takes); an admin also
 Evict. The tenant is enforced by the server as part of every namespace (see
-Scope): one tenant can never hit, read, list, watch or evict another's blocks.
+Scope): one tenant can never hit, read, list, watch or evict another's blocks
+over gRPC. (Local reads, off by default with tokens, go around this: whoever can
+read the data directory can read every tenant.)
 Health checks and server reflection stay open (load balancers need them).
 
 Clients send `authorization: Bearer <token>`. Tokens are compared in constant
@@ -46,6 +48,7 @@ METHOD_ROLES = {
     "List": "reader",
     "Stats": "reader",
     "Watch": "reader",
+    "LocalAccess": "reader",
     "Put": "writer",
     "DropSelect": "writer",
     "Evict": "admin",

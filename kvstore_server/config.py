@@ -64,6 +64,7 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "tls_key": _STR,
     "tls_client_ca": _STR,
     "insecure": ((bool,), "true or false"),
+    "local_reads": ((bool,), "true or false"),
 }
 
 
@@ -140,6 +141,10 @@ class ServerConfig:
     """PEM CA bundle: require client certificates signed by it (mutual TLS)."""
     insecure: bool = False
     """Allow listening on a non-loopback address with neither tokens nor TLS."""
+    local_reads: bool | None = None
+    """Offer the same-host fast path (LocalAccess): clients that can open data_dir read
+    blocks from its files directly. Not set: on without token_file, off with it, since a
+    process that can read the files can read every tenant's KV."""
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -174,6 +179,11 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key")
+
+    def offers_local_reads(self) -> bool:
+        if self.local_reads is not None:
+            return self.local_reads
+        return self.token_file is None
 
     def exposure_problem(self) -> str | None:
         """Why serving this config would be unsafe, or None. The daemon refuses to start on it."""

@@ -22,6 +22,16 @@ log = logging.getLogger(__name__)
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
+STORE_ID_FILE = "STORE_ID"
+
+
+def publish_store_id(path: Path, store_id: str) -> None:
+    """Write this run's store_id where same-host clients look for it (see LocalAccess)."""
+    tmp = path / (STORE_ID_FILE + ".tmp")
+    tmp.write_text(store_id)
+    os.replace(tmp, path / STORE_ID_FILE)
+
+
 class DataDirInUse(RuntimeError):
     """Another kvstore-server holds this data directory."""
 

@@ -34,7 +34,7 @@ from kvstore.v1 import kvstore_pb2
 from kvstore_server import __version__
 from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
 from kvstore_server.config import ServerConfig, format_size
-from kvstore_server.datadir import DataDir, DataDirInUse
+from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
@@ -81,6 +81,8 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         ],
     )
     servicer = Servicer(store, config, Scope(tokens))
+    if config.offers_local_reads():
+        publish_store_id(config.data_dir, servicer.events.store_id)
     if metrics is not None:
         metrics.watch(store, servicer)
     server.add_generic_rpc_handlers((generic_handler(servicer),))
@@ -142,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--insecure", action="store_true", help="allow a non-loopback listen address without tokens or TLS"
+    )
+    p.add_argument(
+        "--local-reads",
+        dest="local_reads",
+        action=argparse.BooleanOptionalAction,
+        help="let same-host clients read data_dir directly (default: on unless --token-file)",
     )
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")

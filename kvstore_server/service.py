@@ -9,6 +9,7 @@ translated to a status code here and nowhere else:
     NOT_FOUND           Describe of a block that is not stored
     ABORTED             Put stream closed before its commit (nothing stored)
     OUT_OF_RANGE        Watch from (or fallen behind to) a sequence no longer held
+    FAILED_PRECONDITION LocalAccess on a daemon that does not offer local reads
     UNAVAILABLE         the daemon is shutting down (also ends Watch streams)
     INTERNAL            the backend failed (logged with details)
 """
@@ -60,6 +61,10 @@ class InvalidRequest(Exception):
     """A request failed validation; answered with INVALID_ARGUMENT."""
 
 
+class LocalReadsOff(Exception):
+    """LocalAccess on a daemon configured without local reads: FAILED_PRECONDITION."""
+
+
 _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidChain, grpc.StatusCode.INVALID_ARGUMENT),
@@ -68,6 +73,7 @@ _STATUS = (
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (EventsOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
     (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
+    (LocalReadsOff, grpc.StatusCode.FAILED_PRECONDITION),
 )
 
 
@@ -422,6 +428,20 @@ class Servicer:
             ],
         )
 
+    @translated
+    def LocalAccess(
+        self, request: pb.LocalAccessRequest, context: grpc.ServicerContext
+    ) -> pb.LocalAccessResponse:
+        if not self.config.offers_local_reads():
+            reason = "local_reads = false" if self.config.local_reads is False else "tenants are configured"
+            raise LocalReadsOff(f"this daemon does not offer local reads ({reason}); use Get")
+        return pb.LocalAccessResponse(
+            backend=self.config.backend,
+            data_dir=str(self.config.data_dir.resolve()),
+            store_id=self.events.store_id,
+            namespace_prefix=self.scope.prefix(context),
+        )
+
     # ---- routers and observers
     @translated
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
@@ -524,6 +544,9 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         ),
         "Watch": grpc.unary_stream_rpc_method_handler(
             servicer.Watch, pb.WatchRequest.FromString, pb.Event.SerializeToString
+        ),
+        "LocalAccess": unary(
+            servicer.LocalAccess, pb.LocalAccessRequest.FromString, pb.LocalAccessResponse.SerializeToString
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -10,6 +10,8 @@
         "save_timeout_s": 10,        # deadline of one request's save (and of a sync step's wait)
         "retry_interval_s": 2.0,     # after a failure, how long lookups are skipped (store deemed down)
         "tune_malloc": true,         # keep large buffers in glibc's heap (see kvstore.memory)
+        "local_reads": true,         # on the daemon's host, load from its files (kvstore_client.local)
+        "local_data_dir": null,      # where this process sees the daemon's data dir, if elsewhere
         "token_env": "KVSTORE_TOKEN",  # environment variable holding the bearer token, if any
         "tls_ca": null,              # PEM CA bundle: connect with TLS
         "tls_cert": null, "tls_key": null  # client certificate for mutual TLS
@@ -39,6 +41,8 @@ _KEYS = {
     "save_timeout_s": "save_timeout",
     "retry_interval_s": "retry_interval",
     "tune_malloc": "tune_malloc",
+    "local_reads": "local_reads",
+    "local_data_dir": "local_data_dir",
     "token_env": "token_env",
     "tls_ca": "tls_ca",
     "tls_cert": "tls_cert",
@@ -66,6 +70,11 @@ class ConnectorConfig:
     tune_malloc: bool = True
     """Keep multi-MiB transfer buffers in glibc's heap instead of fresh mappings: page
     faults were most of a load's CPU time. Up to 1 GiB of freed memory stays resident."""
+    local_reads: bool = True
+    """Loads read blocks straight from the daemon's files when this process can open them
+    and the daemon offers it (same host); else, and for consume, they stream over gRPC."""
+    local_data_dir: str | None = None
+    """Where this process sees the daemon's data directory, when mounted at another path."""
 
     token_env: str = "KVSTORE_TOKEN"
     """Environment variable holding the bearer token (unset or empty: no token)."""
@@ -81,17 +90,21 @@ class ConnectorConfig:
             if f.name.endswith("timeout") or f.name == "retry_interval":
                 if not isinstance(value, (int, float)) or not value > 0:
                     raise ValueError(f"{f.name} must be a positive number of seconds, not {value!r}")
-        for name in ("consume", "tune_malloc"):
+        for name in ("consume", "tune_malloc", "local_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
+        if self.local_data_dir is not None and not isinstance(self.local_data_dir, str):
+            raise ValueError(f"local_data_dir must be a path string, not {self.local_data_dir!r}")
         if not isinstance(self.address, str) or ":" not in self.address:
             raise ValueError(f"kvstore_address must be HOST:PORT, not {self.address!r}")
 
     def client_options(self) -> dict[str, Any]:
-        """KVStoreClient keyword arguments for the security settings."""
+        """KVStoreClient keyword arguments for the security and local-read settings."""
         return {
+            "local_reads": self.local_reads and not self.consume,
+            "local_data_dir": self.local_data_dir,
             "token": os.environ.get(self.token_env) or None,
             "tls_ca": self.tls_ca,
             "tls_cert": self.tls_cert,

@@ -15,7 +15,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
@@ -87,7 +86,7 @@ class WorkerSide:
         self.stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
         self._caches: dict[str, torch.Tensor] = {}  # block-major views
-        self._raw: dict[str, np.ndarray] | None = None  # their bytes, for contiguous CPU caches
+        self._raw: dict[str, memoryview] | None = None  # their bytes, for contiguous CPU caches
         self._specs: list[LayerSpec] = []
         self._mover: BlockMover | None = None
         self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-load")
@@ -102,6 +101,7 @@ class WorkerSide:
         self._saves: list[_Save] = []
         self._save_ids: torch.Tensor | None = None
         self._commits: list[Future[None]] = []
+        self._loads_local = False  # last load read the daemon's files directly
 
     # ---- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -113,7 +113,7 @@ class WorkerSide:
         self._mover = BlockMover(first.device)
         if first.device.type == "cpu" and all(v.is_contiguous() for v in self._caches.values()):
             # loads copy blocks from the received messages straight into these
-            self._raw = {name: writable_view(view) for name, view in self._caches.items()}
+            self._raw = {name: memoryview(writable_view(view).data) for name, view in self._caches.items()}
         log.info(
             "kvstore connector: %d layers, block %s %s (%d bytes/block), namespace %s",
             len(self._specs),
@@ -136,6 +136,14 @@ class WorkerSide:
         loads = [spec for spec in meta.loads if spec.block_ids]
         self._gates = _LayerGates([s.name for s in self._specs], len(loads))
         self._abandoned = False
+        if self._raw is not None:
+            # CPU: the copies and the forward pass share the same cores, so loading
+            # beside the forward only slows it (and the two threads fight over the
+            # GIL); loading first, in this thread, gave the lowest time to first token.
+            for spec in loads:
+                self._load_one(spec, self._gates)
+            self._load_jobs = []
+            return
         self._load_jobs = [(spec, self._loader.submit(self._load_one, spec, self._gates)) for spec in loads]
 
     def _load_one(self, spec: LoadSpec, gates: _LayerGates) -> None:
@@ -161,6 +169,14 @@ class WorkerSide:
                 )
             with self._errors_lock:
                 self._streams.append(stream)
+            if stream.local != self._loads_local:
+                self._loads_local = stream.local
+                log.info(
+                    "kvstore connector: loads read %s",
+                    f"the daemon's files in {self.client.local_data_dir} (same host)"
+                    if stream.local
+                    else "over gRPC",
+                )
             n = stream.num_blocks
             if n and [(s.name, s.dtype, s.shape) for s in stream.layers] != [
                 (s.name, s.dtype, s.shape) for s in self._specs
@@ -204,17 +220,24 @@ class WorkerSide:
         raw = self._raw
         if raw is None:
             raise RuntimeError("raw placement needs contiguous CPU caches")
-        for chunk in stream.chunks():
-            spec = stream.layers[chunk.layer_index]
-            size = spec.block_bytes
-            dest = raw[spec.name]
-            data = np.frombuffer(chunk.data, dtype=np.uint8)
-            for i in range(len(data) // size):
-                block = block_ids[chunk.first_block + i]
-                dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
-            if (chunk.first_block + len(data) // size) == len(block_ids):
-                pending.remove(spec.name)
-                gates.done(spec.name)
+        layer = -1
+        name, size, dest = "", 0, raw[self._specs[0].name]
+        for layer_index, first_block, data in stream.chunks():
+            if layer_index != layer:
+                layer = layer_index
+                spec = stream.layers[layer]
+                name, size, dest = spec.name, spec.block_bytes, raw[spec.name]
+            count = len(data) // size
+            if count == 1:  # local reads: a chunk per block
+                block = block_ids[first_block]
+                dest[block * size : (block + 1) * size] = data
+            else:
+                for i in range(count):
+                    block = block_ids[first_block + i]
+                    dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
+            if first_block + count == len(block_ids):
+                pending.remove(name)
+                gates.done(name)
 
     def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
         mover = self._mover

@@ -286,3 +286,19 @@ class Event(_message.Message):
     timestamp: float
     store_id: str
     def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[Event.Kind, str]] = ..., namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hashes: _Optional[_Iterable[bytes]] = ..., timestamp: _Optional[float] = ..., store_id: _Optional[str] = ...) -> None: ...
+
+class LocalAccessRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LocalAccessResponse(_message.Message):
+    __slots__ = ("backend", "data_dir", "store_id", "namespace_prefix")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIR_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    data_dir: str
+    store_id: str
+    namespace_prefix: bytes
+    def __init__(self, backend: _Optional[str] = ..., data_dir: _Optional[str] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ...) -> None: ...

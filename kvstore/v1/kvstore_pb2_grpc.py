@@ -79,6 +79,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.Event.FromString,
                 _registered_method=True)
+        self.LocalAccess = channel.unary_unary(
+                '/kvstore.v1.KVStore/LocalAccess',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -138,6 +143,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LocalAccess(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WatchRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.Event.SerializeToString,
+            ),
+            'LocalAccess': grpc.unary_unary_rpc_method_handler(
+                    servicer.LocalAccess,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Watch',
             kvstore_dot_v1_dot_kvstore__pb2.WatchRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LocalAccess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/LocalAccess',
+            kvstore_dot_v1_dot_kvstore__pb2.LocalAccessRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.LocalAccessResponse.FromString,
             options,
             channel_credentials,
             insecure,

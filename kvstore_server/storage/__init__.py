@@ -30,6 +30,7 @@ __all__ = [
     "StoredBlock",
     "checksum",
     "open_backend",
+    "open_reader",
 ]
 
 
@@ -43,4 +44,21 @@ def open_backend(kind: str, data_dir: Path, *, capacity_bytes: int, sync: bool) 
         from kvstore_server.storage.disk_backend import DiskBackend
 
         return DiskBackend(data_dir / "blocks", sync=sync)
+    raise ValueError(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def open_reader(kind: str, data_dir: Path) -> Backend:
+    """Open a running daemon's backend under `data_dir` for reading only (the same-host
+    fast path, see kvstore_client.local): `read` works, writes raise StorageError.
+    Raises StorageError when the files cannot be opened."""
+    if kind == "lmdb":
+        from kvstore_server.storage.lmdb_backend import LmdbBackend
+
+        return LmdbBackend.reader(data_dir / "lmdb")
+    if kind == "disk":
+        from kvstore_server.storage.disk_backend import DiskBackend
+
+        if not (data_dir / "blocks").is_dir():
+            raise StorageError(f"{data_dir / 'blocks'} is not a directory")
+        return DiskBackend(data_dir / "blocks", sync=False, readonly=True)
     raise ValueError(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")

@@ -10,6 +10,7 @@ threads, never from an event loop.
     write(puts, dels) atomically (per backend's promise) delete `dels` and store `puts`;
                       durable against a process kill on return
     read(keys)        context manager yielding the blocks' metadata and layer views
+    stored_prefix(keys)  how many leading keys are stored (same-host lookups)
     delete(keys)      remove blocks; unknown keys are ignored
     close()           release files; called exactly once
 """
@@ -48,6 +49,11 @@ class LayerSpec:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+
+
+# Blocks of one model share their layer layout: parse it once (every read parses metadata).
+_LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...], int], ...], tuple[LayerSpec, ...]] = {}
+_MAX_LAYOUTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +95,12 @@ class BlockMeta:
         doc = json.loads(bytes(raw) if isinstance(raw, memoryview) else raw)
         if doc.get("v") != 1:
             raise StorageError(f"unknown block metadata version {doc.get('v')!r}")
-        layers = tuple(LayerSpec(n, d, tuple(s), b) for n, d, s, b, _ in doc["layers"])
+        key = tuple((n, d, tuple(s), b) for n, d, s, b, _ in doc["layers"])
+        layers = _LAYOUTS.get(key)
+        if layers is None:
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:
+                _LAYOUTS.clear()
+            layers = _LAYOUTS[key] = tuple(LayerSpec(*spec) for spec in key)
         return cls(
             namespace=bytes.fromhex(doc["ns"]),
             block_hash=bytes.fromhex(doc["hash"]),
@@ -139,6 +150,10 @@ class Backend(ABC):
     @abstractmethod
     def read(self, keys: Sequence[BlockKey]) -> AbstractContextManager[list[StoredBlock | None]]:
         """Blocks in `keys` order, None for a missing or unreadable one."""
+
+    @abstractmethod
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading `keys` are stored, without reading their data."""
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         self.write((), keys)

@@ -73,10 +73,12 @@ def _parse(buf: bytearray) -> tuple[BlockMeta, list[memoryview]]:
 class DiskBackend(Backend):
     name = "disk"
 
-    def __init__(self, root: Path, *, sync: bool) -> None:
+    def __init__(self, root: Path, *, sync: bool, readonly: bool = False) -> None:
         self._root = root
         self._sync = sync
-        root.mkdir(parents=True, exist_ok=True)
+        self._readonly = readonly
+        if not readonly:
+            root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, namespace: bytes, block_hash: bytes) -> Path:
         ns_dir = hashlib.sha256(namespace).hexdigest()[:32]
@@ -88,8 +90,9 @@ class DiskBackend(Backend):
             for name in files:
                 path = Path(dirpath) / name
                 if name.endswith(_TMP_SUFFIX):
-                    log.info("removing partial write %s", path)
-                    path.unlink(missing_ok=True)
+                    if not self._readonly:  # a reader may see the daemon's write in progress
+                        log.info("removing partial write %s", path)
+                        path.unlink(missing_ok=True)
                     continue
                 if not name.endswith(_SUFFIX):
                     continue
@@ -104,6 +107,8 @@ class DiskBackend(Backend):
                     log.warning("skipping unreadable block file %s: %s", path, exc)
 
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        if self._readonly:
+            raise StorageError("this disk backend was opened read-only")
         for namespace, block_hash in deletes:
             self._path(namespace, block_hash).unlink(missing_ok=True)
         dirs: set[Path] = set()
@@ -167,6 +172,12 @@ class DiskBackend(Backend):
                 continue
             blocks.append(StoredBlock(meta, views))
         yield blocks
+
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        for n, key in enumerate(keys):
+            if not self._path(*key).is_file():
+                return n
+        return len(keys)
 
     def close(self) -> None:
         """Nothing to release: every file is closed after each call."""

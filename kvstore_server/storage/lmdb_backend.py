@@ -38,6 +38,8 @@ _MAP_MIN_BYTES = 1 << 30
 
 # Never a block key: those hold a 32-byte hash after the namespace.
 _BUMP_KEY = b"\x00\x00"
+# Same-host clients (kvstore_client.local) take reader slots too: one per read in flight.
+_MAX_READERS = 1024
 
 
 def _key(namespace: bytes, block_hash: bytes) -> bytes:
@@ -59,6 +61,7 @@ class LmdbBackend(Backend):
     def __init__(self, path: Path, *, capacity_bytes: int, sync: bool) -> None:
         path.mkdir(parents=True, exist_ok=True)
         map_size = max(_MAP_MIN_BYTES, capacity_bytes * _MAP_OVERHEAD_FACTOR)
+        self._readonly = False
         self._env = lmdb.open(
             str(path),
             map_size=map_size,
@@ -66,14 +69,41 @@ class LmdbBackend(Backend):
             sync=sync,
             metasync=sync,
             readahead=False,
-            max_readers=1024,
+            max_readers=_MAX_READERS,
         )
-        # A reader slot left by a killed process would pin old pages forever.
+        self._clear_stale_readers()
+        self._meta = self._env.open_db(b"meta")
+        self._data = self._env.open_db(b"data")
+
+    @classmethod
+    def reader(cls, path: Path) -> LmdbBackend:
+        """Open the environment a daemon is writing, read-only, from another process.
+
+        LMDB is built for this: readers register in the shared lock file (so this
+        process needs write access to lock.mdb) and see consistent snapshots while
+        the daemon commits. Raises StorageError if the environment cannot be opened.
+        """
+        self = cls.__new__(cls)
+        self._readonly = True
+        try:
+            self._env = lmdb.open(
+                str(path), readonly=True, create=False, max_dbs=2, readahead=False, max_readers=_MAX_READERS
+            )
+            # Map as much as the daemon does (its size is in the file), so its growth
+            # never needs a remap here while reads are running.
+            self._env.set_mapsize(0)
+            self._meta = self._env.open_db(b"meta", create=False)
+            self._data = self._env.open_db(b"data", create=False)
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
+        return self
+
+    def _clear_stale_readers(self) -> None:
+        # A reader slot left by a killed process (the daemon's own, or a same-host
+        # client's) would pin old pages, so the map fills although the data fits.
         stale = self._env.reader_check()
         if stale:
             log.info("cleared %d stale LMDB reader slots", stale)
-        self._meta = self._env.open_db(b"meta")
-        self._data = self._env.open_db(b"data")
 
     def scan(self) -> Iterator[BlockMeta]:
         with self._env.begin(db=self._meta, buffers=True) as txn:
@@ -84,12 +114,15 @@ class LmdbBackend(Backend):
                     log.warning("skipping unreadable metadata record %s: %s", bytes(key).hex(), exc)
 
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        if self._readonly:
+            raise StorageError("this LMDB environment was opened read-only")
         try:
             try:
                 self._commit(puts, deletes)
             except lmdb.MapFullError:
                 if not puts:
                     raise
+                self._clear_stale_readers()
                 # LMDB reuses the pages a transaction frees only two commits later,
                 # and a failed write commits nothing: a store whose puts keep failing
                 # would never get its freed room back. Commit the deletions, then one
@@ -120,12 +153,19 @@ class LmdbBackend(Backend):
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
         # One read transaction: a consistent snapshot, and the views below point
         # straight into the map until it ends.
-        with self._env.begin(buffers=True) as txn:
+        try:
+            txn = self._env.begin(buffers=True)
+        except lmdb.Error as exc:  # e.g. MapResizedError in a reader after a daemon restart
+            raise StorageError(f"LMDB read failed: {exc}") from exc
+        with txn:
             blocks: list[StoredBlock | None] = []
             for namespace, block_hash in keys:
                 key = _key(namespace, block_hash)
-                raw_meta = txn.get(key, db=self._meta)
-                data = txn.get(key, db=self._data)
+                try:
+                    raw_meta = txn.get(key, db=self._meta)
+                    data = txn.get(key, db=self._data)
+                except lmdb.Error as exc:
+                    raise StorageError(f"LMDB read failed: {exc}") from exc
                 if raw_meta is None or data is None:
                     blocks.append(None)
                     continue
@@ -140,6 +180,16 @@ class LmdbBackend(Backend):
                 if views is None:
                     log.warning("block %s: stored size does not match its metadata", block_hash.hex())
             yield blocks
+
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        try:
+            with self._env.begin(db=self._meta) as txn:
+                for n, (namespace, block_hash) in enumerate(keys):
+                    if txn.get(_key(namespace, block_hash)) is None:
+                        return n
+        except lmdb.Error as exc:
+            raise StorageError(f"LMDB read failed: {exc}") from exc
+        return len(keys)
 
     def close(self) -> None:
         self._env.close()

@@ -50,17 +50,26 @@ def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, s
     saved = stats(store.address)
     assert saved["blocks"] == sum(len(p) // BLOCK for p in prompts)
 
-    out = run_engines(tmp_path, model, [{
-        "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
-        "log_stats": True,
-    }])  # fmt: skip
+    # two decode instances: one on the same-host fast path (the default), one over gRPC
+    out = run_engines(tmp_path, model, [
+        {"name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+         "log_stats": True},
+        {"name": "decode-grpc", "kv": kv_config(store.address, "kv_consumer", local_reads=False),
+         "prompts": prompts, "max_tokens": 8},
+    ])  # fmt: skip
     assert out["decode"]["tokens"] == baseline
+    assert out["decode-grpc"]["tokens"] == baseline
     # the connector's own stats reached vLLM's connector-stats logging
     metrics = re.search(r"KV Transfer metrics: (.*)", out["_log"]["text"])
     assert metrics is not None, "no KV Transfer metrics line in vLLM's log"
     assert f"Blocks loaded={full_blocks(prompts)}" in metrics.group(1)
+    assert re.search(
+        r"kvstore connector: loads read the daemon's files in \S+ \(same host\)", out["_log"]["text"]
+    )
     after = stats(store.address)
-    assert after["hit_blocks"] - saved["hit_blocks"] == full_blocks(prompts)
+    # both decodes' lookups reached the daemon (the local one's in the background)
+    assert after["hit_blocks"] - saved["hit_blocks"] == 2 * full_blocks(prompts)
+    # the daemon streamed the blocks once: the other decode read them from its files
     block_bytes = saved["bytes_used"] // saved["blocks"]
     assert after["bytes_read"] - saved["bytes_read"] == full_blocks(prompts) * block_bytes
 

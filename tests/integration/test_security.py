@@ -65,6 +65,7 @@ CALLS = {
     "List": ("unary_unary", pb.ListRequest()),
     "Describe": ("unary_unary", pb.DescribeRequest(namespace=b"chat", block_hash=HASHES[0])),
     "Watch": ("unary_stream", pb.WatchRequest()),
+    "LocalAccess": ("unary_unary", pb.LocalAccessRequest()),
     "Put": ("stream_unary", iter([pb.PutRequest(header=pb.PutHeader(namespace=b"chat"))])),
 }
 

@@ -13,6 +13,7 @@ from kvstore_client.errors import (
     EventsOutOfRange,
     InvalidRequest,
     KVStoreError,
+    NotOffered,
     PutAborted,
     StoreInternalError,
     StoreTimeout,
@@ -66,6 +67,7 @@ DOCUMENTED = {
     grpc.StatusCode.OUT_OF_RANGE: EventsOutOfRange,
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.PERMISSION_DENIED: AuthError,
+    grpc.StatusCode.FAILED_PRECONDITION: NotOffered,
 }
 
 

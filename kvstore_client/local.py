@@ -1,0 +1,370 @@
+"""The same-host fast path: read blocks straight from a co-located daemon's files.
+
+gRPC moves about 1.5 GB/s in Python, and on a small host the daemon competes
+with the engine for cores. A client on the daemon's host (or with its data
+volume mounted) can instead open the backend read-only and copy blocks from the
+page cache: one copy, no daemon CPU, no round trip. gRPC stays the control
+plane: Put, DropSelect, Evict and the rest go to the daemon, and every lookup
+answered from the files is also sent to the daemon, without waiting for it, so
+the blocks' recency and the hit counters stay right.
+
+    KVStoreClient(address, local_reads=True)   # lookup, get_stream, select use it when they can
+
+How a client earns it: the LocalAccess RPC names the daemon's data directory,
+backend, tenant prefix and a random per-run store_id, which the daemon also
+writes to `<data_dir>/STORE_ID`. Only a client that reads that same id from
+that directory (same files, so the same host) opens the backend. Each read
+re-checks the id, so a restarted daemon is noticed and re-negotiated.
+
+Every layer's checksum is verified before its bytes are handed out, as the
+daemon does. A mismatch is reported to the daemon (it re-reads the block,
+counts the failure and removes it) and ends that stream with LocalDataCorrupt;
+`select` then asks the daemon for the good prefix. Files that cannot be opened
+or read turn the fast path off (calls use gRPC) until the next negotiation: it
+is an optimisation, never a second source of truth.
+
+LMDB gives readers a consistent snapshot while the daemon commits; the
+snapshot (a read transaction) is held only while one stream is read, so it
+pins old pages for milliseconds. Readers need write access to the
+environment's lock.mdb, and the daemon and its clients must share a PID
+namespace (LMDB tracks readers by PID).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client import errors
+from kvstore_server.storage.base import checksum
+
+if TYPE_CHECKING:
+    from kvstore_server.storage import Backend, StoredBlock
+
+log = logging.getLogger(__name__)
+
+STORE_ID_FILE = "STORE_ID"  # kvstore_server.datadir writes it
+
+
+class LocalUnavailable(Exception):
+    """The fast path cannot be used now; the message says why (callers use Get)."""
+
+
+class _Files:
+    """One daemon run's backend, opened read-only once per process and shared.
+
+    LMDB forbids opening one environment twice in a process, and a vLLM engine
+    has a client in its scheduler and one in its worker. Closed once no client
+    holds it and no read is in flight.
+    """
+
+    def __init__(self, key: tuple[str, str, str], backend: Backend, data_dir: Path, store_id: str) -> None:
+        self.key = key
+        self.backend = backend
+        self.data_dir = data_dir
+        self.store_id = store_id
+        self.holders = 0  # LocalReads using it; guarded by _SHARED_LOCK
+        self._lock = threading.Lock()
+        self._active = 0
+        self.retired = False
+
+    def acquire(self) -> bool:
+        with self._lock:
+            if self.retired:
+                return False
+            self._active += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._active -= 1
+            close = self.retired and self._active == 0
+        if close:
+            self.backend.close()
+
+    def retire(self) -> None:
+        """No new reads; the files close when the last one ends."""
+        with self._lock:
+            if self.retired:
+                return
+            self.retired = True
+            close = self._active == 0
+        if close:
+            self.backend.close()
+
+    def current(self) -> bool:
+        """Whether the daemon that published store_id still runs on this directory."""
+        try:
+            return (self.data_dir / STORE_ID_FILE).read_text() == self.store_id
+        except OSError:
+            return False
+
+
+_SHARED: dict[tuple[str, str, str], _Files] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _hold(kind: str, data_dir: Path, store_id: str) -> _Files:
+    """The process's open copy of these files (opened now if needed). Raises StorageError."""
+    from kvstore_server.storage import open_reader
+
+    key = (kind, str(data_dir.resolve()), store_id)
+    with _SHARED_LOCK:
+        files = _SHARED.get(key)
+        if files is None or files.retired:
+            files = _SHARED[key] = _Files(key, open_reader(kind, data_dir), data_dir, store_id)
+        files.holders += 1
+        return files
+
+
+def _let_go(files: _Files, *, broken: bool = False) -> None:
+    """A client stops using `files`; `broken`: nobody should (a read failed)."""
+    with _SHARED_LOCK:
+        files.holders -= 1
+        last = files.holders == 0 or broken
+        if last and _SHARED.get(files.key) is files:
+            del _SHARED[files.key]
+    if last:
+        files.retire()
+
+
+class _LocalSource:
+    """A LayerStream source over blocks read in one backend snapshot.
+
+    Chunks are views into the snapshot (an LMDB map), one per block and layer,
+    each verified against its checksum just before it is handed out (while the
+    caller's copy will find it in cache). A mismatch is reported to the daemon
+    (`report`, which has it verify and remove the block) and ends the stream
+    with LocalDataCorrupt. The snapshot ends when the stream is exhausted,
+    cancelled (at the reader's next chunk: never under a copy in progress) or
+    dropped.
+    """
+
+    def __init__(
+        self,
+        files: _Files,
+        stack: ExitStack,
+        blocks: list[StoredBlock],
+        report: Callable[[bytes], None],
+    ) -> None:
+        from kvstore_client.client import LayerSpec
+
+        self._files = files
+        self._stack: ExitStack | None = stack
+        self._blocks = blocks
+        self._report = report
+        self._cancelled = False
+        self.num_blocks = len(blocks)
+        self.layers = [LayerSpec(s.name, s.dtype, s.shape) for s in blocks[0].meta.layers] if blocks else []
+
+    def chunks(self) -> Iterator[wire.Chunk]:
+        """Every (layer, block) view in stream order, each verified just before it is yielded."""
+        try:
+            Chunk = wire.Chunk
+            for layer in range(len(self.layers)):
+                for index, block in enumerate(self._blocks):
+                    if self._cancelled:
+                        raise errors.StoreTimeout("local read cancelled")
+                    view = block.layers[layer]
+                    if checksum(view) != block.meta.checksums[layer]:
+                        self._corrupt(block, layer)
+                    yield Chunk(layer, index, view)
+        finally:
+            self.release()
+
+    def _corrupt(self, block: StoredBlock, layer: int) -> NoReturn:
+        what = (
+            f"block {block.meta.block_hash.hex()} layer {block.meta.layers[layer].name!r} fails its checksum"
+        )
+        log.warning("%s: reported to the daemon", what)
+        self.release()
+        self._report(block.meta.block_hash)
+        raise errors.LocalDataCorrupt(what)
+
+    def release(self) -> None:
+        if self._stack is not None:
+            stack, self._stack = self._stack, None
+            self._blocks = []
+            stack.close()
+            self._files.release()
+
+    def cancel(self) -> None:
+        # Only a flag: the thread iterating may be copying from the snapshot now.
+        self._cancelled = True
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class LocalReads:
+    """A client's same-host fast path: negotiated lazily, re-negotiated after changes.
+
+    Never waits on another thread's negotiation: while one runs, other calls
+    answer None (the caller uses gRPC).
+    """
+
+    def __init__(
+        self,
+        access: Callable[[], pb.LocalAccessResponse],
+        report: Callable[[bytes, bytes], None],
+        data_dir: str | Path | None = None,
+        retry_interval: float = 30.0,
+    ) -> None:
+        """`access` calls the daemon's LocalAccess (with a short deadline); `report(namespace,
+        block_hash)` has the daemon read one block (it verifies, removes and counts a bad
+        one); `data_dir` overrides where this process sees the daemon's data directory
+        (e.g. a volume mounted at another path)."""
+        self._access = access
+        self._report = report
+        self._data_dir = Path(data_dir) if data_dir is not None else None
+        self._retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._files: _Files | None = None
+        self._prefix = b""  # this client's tenant prefix, from LocalAccess
+        self._negotiating = False
+        self._next_try = 0.0
+        self._reason: str | None = None  # why the path is off, logged once per reason
+        self._closed = False
+
+    @property
+    def data_dir(self) -> Path | None:
+        """Where blocks are read from now, or None while the fast path is off."""
+        files = self._files
+        return files.data_dir if files is not None else None
+
+    def lookup(self, namespaces: Sequence[bytes], hashes: Sequence[bytes]) -> int | None:
+        """The prefix of `hashes` stored in every one of `namespaces`, or None: ask the daemon."""
+        files = self._acquire(hashes)
+        if files is None:
+            return None
+        from kvstore_server.storage import StorageError
+
+        try:
+            n = len(hashes)
+            for namespace in namespaces:
+                n = files.backend.stored_prefix([(self._prefix + namespace, h) for h in hashes[:n]])
+        except StorageError as exc:
+            files.release()
+            self._broken(files, f"local lookup failed: {exc}")
+            return None
+        files.release()
+        return n
+
+    def stream_source(self, namespace: bytes, hashes: Sequence[bytes]) -> _LocalSource | None:
+        """A verified snapshot of the stored prefix of `hashes`, or None: use Get."""
+        files = self._acquire(hashes)
+        if files is None:
+            return None
+        from kvstore_server.storage import StorageError
+
+        stack = ExitStack()
+        try:
+            keys = [(self._prefix + namespace, h) for h in hashes]
+            good = _present_prefix(stack.enter_context(files.backend.read(keys)))
+        except StorageError as exc:
+            stack.close()
+            files.release()
+            self._broken(files, f"local read failed: {exc}")
+            return None
+        return _LocalSource(files, stack, good, functools.partial(self._report, namespace))
+
+    def _acquire(self, hashes: Sequence[bytes]) -> _Files | None:
+        """The files, held for one read; None: use gRPC (which also answers bad input)."""
+        if len(hashes) > wire.MAX_BLOCKS_PER_LOOKUP or any(len(h) != wire.HASH_BYTES for h in hashes):
+            return None
+        files = self._current()
+        return files if files is not None and files.acquire() else None
+
+    def _current(self) -> _Files | None:
+        with self._lock:
+            if self._closed:
+                return None
+            files = self._files
+            if files is not None:
+                if not files.retired and files.current():
+                    return files
+                self._files = None  # the daemon restarted (or a read broke): ask again now
+                self._next_try = 0.0
+                _let_go(files)
+            if self._negotiating or time.monotonic() < self._next_try:
+                return None
+            self._negotiating = True
+            self._next_try = time.monotonic() + self._retry_interval
+        opened, prefix = None, b""
+        try:
+            opened, prefix = self._open()
+        except LocalUnavailable as exc:
+            self._note(str(exc))
+        with self._lock:
+            self._negotiating = False
+            if opened is not None and self._closed:
+                _let_go(opened)
+                return None
+            self._files, self._prefix = opened, prefix
+        if opened is not None:
+            self._reason = None
+            log.info("reading stored blocks directly from %s (same host)", opened.data_dir)
+        return opened
+
+    def _open(self) -> tuple[_Files, bytes]:
+        try:
+            resp = self._access()
+        except errors.KVStoreError as exc:
+            raise LocalUnavailable(f"the daemon does not offer local reads: {exc}") from exc
+        from kvstore_server.storage import StorageError
+
+        data_dir = self._data_dir or Path(resp.data_dir)
+        try:
+            seen = (data_dir / STORE_ID_FILE).read_text()
+        except OSError as exc:
+            raise LocalUnavailable(f"cannot read {data_dir / STORE_ID_FILE}: {exc}") from exc
+        if seen != resp.store_id:
+            raise LocalUnavailable(
+                f"{data_dir} belongs to another daemon run than the one at this address "
+                "(another host, or another directory)"
+            )
+        try:
+            return _hold(resp.backend, data_dir, resp.store_id), bytes(resp.namespace_prefix)
+        except (StorageError, ValueError) as exc:
+            raise LocalUnavailable(str(exc)) from exc
+
+    def _note(self, reason: str) -> None:
+        if reason != self._reason:
+            self._reason = reason
+            log.info("local reads off, using Get: %s", reason)
+
+    def _broken(self, files: _Files, reason: str) -> None:
+        log.warning("%s; using Get", reason)
+        with self._lock:
+            mine = self._files is files  # else another thread already let go of it
+            if mine:
+                self._files = None
+                self._next_try = time.monotonic() + self._retry_interval
+        if mine:
+            _let_go(files, broken=True)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            files, self._files = self._files, None
+        if files is not None:
+            _let_go(files)
+
+
+def _present_prefix(blocks: Sequence[StoredBlock | None]) -> list[StoredBlock]:
+    """The leading present blocks of one layer layout (checksums are verified as they are read)."""
+    good: list[StoredBlock] = []
+    for block in blocks:
+        if block is None or (good and block.meta.layers is not good[0].meta.layers
+                             and block.meta.layers != good[0].meta.layers):  # fmt: skip
+            break
+        good.append(block)
+    return good

@@ -1,0 +1,270 @@
+"""The same-host fast path: clients read a running daemon's files, gRPC stays the control plane."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from daemon import Daemon
+
+from kvstore_client import KVStoreClient, errors
+
+from .helpers import NS, assert_same, chain, make_layers, rows
+from .test_corruption import flip_payload_byte, marker, recognisable_layers
+from .test_security import TOKENS, token
+
+STORE_ID = "STORE_ID"
+
+
+@pytest.fixture
+def local(daemon: Daemon):
+    with KVStoreClient(daemon.address, timeout=20.0, local_reads=True) as client:
+        yield client
+
+
+def test_local_access_names_the_daemons_files(daemon: Daemon, kv: KVStoreClient, backend: str) -> None:
+    access = kv.local_access()
+    assert access.backend == backend
+    assert Path(access.data_dir) == daemon.data_dir.resolve()
+    assert (daemon.data_dir / STORE_ID).read_text() == access.store_id
+    assert access.namespace_prefix == b""
+
+
+def test_reads_come_from_the_files_and_equal_what_was_put(
+    daemon: Daemon, kv: KVStoreClient, local: KVStoreClient
+) -> None:
+    hashes = chain("local-whole", 6)
+    layers = make_layers(6, num_layers=3, seed=1)
+    kv.put(NS, hashes, layers)
+    before = kv.stats()["bytes_read"]
+
+    stream = local.get_stream(NS, hashes)
+    assert stream.local
+    assert stream.num_blocks == 6
+    assert_same(dict(stream), layers)
+    assert local.local_data_dir == daemon.data_dir.resolve()
+    # the daemon served no bytes: they came from its files
+    assert kv.stats()["bytes_read"] == before
+
+
+def test_partial_prefix_and_miss(kv: KVStoreClient, local: KVStoreClient) -> None:
+    hashes = chain("local-partial", 5)
+    layers = make_layers(5, seed=2)
+    kv.put(NS, hashes[:3], rows(layers, 0, 3))
+
+    got = local.select(NS, hashes)
+    assert_same(got, rows(layers, 0, 3))
+    miss = local.get_stream(NS, chain("local-never-stored", 2))
+    assert miss.local and miss.num_blocks == 0
+    assert dict(miss) == {}
+
+
+def test_snapshot_outlives_an_eviction_during_the_read(kv: KVStoreClient, local: KVStoreClient) -> None:
+    hashes = chain("local-snapshot", 4)
+    layers = make_layers(4, seed=3)
+    kv.put(NS, hashes, layers)
+    stream = local.get_stream(NS, hashes)
+    assert stream.local
+    assert kv.evict(all=True).blocks_evicted == 4
+    # new writes land meanwhile; the open read still sees the blocks it started with
+    kv.put(NS, chain("local-snapshot-other", 3), make_layers(3, seed=4))
+    assert_same(dict(stream), layers)
+    assert local.lookup(NS, hashes) == 0
+    assert local.get_stream(NS, hashes).num_blocks == 0
+
+
+def test_cancel_ends_the_read_and_later_reads_work(kv: KVStoreClient, local: KVStoreClient) -> None:
+    hashes = chain("local-cancel", 3)
+    layers = make_layers(3, seed=5)
+    kv.put(NS, hashes, layers)
+    stream = local.get_stream(NS, hashes)
+    chunks = stream.chunks()
+    next(chunks)
+    stream.cancel()
+    with pytest.raises(errors.StoreTimeout):
+        list(chunks)
+    again = local.get_stream(NS, hashes)
+    assert again.local
+    assert_same(dict(again), layers)
+
+
+def test_daemon_without_local_reads_is_read_over_grpc(make_daemon) -> None:
+    d = make_daemon(extra_args=["--no-local-reads"])
+    hashes = chain("local-off", 2)
+    layers = make_layers(2, seed=6)
+    with KVStoreClient(d.address, local_reads=True) as kv:
+        with pytest.raises(errors.NotOffered, match="local_reads = false"):
+            kv.local_access()
+        kv.put(NS, hashes, layers)
+        stream = kv.get_stream(NS, hashes)
+        assert not stream.local
+        assert_same(dict(stream), layers)
+        assert kv.local_data_dir is None
+
+
+def test_a_client_that_sees_other_files_uses_grpc(make_daemon, tmp_path: Path) -> None:
+    d = make_daemon()
+    elsewhere = make_daemon("elsewhere")  # a directory with another daemon run's STORE_ID
+    hashes = chain("local-elsewhere", 2)
+    layers = make_layers(2, seed=7)
+    for wrong in (elsewhere.data_dir, tmp_path / "missing"):
+        with KVStoreClient(d.address, local_reads=True, local_data_dir=wrong) as kv:
+            kv.put(NS, hashes, layers)
+            stream = kv.get_stream(NS, hashes)
+            assert not stream.local
+            assert_same(dict(stream), layers)
+
+
+def test_local_data_dir_override_reads_the_same_files(make_daemon, tmp_path: Path) -> None:
+    d = make_daemon()
+    mounted = tmp_path / "mounted-here"
+    mounted.symlink_to(d.data_dir)  # the daemon's volume, seen at another path
+    hashes = chain("local-mounted", 2)
+    layers = make_layers(2, seed=8)
+    with KVStoreClient(d.address, local_reads=True, local_data_dir=mounted) as kv:
+        kv.put(NS, hashes, layers)
+        stream = kv.get_stream(NS, hashes)
+        assert stream.local
+        assert kv.local_data_dir == mounted
+        assert_same(dict(stream), layers)
+
+
+def test_corrupt_bytes_end_the_stream_and_reach_the_daemon(
+    daemon: Daemon, kv: KVStoreClient, local: KVStoreClient, backend: str
+) -> None:
+    hashes = chain("local-corrupt", 3)
+    layers = recognisable_layers(3)
+    kv.put(NS, hashes, layers)
+    flip_payload_byte(daemon.data_dir, backend, hashes[1], marker(1, 1))
+
+    stream = local.get_stream(NS, hashes)
+    assert stream.local and stream.num_blocks == 3
+    placed = []
+    with pytest.raises(errors.LocalDataCorrupt, match=hashes[1].hex()):
+        for chunk in stream.chunks():
+            placed.append((chunk.layer_index, chunk.first_block))
+    # layer 0 of every block and layer 1 of block 0 passed their checksums; then it stopped
+    assert placed == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    # the daemon was told before the error was raised: it verified, counted and removed the block
+    assert kv.stats()["checksum_failures"] == 1
+    assert local.lookup(NS, hashes) == 1
+    again = local.get_stream(NS, hashes)
+    assert again.local and again.num_blocks == 1
+    assert_same(dict(again), rows(layers, 0, 1))
+
+
+def test_select_falls_back_to_the_daemon_on_corrupt_bytes(
+    daemon: Daemon, kv: KVStoreClient, local: KVStoreClient, backend: str
+) -> None:
+    hashes = chain("local-corrupt-select", 3)
+    layers = recognisable_layers(3)
+    kv.put(NS, hashes, layers)
+    flip_payload_byte(daemon.data_dir, backend, hashes[2], marker(2, 0))
+    assert_same(local.select(NS, hashes), rows(layers, 0, 2))
+    assert kv.stats()["checksum_failures"] == 1
+
+
+def test_a_restarted_daemon_is_renegotiated(tmp_path: Path, backend: str) -> None:
+    first = Daemon(tmp_path / "data", backend=backend).start()
+    hashes = chain("local-restart", 4)
+    layers = make_layers(4, seed=9)
+    try:
+        with KVStoreClient(first.address, local_reads=True) as kv:
+            kv.put(NS, hashes[:2], rows(layers, 0, 2))
+            assert kv.get_stream(NS, hashes).num_blocks == 2
+            old_id = (first.data_dir / STORE_ID).read_text()
+    finally:
+        first.stop()
+    second = Daemon(tmp_path / "data", backend=backend).start()
+    try:
+        with KVStoreClient(second.address, local_reads=True) as kv:
+            assert kv.get_stream(NS, hashes).num_blocks == 2
+            kv.put(NS, hashes[2:], rows(layers, 2, 4), parent_hash=hashes[1])
+            stream = kv.get_stream(NS, hashes)
+            assert stream.local
+            assert_same(dict(stream), layers)
+            assert (second.data_dir / STORE_ID).read_text() != old_id
+    finally:
+        second.stop()
+
+
+def test_one_client_follows_its_daemon_across_a_restart(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = Daemon(tmp_path / "data", extra_args=["--listen", f"127.0.0.1:{port}"]).start()
+    hashes = chain("local-follow", 3)
+    layers = make_layers(3, seed=10)
+    try:
+        with KVStoreClient(d.address, local_reads=True) as kv:
+            kv.put(NS, hashes[:2], rows(layers, 0, 2))
+            assert kv.get_stream(NS, hashes).local
+            d.stop()
+            d.start()  # same address and directory, a new daemon run (new STORE_ID)
+            kv.put(NS, hashes[2:], rows(layers, 2, 3), parent_hash=hashes[1])
+            # the old reader is retired on the changed STORE_ID and the new run negotiated
+            stream = kv.get_stream(NS, hashes)
+            assert stream.local
+            assert_same(dict(stream), layers)
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def tenants(tmp_path: Path, backend: str):
+    """Daemons with tokens: one with the default (no local reads), one opted in."""
+    path = tmp_path / "tokens.toml"
+    path.write_text(
+        "".join(
+            f'[[tokens]]\ntoken = "{token(name)}"\ntenant = "{tenant}"\nrole = "{role}"\n\n'
+            for name, (tenant, role) in TOKENS.items()
+        )
+    )
+    default = Daemon(tmp_path / "default", backend=backend, extra_args=["--token-file", str(path)]).start()
+    opted = Daemon(
+        tmp_path / "opted", backend=backend, extra_args=["--token-file", str(path), "--local-reads"]
+    ).start()
+    yield default, opted
+    default.stop()
+    opted.stop()
+
+
+def test_tenants_keep_local_reads_off_unless_asked(tenants) -> None:
+    default, opted = tenants
+    hashes = chain("local-tenants", 2)
+    layers = make_layers(2, seed=12)
+    with KVStoreClient(default.address, token=token("a-writer"), local_reads=True) as kv:
+        with pytest.raises(errors.NotOffered, match="tenants"):
+            kv.local_access()
+        kv.put(NS, hashes, layers)
+        assert not kv.get_stream(NS, hashes).local
+    with (
+        KVStoreClient(opted.address, token=token("a-writer"), local_reads=True) as a,
+        KVStoreClient(opted.address, token=token("b-writer"), local_reads=True) as b,
+    ):
+        assert a.local_access().namespace_prefix == b"\x00team-a\x00"
+        a.put(NS, hashes, layers)
+        mine = a.get_stream(NS, hashes)
+        assert mine.local
+        assert_same(dict(mine), layers)
+        # the same namespace name of another tenant is another stored namespace
+        theirs = b.get_stream(NS, hashes)
+        assert theirs.local and theirs.num_blocks == 0
+
+
+def test_local_reads_land_in_caller_buffers(kv: KVStoreClient, local: KVStoreClient) -> None:
+    hashes = chain("local-allocate", 3)
+    layers = make_layers(3, seed=13)
+    kv.put(NS, hashes, layers)
+    given = []
+
+    def allocate(spec, n):
+        t = torch.empty((n, *spec.shape), dtype=layers[spec.name].dtype)
+        given.append(t)
+        return t
+
+    out = dict(local.get_stream(NS, hashes, allocate=allocate))
+    assert [t.data_ptr() for t in out.values()] == [t.data_ptr() for t in given]
+    assert_same(out, layers)
