@@ -7,7 +7,9 @@
     pinned host buffers, a side stream), next to a plain pinned copy of the same
     bytes in the same run;
 (b) the full save and load through KVStoreClient and a kvstore daemon on this
-    host over loopback: gather -> put_stream -> commit, and get_stream -> scatter.
+    host over loopback: gather -> put_stream -> commit, and get_stream -> scatter,
+    the load both over gRPC and on the same-host fast path (the client reads the
+    daemon's LMDB map, see kvstore_client.local).
 Shape: 32 layers, 8 KV heads, head dim 128, bf16: 2048 tokens = 268 MB of KV.
 Prints medians; never pass/fail.
 """
@@ -133,9 +135,26 @@ def full_path(args, mover: BlockMover, caches, ids, gb: float) -> None:
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     specs = [LayerSpec(n, "bfloat16", tuple(caches[0].shape[1:])) for n in names]
     counter = iter(range(10**6))
-    saves, loads = [], []
+    saves, loads, local_loads = [], [], []
+
+    def load(client, hashes) -> float:
+        start = time.perf_counter()
+        layers = client.get_stream(
+            "bench", hashes, allocate=lambda s, n: mover.host_buffer((n, *s.shape), torch.bfloat16)
+        )
+        events = [mover.scatter(caches[i], ids, host) for i, (_, host) in enumerate(layers)]
+        for event in events:
+            mover.wait_on_compute_stream(event)
+        torch.cuda.synchronize()
+        if layers.num_blocks != len(hashes):
+            raise RuntimeError(f"loaded {layers.num_blocks} of {len(hashes)} blocks")
+        return time.perf_counter() - start
+
     try:
-        with KVStoreClient(address, timeout=60) as kv:
+        with (
+            KVStoreClient(address, timeout=60) as kv,
+            KVStoreClient(address, timeout=60, local_reads=True) as lkv,
+        ):
             for _ in range(args.repeat + 1):
                 hashes = block_hashes("bench", [next(counter)] * args.tokens, args.block_size)
                 torch.cuda.synchronize()
@@ -146,23 +165,19 @@ def full_path(args, mover: BlockMover, caches, ids, gb: float) -> None:
                         stream.write_layer(name, copy.wait())
                     stream.commit()
                 saves.append(time.perf_counter() - start)
-
-                start = time.perf_counter()
-                layers = kv.get_stream(
-                    "bench", hashes, allocate=lambda s, n: mover.host_buffer((n, *s.shape), torch.bfloat16)
-                )
-                events = [mover.scatter(caches[i], ids, host) for i, (_, host) in enumerate(layers)]
-                for event in events:
-                    mover.wait_on_compute_stream(event)
-                torch.cuda.synchronize()
-                loads.append(time.perf_counter() - start)
+                loads.append(load(kv, hashes))
+                local_loads.append(load(lkv, hashes))
+            if lkv.local_data_dir is None:
+                raise RuntimeError("the same-host client did not read the daemon's files")
     finally:
         proc.terminate()
         proc.wait()
-    save, load = statistics.median(saves[1:]), statistics.median(loads[1:])
+    save, grpc_load = statistics.median(saves[1:]), statistics.median(loads[1:])
+    local_load = statistics.median(local_loads[1:])
     print(f"\n(b) through KVStoreClient + daemon on loopback (LMDB), median of {args.repeat}")
     print(f"  save (gather, D2H, put, commit)        {save * 1e3:8.1f} ms {gb / save:7.2f} GB/s")
-    print(f"  load (get, H2D, scatter)              {load * 1e3:8.1f} ms {gb / load:7.2f} GB/s")
+    print(f"  load over gRPC (get, H2D, scatter)     {grpc_load * 1e3:8.1f} ms {gb / grpc_load:7.2f} GB/s")
+    print(f"  load, same-host reads (map, H2D, scat.) {local_load * 1e3:7.1f} ms {gb / local_load:7.2f} GB/s")
 
 
 if __name__ == "__main__":

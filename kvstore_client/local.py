@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstore import wire
+from kvstore.host import pid_namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_server.storage.base import checksum
@@ -330,6 +331,11 @@ class LocalReads:
             raise LocalUnavailable(
                 f"{data_dir} belongs to another daemon run than the one at this address "
                 "(another host, or another directory)"
+            )
+        if resp.backend == "lmdb" and resp.pid_namespace != pid_namespace():
+            raise LocalUnavailable(
+                "the daemon runs in another PID namespace, where LMDB cannot track this reader "
+                '(containers: share it, e.g. pid: "service:kvstore")'
             )
         try:
             return _hold(resp.backend, data_dir, resp.store_id), bytes(resp.namespace_prefix)

@@ -27,6 +27,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from kvstore import wire
+from kvstore.host import pid_namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.auth import Scope
@@ -440,6 +441,7 @@ class Servicer:
             data_dir=str(self.config.data_dir.resolve()),
             store_id=self.events.store_id,
             namespace_prefix=self.scope.prefix(context),
+            pid_namespace=pid_namespace(),
         )
 
     # ---- routers and observers

@@ -22,6 +22,7 @@ class Daemon:
     capacity: str = "1GiB"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+    wrap: list[str] = field(default_factory=list)  # command prefix, e.g. ["unshare", ...]
     proc: subprocess.Popen[str] | None = None
     address: str = ""
     ready_line: str = ""
@@ -30,6 +31,7 @@ class Daemon:
 
     def start(self) -> Daemon:
         cmd = [
+            *self.wrap,
             sys.executable,
             "-m",
             "kvstore_server",

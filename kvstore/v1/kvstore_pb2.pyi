@@ -292,13 +292,15 @@ class LocalAccessRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LocalAccessResponse(_message.Message):
-    __slots__ = ("backend", "data_dir", "store_id", "namespace_prefix")
+    __slots__ = ("backend", "data_dir", "store_id", "namespace_prefix", "pid_namespace")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DATA_DIR_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     data_dir: str
     store_id: str
     namespace_prefix: bytes
-    def __init__(self, backend: _Optional[str] = ..., data_dir: _Optional[str] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ...) -> None: ...
+    pid_namespace: str
+    def __init__(self, backend: _Optional[str] = ..., data_dir: _Optional[str] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., pid_namespace: _Optional[str] = ...) -> None: ...

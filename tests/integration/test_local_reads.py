@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -210,6 +212,35 @@ def test_one_client_follows_its_daemon_across_a_restart(tmp_path: Path) -> None:
             assert_same(dict(stream), layers)
     finally:
         d.stop()
+
+
+def test_lmdb_reads_need_the_daemons_pid_namespace(tmp_path: Path) -> None:
+    # LMDB tracks readers by PID: a reader the daemon cannot see could have its slot
+    # cleared as stale. Run the daemon in a PID namespace of its own (root needed).
+    # (as PID 1 there it ignores SIGTERM: it is stopped with SIGKILL, passed on by unshare)
+    wrap = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGKILL"]
+    probe = subprocess.run([*wrap, "readlink", "/proc/self/ns/pid"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a PID namespace here: {probe.stderr.strip()}")
+    d = Daemon(tmp_path / "data", wrap=wrap).start()
+    hashes = chain("local-pidns", 2)
+    layers = make_layers(2, seed=14)
+    try:
+        with KVStoreClient(d.address, local_reads=True) as kv:
+            theirs = kv.local_access().pid_namespace
+            assert theirs.startswith("pid:[") and theirs != os.readlink("/proc/self/ns/pid")
+            kv.put(NS, hashes, layers)
+            assert kv.lookup(NS, hashes) == 2
+            stream = kv.get_stream(NS, hashes)
+            assert not stream.local
+            assert_same(dict(stream), layers)
+            assert kv.local_data_dir is None
+    finally:
+        d.kill()
+
+
+def test_local_access_reports_the_daemons_pid_namespace(kv: KVStoreClient) -> None:
+    assert kv.local_access().pid_namespace == os.readlink("/proc/self/ns/pid")
 
 
 @pytest.fixture
