@@ -169,15 +169,15 @@ class _LocalSource:
     def chunks(self) -> Iterator[wire.Chunk]:
         """Every (layer, block) view in stream order, each verified just before it is yielded."""
         try:
-            Chunk = wire.Chunk
+            chunk, digest, blocks = wire.Chunk, checksum, self._blocks
             for layer in range(len(self.layers)):
-                for index, block in enumerate(self._blocks):
+                for index, block in enumerate(blocks):
                     if self._cancelled:
                         raise errors.StoreTimeout("local read cancelled")
                     view = block.layers[layer]
-                    if checksum(view) != block.meta.checksums[layer]:
+                    if digest(view) != block.meta.checksums[layer]:
                         self._corrupt(block, layer)
-                    yield Chunk(layer, index, view)
+                    yield chunk(layer, index, view)
         finally:
             self.release()
 

@@ -20,10 +20,11 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
+import orjson
 import xxhash
 
 BlockKey = tuple[bytes, bytes]
@@ -38,9 +39,9 @@ class StorageFullError(StorageError):
     """The backend has no room for a write even though the byte budget allows it."""
 
 
-def checksum(data: memoryview | bytes) -> int:
-    """xxh3-64 of a layer's bytes: ~20 GB/s, so verifying every read is cheap."""
-    return xxhash.xxh3_64_intdigest(data)
+# A layer's checksum: xxh3-64 of its bytes (~13-20 GB/s, so verifying every read is
+# cheap). Bound directly, no wrapper: reads call it once per block and layer.
+checksum: Callable[[memoryview | bytes], int] = xxhash.xxh3_64_intdigest
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,22 +93,26 @@ class BlockMeta:
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> BlockMeta:
-        doc = json.loads(bytes(raw) if isinstance(raw, memoryview) else raw)
-        if doc.get("v") != 1:
-            raise StorageError(f"unknown block metadata version {doc.get('v')!r}")
-        key = tuple((n, d, tuple(s), b) for n, d, s, b, _ in doc["layers"])
+        # orjson: every read parses a block's record (2 us instead of 6 with json);
+        # bad JSON raises orjson.JSONDecodeError, a ValueError
+        doc = orjson.loads(raw)
+        if not isinstance(doc, dict) or doc.get("v") != 1:
+            version = doc.get("v") if isinstance(doc, dict) else None
+            raise StorageError(f"unknown block metadata version {version!r}")
+        entries = doc["layers"]
+        key = tuple([(n, d, tuple(s), b) for n, d, s, b, _ in entries])
         layers = _LAYOUTS.get(key)
         if layers is None:
             if len(_LAYOUTS) >= _MAX_LAYOUTS:
                 _LAYOUTS.clear()
             layers = _LAYOUTS[key] = tuple(LayerSpec(*spec) for spec in key)
         return cls(
-            namespace=bytes.fromhex(doc["ns"]),
-            block_hash=bytes.fromhex(doc["hash"]),
-            parent_hash=bytes.fromhex(doc["parent"]),
-            layers=layers,
-            checksums=tuple(int(entry[4], 16) for entry in doc["layers"]),
-            created_at=float(doc["created"]),
+            bytes.fromhex(doc["ns"]),
+            bytes.fromhex(doc["hash"]),
+            bytes.fromhex(doc["parent"]),
+            layers,
+            tuple([int(entry[4], 16) for entry in entries]),
+            float(doc["created"]),
         )
 
 

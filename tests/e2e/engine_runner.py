@@ -7,16 +7,63 @@ JOB: {"model": dir, "engines": [{"name": str, "kv": KVTransferConfig dict or nul
 Engines run one after another (each shut down before the next), so one vLLM
 import serves several engines. Prints one line `RESULT <json>` per engine:
 {"name", "tokens": [[...]...], "seconds": generate wall time, "ttft": [...]}.
+With "one_by_one" and "time_hooks": true, also "hook_seconds": per prompt, the
+wall time spent inside the KV connector's hooks (its own cost, for benchmarks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# The connector hooks vLLM calls on the serving path (scheduler and worker side).
+HOOKS = (
+    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
+    "bind_connector_metadata", "clear_connector_metadata", "start_load_kv", "wait_for_layer_load",
+    "save_kv_layer", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
+)  # fmt: skip
+CONNECTORS = {
+    "KVStoreConnector": "kvstore_connector.connector",
+    "ExampleConnector": "vllm.distributed.kv_transfer.kv_connector.v1.example_connector",
+}
+
+
+@contextlib.contextmanager
+def time_hooks(name: str | None):
+    """While active, connector class `name`'s hooks add their wall time to the yielded cell."""
+    spent = [0.0]
+    if name is None:
+        yield spent
+        return
+    cls = getattr(importlib.import_module(CONNECTORS[name]), name)
+    originals = {hook: cls.__dict__[hook] for hook in HOOKS if hook in cls.__dict__}
+    for hook in HOOKS:
+        original = getattr(cls, hook, None)
+        if original is None:
+            continue
+
+        def timed(*args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        setattr(cls, hook, timed)
+    try:
+        yield spent
+    finally:
+        for hook in HOOKS:
+            if hook in originals:
+                setattr(cls, hook, originals[hook])
+            elif hook in cls.__dict__:
+                delattr(cls, hook)  # inherited: drop the wrapper
 
 
 def run(job: dict) -> None:
@@ -37,27 +84,32 @@ def run(job: dict) -> None:
             "disable_log_stats": not spec.get("log_stats", False),
             **spec.get("llm", {}),
         }
-        llm = LLM(model=job["model"], kv_transfer_config=kv, **kwargs)
-        params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-        tokens, ttft = [], []
-        started = time.perf_counter()
-        if spec.get("one_by_one"):
-            for prompt in prompts:
-                t0 = time.perf_counter()
-                out = llm.generate([prompt], params, use_tqdm=False)
-                ttft.append(time.perf_counter() - t0)
-                tokens.append(list(out[0].outputs[0].token_ids))
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-        seconds = time.perf_counter() - started
-        if spec.get("log_stats"):
-            llm.llm_engine.do_log_stats()  # vLLM's stat loggers, "KV Transfer metrics" included
-        print("RESULT " + json.dumps({"name": spec["name"], "tokens": tokens, "seconds": seconds, "ttft": ttft}),
-              flush=True)  # fmt: skip
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        timed = spec["kv"]["kv_connector"] if spec.get("time_hooks") else None
+        with time_hooks(timed) as spent:
+            llm = LLM(model=job["model"], kv_transfer_config=kv, **kwargs)
+            params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+            tokens, ttft, hook_seconds = [], [], []
+            started = time.perf_counter()
+            if spec.get("one_by_one"):
+                for prompt in prompts:
+                    t0, hooks0 = time.perf_counter(), spent[0]
+                    out = llm.generate([prompt], params, use_tqdm=False)
+                    ttft.append(time.perf_counter() - t0)
+                    hook_seconds.append(spent[0] - hooks0)
+                    tokens.append(list(out[0].outputs[0].token_ids))
+            else:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                tokens = [list(o.outputs[0].token_ids) for o in outs]
+            seconds = time.perf_counter() - started
+            if spec.get("log_stats"):
+                llm.llm_engine.do_log_stats()  # vLLM's stat loggers, "KV Transfer metrics" included
+            result = {"name": spec["name"], "tokens": tokens, "seconds": seconds, "ttft": ttft}
+            if timed is not None:
+                result["hook_seconds"] = hook_seconds
+            print("RESULT " + json.dumps(result), flush=True)
+            llm.llm_engine.engine_core.shutdown()
+            del llm
 
 
 if __name__ == "__main__":
