@@ -21,6 +21,8 @@ from kvstore_connector.worker import WorkerSide
 from kvstore_client import KVStoreClient
 from kvstore_client.hashing import block_hashes
 
+from .test_corruption import flip_payload_byte
+
 BS = 32
 INFO = NamespaceInfo("test-model", "bfloat16", BS, 2, 64, False, "cpu", tp_size=1, pp_size=1)
 NS = INFO.rank_namespace(0, 0)
@@ -197,8 +199,11 @@ def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[st
     return worker.block_ids_with_load_errors()
 
 
+@pytest.mark.parametrize("local_reads", [True, False], ids=["same-host", "grpc"])
 @pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
-def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(daemon, kv_first: bool) -> None:
+def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(
+    daemon, kv_first: bool, local_reads: bool
+) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
     saver, src = make_worker(daemon.address, kv_first)
     for name in LAYERS:
@@ -208,9 +213,15 @@ def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(daemon, kv_f
         assert kv.lookup(NS, hashes) == 4
         assert kv.select(NS, hashes)[LAYERS[1]].view(torch.uint8).equal(src[LAYERS[1]][3:7].view(torch.uint8))
 
-    loader, dst = make_worker(daemon.address, kv_first)
+    loader, dst = make_worker(daemon.address, kv_first, local_reads=local_reads)
+    with KVStoreClient(daemon.address) as kv:
+        served = kv.stats()["bytes_read"]
     errors = run_step(loader, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [10, 20, 11, 12])]), dst)
     assert errors == set()
+    with KVStoreClient(daemon.address) as kv:
+        # on the same-host path the bytes came from the daemon's files, not from the daemon
+        assert (kv.stats()["bytes_read"] == served) == local_reads
+    assert (loader.client.local_data_dir is not None) == local_reads
     for name in LAYERS:
         for s, d in zip([3, 4, 5, 6], [10, 20, 11, 12], strict=True):
             assert dst[name][d].view(torch.uint8).equal(src[name][s].view(torch.uint8))
@@ -252,6 +263,31 @@ def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
     worker, caches = make_worker(daemon.address)
     assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2])]), caches) == {1, 2}
     assert all(c.eq(0).all() for c in caches.values())
+    worker.close()
+
+
+def test_a_corrupt_block_on_the_same_host_path_is_recomputed_and_dropped(daemon, backend: str) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    layers = store_blocks(daemon.address, hashes)
+    needle = layers[LAYERS[1]][1].view(torch.uint8).numpy().tobytes()[:64]
+    flip_payload_byte(daemon.data_dir, backend, hashes[1], needle)
+    worker, caches = make_worker(daemon.address)
+    # the stream stops at the bad layer: the request is recomputed from its first block
+    assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])]), caches) == {
+        1,
+        2,
+        3,
+    }
+    with KVStoreClient(daemon.address) as kv:
+        stats = kv.stats()
+        assert stats["checksum_failures"] == 1  # the worker told the daemon, which dropped the block
+        assert kv.lookup(NS, hashes) == 1
+    # the next load takes the good prefix, still from the files
+    assert (
+        run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r2", hashes[:1], [7])]), caches) == set()
+    )
+    assert caches[LAYERS[0]][7].view(torch.uint8).equal(layers[LAYERS[0]][0].view(torch.uint8))
+    assert worker.client.local_data_dir is not None
     worker.close()
 
 

@@ -33,11 +33,23 @@ def test_extra_config_maps_documented_keys() -> None:
         ({"load_timeout_s": "fast"}, "load_timeout"),
         ({"consume": "yes"}, "consume"),
         ({"kvstore_address": "nohostport"}, "HOST:PORT"),
+        ({"local_reads": "on"}, "local_reads"),
+        ({"local_data_dir": 7}, "local_data_dir"),
     ],
 )
 def test_bad_extra_config_is_refused_with_its_name(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_consume_hand_offs_never_take_the_same_host_path() -> None:
+    # DropSelect removes what it hands out: only the daemon can do that
+    assert ConnectorConfig.from_extra_config({}).client_options()["local_reads"] is True
+    options = ConnectorConfig.from_extra_config(
+        {"consume": True, "local_data_dir": "/mnt/kv"}
+    ).client_options()
+    assert options["local_reads"] is False and options["local_data_dir"] == "/mnt/kv"
+    assert ConnectorConfig.from_extra_config({"local_reads": False}).client_options()["local_reads"] is False
 
 
 def _info(**overrides: object) -> NamespaceInfo:
