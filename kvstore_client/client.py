@@ -24,6 +24,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+_MAX_TOUCHES = 1024
 
 _SERVICE = "/kvstore.v1.KVStore/"
 # Initial metadata of a Watch stream (see WatchRequest in the proto).
@@ -507,10 +510,13 @@ class KVStoreClient:
             if local_reads
             else None
         )
-        # Lookups answered from the files, on their way to the daemon (one thread sends them)
-        self._touches: queue.SimpleQueue[tuple[pb.LookupRequest, float] | None] = queue.SimpleQueue()
+        # Lookups answered from the files, on their way to the daemon (one thread sends
+        # them; best effort: beyond _MAX_TOUCHES waiting, e.g. while the daemon stalls,
+        # new ones are dropped, and close() flushes for at most `timeout` seconds)
+        self._touches: queue.Queue[tuple[pb.LookupRequest, float] | None] = queue.Queue(_MAX_TOUCHES)
         self._toucher: threading.Thread | None = None
         self._touch_start = threading.Lock()
+        self._touch_deadline = float("inf")
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
 
@@ -523,7 +529,8 @@ class KVStoreClient:
         self._inserts.shutdown(wait=True)
         if self._local is not None:
             self._local.close()
-        if self._toucher is not None:  # send what is queued (each call has its deadline)
+        if self._toucher is not None:  # send what is queued, for `timeout` seconds at most
+            self._touch_deadline = time.monotonic() + self.timeout
             self._touches.put(None)
             self._toucher.join()
         self._raw_channel.close()
@@ -575,13 +582,19 @@ class KVStoreClient:
                         target=self._send_touches, name="kvstore-touch", daemon=True
                     )
                     self._toucher.start()
-        self._touches.put((req, timeout))
+        try:
+            self._touches.put_nowait((req, timeout))
+        except queue.Full:
+            log.debug("background Lookups are backed up; dropping one")
 
     def _send_touches(self) -> None:
         while (item := self._touches.get()) is not None:
             req, timeout = item
+            left = self._touch_deadline - time.monotonic()
+            if left <= 0:
+                continue  # closing, out of time: drop the rest
             try:
-                self._lookup(req, timeout=timeout)
+                self._lookup(req, timeout=min(timeout, left))
             except grpc.RpcError as exc:
                 # the answer came from the files; the daemon only missed a recency update
                 log.debug("background Lookup failed: %s", exc.code())

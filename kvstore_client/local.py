@@ -243,7 +243,9 @@ class LocalReads:
 
     def lookup(self, namespaces: Sequence[bytes], hashes: Sequence[bytes]) -> int | None:
         """The prefix of `hashes` stored in every one of `namespaces`, or None: ask the daemon."""
-        files = self._acquire(hashes)
+        if len(namespaces) > wire.MAX_LOOKUP_NAMESPACES:
+            return None
+        files = self._acquire(namespaces, hashes)
         if files is None:
             return None
         from kvstore_server.storage import StorageError
@@ -261,7 +263,7 @@ class LocalReads:
 
     def stream_source(self, namespace: bytes, hashes: Sequence[bytes]) -> _LocalSource | None:
         """A verified snapshot of the stored prefix of `hashes`, or None: use Get."""
-        files = self._acquire(hashes)
+        files = self._acquire([namespace], hashes)
         if files is None:
             return None
         from kvstore_server.storage import StorageError
@@ -277,9 +279,13 @@ class LocalReads:
             return None
         return _LocalSource(files, stack, good, functools.partial(self._report, namespace))
 
-    def _acquire(self, hashes: Sequence[bytes]) -> _Files | None:
+    def _acquire(self, namespaces: Sequence[bytes], hashes: Sequence[bytes]) -> _Files | None:
         """The files, held for one read; None: use gRPC (which also answers bad input)."""
-        if len(hashes) > wire.MAX_BLOCKS_PER_LOOKUP or any(len(h) != wire.HASH_BYTES for h in hashes):
+        if (
+            len(hashes) > wire.MAX_BLOCKS_PER_LOOKUP
+            or any(len(h) != wire.HASH_BYTES for h in hashes)
+            or not all(0 < len(ns) <= wire.MAX_NAMESPACE_BYTES for ns in namespaces)
+        ):
             return None
         files = self._current()
         return files if files is not None and files.acquire() else None
@@ -369,8 +375,7 @@ def _present_prefix(blocks: Sequence[StoredBlock | None]) -> list[StoredBlock]:
     """The leading present blocks of one layer layout (checksums are verified as they are read)."""
     good: list[StoredBlock] = []
     for block in blocks:
-        if block is None or (good and block.meta.layers is not good[0].meta.layers
-                             and block.meta.layers != good[0].meta.layers):  # fmt: skip
+        if block is None or (good and block.meta.layers != good[0].meta.layers):
             break
         good.append(block)
     return good

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -299,3 +300,50 @@ def test_local_reads_land_in_caller_buffers(kv: KVStoreClient, local: KVStoreCli
     out = dict(local.get_stream(NS, hashes, allocate=allocate))
     assert [t.data_ptr() for t in out.values()] == [t.data_ptr() for t in given]
     assert_same(out, layers)
+
+
+@pytest.mark.parametrize(
+    ("namespace", "hashes"),
+    [("", [b"\x01" * 32]), ("n" * 257, [b"\x01" * 32]), (NS, [b"\x01" * 31])],
+    ids=["empty-namespace", "long-namespace", "short-hash"],
+)
+def test_bad_input_gets_the_daemons_answer_on_the_local_path(
+    local: KVStoreClient, namespace: str, hashes: list[bytes]
+) -> None:
+    assert local.lookup(NS, chain("local-negotiate", 1)) == 0  # the fast path is on
+    assert local.local_data_dir is not None
+    with pytest.raises(errors.InvalidRequest):
+        local.lookup(namespace, hashes)
+    with pytest.raises(errors.InvalidRequest):
+        local.get_stream(namespace, hashes)
+
+
+def test_local_lookups_reach_the_daemon_in_the_background(daemon: Daemon, kv: KVStoreClient) -> None:
+    hashes = chain("local-touch", 4)
+    kv.put(NS, hashes[:3], make_layers(3, seed=15))
+    before = kv.stats()
+    touched = kv.describe(NS, hashes[2]).block.last_access_at
+    with KVStoreClient(daemon.address, local_reads=True) as local:
+        assert [local.lookup(NS, hashes) for _ in range(3)] == [3, 3, 3]
+        assert local.local_data_dir is not None
+    # close() sent the queued Lookups: the daemon counted them and refreshed recency
+    after = kv.stats()
+    assert after["lookups"] - before["lookups"] == 3
+    assert after["hit_blocks"] - before["hit_blocks"] == 9
+    assert after["miss_blocks"] - before["miss_blocks"] == 3
+    assert kv.describe(NS, hashes[2]).block.last_access_at > touched
+
+
+def test_local_lookups_and_reads_go_on_while_the_daemon_stalls(daemon: Daemon, kv: KVStoreClient) -> None:
+    hashes = chain("local-stall", 2)
+    layers = make_layers(2, seed=16)
+    kv.put(NS, hashes, layers)
+    local = KVStoreClient(daemon.address, timeout=1.0, local_reads=True)
+    assert local.lookup(NS, hashes) == 2  # negotiated
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        assert [local.lookup(NS, hashes) for _ in range(5)] == [2] * 5
+        assert_same(local.select(NS, hashes), layers)
+        local.close()  # gives the stalled daemon's background Lookups one deadline, not five
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
