@@ -87,7 +87,6 @@ def test_everything_else_is_internal() -> None:
         grpc.StatusCode.UNKNOWN,
         grpc.StatusCode.DATA_LOSS,
         grpc.StatusCode.UNIMPLEMENTED,
-        grpc.StatusCode.FAILED_PRECONDITION,
     ):
         assert type(from_rpc_error(RpcError(code, "x"))) is StoreInternalError
 
