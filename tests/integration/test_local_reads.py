@@ -16,7 +16,7 @@ from kvstore_client import KVStoreClient, errors
 
 from .helpers import NS, assert_same, chain, make_layers, rows
 from .test_corruption import flip_payload_byte, marker, recognisable_layers
-from .test_security import TOKENS, token
+from .test_security import token, token_file
 
 STORE_ID = "STORE_ID"
 
@@ -247,13 +247,7 @@ def test_local_access_reports_the_daemons_pid_namespace(kv: KVStoreClient) -> No
 @pytest.fixture
 def tenants(tmp_path: Path, backend: str):
     """Daemons with tokens: one with the default (no local reads), one opted in."""
-    path = tmp_path / "tokens.toml"
-    path.write_text(
-        "".join(
-            f'[[tokens]]\ntoken = "{token(name)}"\ntenant = "{tenant}"\nrole = "{role}"\n\n'
-            for name, (tenant, role) in TOKENS.items()
-        )
-    )
+    path = token_file(tmp_path / "tokens.toml")
     default = Daemon(tmp_path / "default", backend=backend, extra_args=["--token-file", str(path)]).start()
     opted = Daemon(
         tmp_path / "opted", backend=backend, extra_args=["--token-file", str(path), "--local-reads"]

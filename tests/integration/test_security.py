@@ -34,15 +34,20 @@ def token(name: str) -> str:
     return f"{name}-token-0123456789abcdef"
 
 
-@pytest.fixture
-def secured(tmp_path: Path, backend: str):
-    path = tmp_path / "tokens.toml"
+def token_file(path: Path) -> Path:
+    """Write TOKENS as a daemon token file at `path`."""
     path.write_text(
         "".join(
             f'[[tokens]]\ntoken = "{token(name)}"\ntenant = "{tenant}"\nrole = "{role}"\n\n'
             for name, (tenant, role) in TOKENS.items()
         )
     )
+    return path
+
+
+@pytest.fixture
+def secured(tmp_path: Path, backend: str):
+    path = token_file(tmp_path / "tokens.toml")
     d = Daemon(tmp_path / "data", backend=backend, extra_args=["--token-file", str(path)]).start()
     yield d
     d.stop()
