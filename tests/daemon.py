@@ -7,6 +7,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,3 +92,11 @@ class Daemon:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+
+def eventually(check: Callable[[], bool], deadline_s: float = 20.0) -> None:
+    """For what the daemon does after a client's call returned (a cancelled stream's
+    cleanup, a Lookup a same-host client sends in the background): poll until true."""
+    end = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < end, "condition not reached"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Callable
 
 import grpc
 import pytest
+from daemon import eventually
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.v1 import kvstore_pb2 as pb
@@ -46,13 +46,6 @@ def errors_of(samples: Samples, method: str, code: str) -> float:
 
 def latency_count(samples: Samples, method: str) -> float:
     return value(samples, "kvstore_rpc_duration_seconds_count", method=method)
-
-
-def eventually(check: Callable[[], bool], deadline_s: float = 20.0) -> None:
-    """For what the daemon does after the client's call returned (a cancelled stream's cleanup)."""
-    end = time.monotonic() + deadline_s
-    while not check():
-        assert time.monotonic() < end, "condition not reached"
 
 
 def test_counters_follow_real_traffic(make_daemon, backend: str) -> None:
