@@ -394,9 +394,12 @@ class LayerStream:
         import torch
 
         tensor = dest = None
-        for chunk in self.chunks():
-            spec = self.layers[chunk.layer_index]
-            if chunk.first_block == 0:
+        spec, block_bytes, total = self.layers[0], 0, 0
+        for layer_index, first_block, data in self.chunks():
+            if first_block == 0:
+                spec = self.layers[layer_index]
+                block_bytes = spec.block_bytes
+                total = block_bytes * self.num_blocks
                 shape = (self.num_blocks, *spec.shape)
                 if self._allocate is not None:
                     tensor = self._allocate(spec, self.num_blocks)
@@ -405,9 +408,9 @@ class LayerStream:
                 else:
                     tensor = torch.empty(shape, dtype=torch_dtype(spec.dtype))
                 dest = writable_view(tensor)
-            start = chunk.first_block * spec.block_bytes
-            dest[start : start + len(chunk.data)] = np.frombuffer(chunk.data, dtype=np.uint8)  # type: ignore[index]
-            if start + len(chunk.data) == spec.block_bytes * self.num_blocks:
+            start = first_block * block_bytes
+            dest[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)  # type: ignore[index]
+            if start + len(data) == total:
                 yield spec.name, tensor  # type: ignore[misc]
 
     def _drain(self) -> None:
