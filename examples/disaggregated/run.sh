@@ -2,7 +2,8 @@
 # Disaggregated prefill through the kvstore daemon:
 #   1. start kvstore-server (its own process)
 #   2. prefill.py (kv_producer) computes the prompts' KV and saves it
-#   3. decode.py (kv_consumer, another process) loads it and generates
+#   3. decode.py (kv_consumer, another process) loads it and generates (on this host it
+#      reads the daemon's files directly, the same-host fast path; gRPC stays the control plane)
 # Usage: examples/disaggregated/run.sh [MODEL]   (default: a random tiny Llama, built offline)
 # Needs the repo's .venv with vLLM (scripts/test.sh sets it up).
 set -euo pipefail
@@ -17,7 +18,8 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-0}
 coproc SERVER { exec kvstore-server --listen 127.0.0.1:0 --data-dir "$work/data" --capacity 4GiB 2>"$work/server.log"; }
 server_pid=$SERVER_PID
 read -r ready <&"${SERVER[0]}"          # "kvstore-server ready on HOST:PORT ..."
-export KVSTORE_ADDRESS=$(echo "$ready" | awk '{print $4}')
+KVSTORE_ADDRESS=$(echo "$ready" | awk '{print $4}')
+export KVSTORE_ADDRESS
 echo "== $ready"
 
 echo "== prefill"
