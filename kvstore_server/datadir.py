@@ -25,8 +25,12 @@ _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 STORE_ID_FILE = "STORE_ID"
 
 
-def publish_store_id(path: Path, store_id: str) -> None:
-    """Write this run's store_id where same-host clients look for it (see LocalAccess)."""
+def publish_store_id(path: Path, store_id: str | None) -> None:
+    """Write this run's store_id where same-host clients look for it (see LocalAccess);
+    None withdraws it, so clients of an earlier run that offered local reads stop."""
+    if store_id is None:
+        (path / STORE_ID_FILE).unlink(missing_ok=True)
+        return
     tmp = path / (STORE_ID_FILE + ".tmp")
     tmp.write_text(store_id)
     os.replace(tmp, path / STORE_ID_FILE)

@@ -81,8 +81,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         ],
     )
     servicer = Servicer(store, config, Scope(tokens))
-    if config.offers_local_reads():
-        publish_store_id(config.data_dir, servicer.events.store_id)
+    publish_store_id(config.data_dir, servicer.events.store_id if config.offers_local_reads() else None)
     if metrics is not None:
         metrics.watch(store, servicer)
     server.add_generic_rpc_handlers((generic_handler(servicer),))

@@ -244,6 +244,29 @@ def test_local_access_reports_the_daemons_pid_namespace(kv: KVStoreClient) -> No
     assert kv.local_access().pid_namespace == os.readlink("/proc/self/ns/pid")
 
 
+def test_a_restart_without_local_reads_stops_the_old_readers(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listen = ["--listen", f"127.0.0.1:{port}"]
+    d = Daemon(tmp_path / "data", extra_args=listen).start()
+    hashes = chain("local-withdrawn", 2)
+    layers = make_layers(2, seed=17)
+    try:
+        with KVStoreClient(d.address, local_reads=True) as kv:
+            kv.put(NS, hashes, layers)
+            assert kv.get_stream(NS, hashes).local
+            d.stop()
+            d.extra_args = [*listen, "--no-local-reads"]
+            d.start()
+            assert not (d.data_dir / STORE_ID).exists()
+            stream = kv.get_stream(NS, hashes)
+            assert not stream.local
+            assert_same(dict(stream), layers)
+    finally:
+        d.stop()
+
+
 @pytest.fixture
 def tenants(tmp_path: Path, backend: str):
     """Daemons with tokens: one with the default (no local reads), one opted in."""
