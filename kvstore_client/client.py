@@ -517,9 +517,11 @@ class KVStoreClient:
         # them; best effort: beyond _MAX_TOUCHES waiting, e.g. while the daemon stalls,
         # new ones are dropped, and close() flushes for at most `timeout` seconds)
         self._touches: queue.Queue[tuple[pb.LookupRequest, float] | None] = queue.Queue(_MAX_TOUCHES)
-        self._toucher: threading.Thread | None = None
-        self._touch_start = threading.Lock()
         self._touch_deadline = float("inf")
+        self._toucher: threading.Thread | None = None
+        if local_reads:
+            self._toucher = threading.Thread(target=self._send_touches, name="kvstore-touch", daemon=True)
+            self._toucher.start()
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
 
@@ -578,13 +580,6 @@ class KVStoreClient:
         return int(self._unary(self._lookup, req, timeout).num_blocks)
 
     def _touch(self, req: pb.LookupRequest, timeout: float) -> None:
-        if self._toucher is None:
-            with self._touch_start:
-                if self._toucher is None:
-                    self._toucher = threading.Thread(
-                        target=self._send_touches, name="kvstore-touch", daemon=True
-                    )
-                    self._toucher.start()
         try:
             self._touches.put_nowait((req, timeout))
         except queue.Full:

@@ -45,7 +45,7 @@ from kvstore import wire
 from kvstore.host import pid_namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
-from kvstore_server.storage.base import checksum
+from kvstore_server.storage import StorageError, checksum, open_reader
 
 if TYPE_CHECKING:
     from kvstore_server.storage import Backend, StoredBlock
@@ -115,8 +115,6 @@ _SHARED_LOCK = threading.Lock()
 
 def _hold(kind: str, data_dir: Path, store_id: str) -> _Files:
     """The process's open copy of these files (opened now if needed). Raises StorageError."""
-    from kvstore_server.storage import open_reader
-
     key = (kind, str(data_dir.resolve()), store_id)
     with _SHARED_LOCK:
         files = _SHARED.get(key)
@@ -248,8 +246,6 @@ class LocalReads:
         files = self._acquire(namespaces, hashes)
         if files is None:
             return None
-        from kvstore_server.storage import StorageError
-
         try:
             n = len(hashes)
             for namespace in namespaces:
@@ -266,8 +262,6 @@ class LocalReads:
         files = self._acquire([namespace], hashes)
         if files is None:
             return None
-        from kvstore_server.storage import StorageError
-
         stack = ExitStack()
         try:
             keys = [(self._prefix + namespace, h) for h in hashes]
@@ -326,8 +320,6 @@ class LocalReads:
             resp = self._access()
         except errors.KVStoreError as exc:
             raise LocalUnavailable(f"the daemon does not offer local reads: {exc}") from exc
-        from kvstore_server.storage import StorageError
-
         data_dir = self._data_dir or Path(resp.data_dir)
         try:
             seen = (data_dir / STORE_ID_FILE).read_text()

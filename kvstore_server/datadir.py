@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from kvstore_server.storage import BACKEND_DIRS
+
 log = logging.getLogger(__name__)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -80,7 +82,7 @@ class DataDir:
         aside = self.path / f"discarded-{int(time.time())}"
         aside.mkdir()
         for entry in self.path.iterdir():
-            if entry.name in ("lmdb", "blocks"):
+            if entry.name in BACKEND_DIRS.values():
                 entry.rename(aside / entry.name)
         log.warning(
             "the last run stopped uncleanly before an OS restart without sync=true: unsynced writes may be "

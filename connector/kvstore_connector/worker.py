@@ -228,13 +228,9 @@ class WorkerSide:
                 spec = stream.layers[layer]
                 name, size, dest = spec.name, spec.block_bytes, raw[spec.name]
             count = len(data) // size
-            if count == 1:  # local reads: a chunk per block
-                block = block_ids[first_block]
-                dest[block * size : (block + 1) * size] = data
-            else:
-                for i in range(count):
-                    block = block_ids[first_block + i]
-                    dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
+            for i in range(count):
+                block = block_ids[first_block + i]
+                dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
             if first_block + count == len(block_ids):
                 pending.remove(name)
                 gates.done(name)

@@ -20,6 +20,7 @@ BACKENDS = ("lmdb", "disk")
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_DIRS",
     "Backend",
     "BlockKey",
     "BlockMeta",
@@ -29,36 +30,45 @@ __all__ = [
     "StorageFullError",
     "StoredBlock",
     "checksum",
+    "backend_dir",
     "open_backend",
     "open_reader",
 ]
 
 
+# Each backend's directory under the data dir.
+BACKEND_DIRS = {"lmdb": "lmdb", "disk": "blocks"}
+
+
+def backend_dir(kind: str, data_dir: Path) -> Path:
+    if kind not in BACKEND_DIRS:
+        raise ValueError(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")
+    return data_dir / BACKEND_DIRS[kind]
+
+
 def open_backend(kind: str, data_dir: Path, *, capacity_bytes: int, sync: bool) -> Backend:
     """Open the backend `kind` under `data_dir` (created if missing)."""
+    root = backend_dir(kind, data_dir)
     if kind == "lmdb":
         from kvstore_server.storage.lmdb_backend import LmdbBackend
 
-        return LmdbBackend(data_dir / "lmdb", capacity_bytes=capacity_bytes, sync=sync)
-    if kind == "disk":
-        from kvstore_server.storage.disk_backend import DiskBackend
+        return LmdbBackend(root, capacity_bytes=capacity_bytes, sync=sync)
+    from kvstore_server.storage.disk_backend import DiskBackend
 
-        return DiskBackend(data_dir / "blocks", sync=sync)
-    raise ValueError(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")
+    return DiskBackend(root, sync=sync)
 
 
 def open_reader(kind: str, data_dir: Path) -> Backend:
     """Open a running daemon's backend under `data_dir` for reading only (the same-host
     fast path, see kvstore_client.local): `read` works, writes raise StorageError.
     Raises StorageError when the files cannot be opened."""
+    root = backend_dir(kind, data_dir)
     if kind == "lmdb":
         from kvstore_server.storage.lmdb_backend import LmdbBackend
 
-        return LmdbBackend.reader(data_dir / "lmdb")
-    if kind == "disk":
-        from kvstore_server.storage.disk_backend import DiskBackend
+        return LmdbBackend.reader(root)
+    from kvstore_server.storage.disk_backend import DiskBackend
 
-        if not (data_dir / "blocks").is_dir():
-            raise StorageError(f"{data_dir / 'blocks'} is not a directory")
-        return DiskBackend(data_dir / "blocks", sync=False, readonly=True)
-    raise ValueError(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")
+    if not root.is_dir():
+        raise StorageError(f"{root} is not a directory")
+    return DiskBackend(root, sync=False, readonly=True)

@@ -42,6 +42,15 @@ _BUMP_KEY = b"\x00\x00"
 _MAX_READERS = 1024
 
 
+@contextmanager
+def _reading() -> Iterator[None]:
+    """LMDB errors of a read as StorageError (never around a caller's code)."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise StorageError(f"LMDB read failed: {exc}") from exc
+
+
 def _key(namespace: bytes, block_hash: bytes) -> bytes:
     return len(namespace).to_bytes(2, "big") + namespace + block_hash
 
@@ -153,19 +162,15 @@ class LmdbBackend(Backend):
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
         # One read transaction: a consistent snapshot, and the views below point
         # straight into the map until it ends.
-        try:
+        with _reading():  # e.g. MapResizedError in a reader after a daemon restart
             txn = self._env.begin(buffers=True)
-        except lmdb.Error as exc:  # e.g. MapResizedError in a reader after a daemon restart
-            raise StorageError(f"LMDB read failed: {exc}") from exc
         with txn:
             blocks: list[StoredBlock | None] = []
             for namespace, block_hash in keys:
                 key = _key(namespace, block_hash)
-                try:
+                with _reading():
                     raw_meta = txn.get(key, db=self._meta)
                     data = txn.get(key, db=self._data)
-                except lmdb.Error as exc:
-                    raise StorageError(f"LMDB read failed: {exc}") from exc
                 if raw_meta is None or data is None:
                     blocks.append(None)
                     continue
@@ -182,13 +187,10 @@ class LmdbBackend(Backend):
             yield blocks
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
-        try:
-            with self._env.begin(db=self._meta) as txn:
-                for n, (namespace, block_hash) in enumerate(keys):
-                    if txn.get(_key(namespace, block_hash)) is None:
-                        return n
-        except lmdb.Error as exc:
-            raise StorageError(f"LMDB read failed: {exc}") from exc
+        with _reading(), self._env.begin(db=self._meta) as txn:
+            for n, (namespace, block_hash) in enumerate(keys):
+                if txn.get(_key(namespace, block_hash)) is None:
+                    return n
         return len(keys)
 
     def close(self) -> None:
