@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -83,6 +84,7 @@ def main() -> None:
         out = run_engines(tmp, model, engines)
     finally:
         daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the model and two stores: GBs
 
     kv_bytes = 2 * args.kv_heads * (args.hidden // args.heads) * 2 * args.layers * args.tokens
     print(f"\nmodel: {args.layers} layers, hidden {args.hidden}, {args.kv_heads} KV heads, bf16, block 32; "

@@ -17,6 +17,7 @@ Prints medians; never pass/fail.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,7 @@ def full_path(args, mover: BlockMover, caches, ids, gb: float) -> None:
     finally:
         proc.terminate()
         proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     save, grpc_load = statistics.median(saves[1:]), statistics.median(loads[1:])
     local_load = statistics.median(local_loads[1:])
     print(f"\n(b) through KVStoreClient + daemon on loopback (LMDB), median of {args.repeat}")

@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+# CI installs once into a fresh clone: no wheel cache beside the venv (about 1 GB)
+[ "${CI:-}" = true ] && export PIP_NO_CACHE_DIR=1
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
