@@ -60,6 +60,10 @@ class PrefixIndex:
     def namespaces(self) -> list[bytes]:
         return list(self._blocks)
 
+    def hashes(self, namespace: bytes) -> list[bytes]:
+        """A copy of one namespace's stored block hashes, in no order."""
+        return list(self._blocks.get(namespace, ()))
+
     def keys(self, namespace: bytes | None = None, prefix: bytes = b"") -> Iterator[BlockKey]:
         """Keys of one namespace, or of every namespace starting with `prefix`."""
         spaces = (

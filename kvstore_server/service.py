@@ -404,12 +404,11 @@ class Servicer:
         after = _decode_page_token(request.page_token) if request.page_token else None
         if after is not None:
             after = (prefix + after[0], after[1])
-        infos = self.store.list_blocks(namespace, limit, after, prefix)
+        infos, last = self.store.list_blocks(namespace, limit, after, prefix)
         token = b""
-        if len(infos) == limit:
-            last = infos[-1]
-            name = last.namespace[len(prefix) :]
-            token = len(name).to_bytes(2, "big") + name + last.block_hash
+        if last is not None:
+            name = last[0][len(prefix) :]
+            token = len(name).to_bytes(2, "big") + name + last[1]
         return pb.ListResponse(blocks=[_block_info(i, prefix) for i in infos], next_page_token=token)
 
     @translated

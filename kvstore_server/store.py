@@ -11,6 +11,7 @@ evictions, drop-selects), so the index and the backend change together.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -399,16 +400,29 @@ class Store:
 
     def list_blocks(
         self, namespace: bytes | None, limit: int, after: BlockKey | None, prefix: bytes = b""
-    ) -> list[BlockInfo]:
-        """Blocks in (namespace, hash) order, after `after`; at most `limit`.
+    ) -> tuple[list[BlockInfo], BlockKey | None]:
+        """Blocks in (namespace, hash) order, after `after`; at most `limit`; and the key
+        to continue after (None: that was the last page).
 
-        `namespace` None: every namespace that starts with `prefix`.
+        `namespace` None: every namespace that starts with `prefix`. The lock is
+        held only to copy one namespace's hashes at a time (C speed) and to read
+        the page's entries: ordering a large store's keys (seconds for millions)
+        never stalls lookups and puts. A block removed meanwhile is left out.
         """
         with self._lock:
-            keys = sorted(k for k in self._index.keys(namespace, prefix) if after is None or k > after)[
-                :limit
-            ]
-            return [self._info(k) for k in keys]
+            spaces = [namespace] if namespace is not None else self._index.namespaces()
+        keys: list[BlockKey] = []
+        for ns in sorted(s for s in spaces if s.startswith(prefix) and (after is None or s >= after[0])):
+            with self._lock:
+                hashes = self._index.hashes(ns)
+            if after is not None and ns == after[0]:
+                hashes = [h for h in hashes if h > after[1]]
+            keys.extend((ns, h) for h in heapq.nsmallest(limit - len(keys), hashes))
+            if len(keys) == limit:
+                break
+        with self._lock:
+            infos = [self._info(k) for k in keys if self._index.get(*k) is not None]
+        return infos, keys[-1] if len(keys) == limit else None
 
     def describe(self, namespace: bytes, block_hash: bytes) -> tuple[BlockInfo, BlockMeta]:
         with self._lock:

@@ -429,7 +429,7 @@ def test_restart_rebuilds_the_index(store: Store, make_store: MakeStore) -> None
     put(store, b, ns=NS2)
     before = {
         (k.namespace, k.block_hash): (k.entry.parent, k.entry.size, k.num_children)
-        for k in store.list_blocks(None, 100, None)
+        for k in store.list_blocks(None, 100, None)[0]
     }
     created = store.describe(NS, a[0])[0].entry.created_at
     store = reopen(store, make_store)
@@ -439,7 +439,7 @@ def test_restart_rebuilds_the_index(store: Store, make_store: MakeStore) -> None
     assert (stats["blocks"], stats["bytes_used"], stats["namespaces"]) == (6, 6 * BLOCK_BYTES, 2)
     after = {
         (k.namespace, k.block_hash): (k.entry.parent, k.entry.size, k.num_children)
-        for k in store.list_blocks(None, 100, None)
+        for k in store.list_blocks(None, 100, None)[0]
     }
     assert after == before
     assert store.describe(NS, a[0])[0].entry.created_at == created
@@ -496,13 +496,31 @@ def test_list_blocks_pages_in_key_order(store: Store) -> None:
     seen = []
     after = None
     while True:
-        page = store.list_blocks(None, 3, after)
+        page, after = store.list_blocks(None, 3, after)
         seen.extend((i.namespace, i.block_hash) for i in page)
-        if len(page) < 3:
+        if after is None:
             break
-        after = (page[-1].namespace, page[-1].block_hash)
+        assert after == seen[-1]
     assert seen == everything
-    assert [i.block_hash for i in store.list_blocks(NS2, 10, None)] == sorted(chain("b", 3))
+    assert [i.block_hash for i in store.list_blocks(NS2, 10, None)[0]] == sorted(chain("b", 3))
+
+
+def test_a_page_short_of_a_removed_block_still_pages_on(store: Store, monkeypatch) -> None:
+    put(store, chain("a", 6))
+    everything = sorted(chain("a", 6))
+    # a block removed between the copy of the hashes (under the lock) and the reading
+    # of the page's entries: the page comes back short, and paging still goes on
+    gone = b"\x00" * 32
+    copy = store._index.hashes  # noqa: SLF001
+    monkeypatch.setattr(store._index, "hashes", lambda ns: [gone, *copy(ns)])  # noqa: SLF001
+    page, after = store.list_blocks(NS, 3, None)
+    assert [i.block_hash for i in page] == everything[:2]
+    assert after == (NS, everything[1])
+    seen = [i.block_hash for i in page]
+    while after is not None:
+        page, after = store.list_blocks(NS, 3, after)
+        seen.extend(i.block_hash for i in page)
+    assert seen == everything
 
 
 # ---- concurrency and events ---------------------------------------------------------------
