@@ -11,6 +11,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from daemon import Daemon  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_sockets_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """vLLM engines (here and in their subprocesses) make their IPC sockets in the
+    session's temp dir, not /tmp, where a hundred would stay behind per run."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-ipc")))
+        yield
+
+
 @pytest.fixture(params=["lmdb", "disk"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
