@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kvstore_server.storage import BACKENDS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -37,7 +39,6 @@ _UNITS = {
     "tib": 1 << 40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-BACKENDS = ("lmdb", "disk")
 # What a setting may be in the TOML file, and how to say so.
 _STR = ((str,), "a string")
 _INT = ((int,), "an integer")

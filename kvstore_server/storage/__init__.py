@@ -16,8 +16,6 @@ from kvstore_server.storage.base import (
     checksum,
 )
 
-BACKENDS = ("lmdb", "disk")
-
 __all__ = [
     "BACKENDS",
     "BACKEND_DIRS",
@@ -38,6 +36,7 @@ __all__ = [
 
 # Each backend's directory under the data dir.
 BACKEND_DIRS = {"lmdb": "lmdb", "disk": "blocks"}
+BACKENDS = tuple(BACKEND_DIRS)
 
 
 def backend_dir(kind: str, data_dir: Path) -> Path:

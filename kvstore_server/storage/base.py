@@ -96,8 +96,8 @@ class BlockMeta:
         # orjson: every read parses a block's record (2 us instead of 6 with json);
         # bad JSON raises orjson.JSONDecodeError, a ValueError
         doc = orjson.loads(raw)
-        if not isinstance(doc, dict) or doc.get("v") != 1:
-            version = doc.get("v") if isinstance(doc, dict) else None
+        version = doc.get("v") if isinstance(doc, dict) else None
+        if version != 1:
             raise StorageError(f"unknown block metadata version {version!r}")
         entries = doc["layers"]
         key = tuple([(n, d, tuple(s), b) for n, d, s, b, _ in entries])

@@ -28,6 +28,18 @@ def recognisable_layers(n: int, num_layers: int = 2) -> dict[str, torch.Tensor]:
     return out
 
 
+def stored_with_a_flipped_byte(
+    daemon, kv: KVStoreClient, backend: str, name: str, bad_block: int, bad_layer: int
+) -> tuple[list[bytes], dict[str, torch.Tensor]]:
+    """Three recognisable blocks stored under `name`, one byte of (bad_block, bad_layer)
+    then flipped in the daemon's files. Returns the hashes and the layers as put."""
+    hashes = chain(name, 3)
+    layers = recognisable_layers(3)
+    kv.put(NS, hashes, layers)
+    flip_payload_byte(daemon.data_dir, backend, hashes[bad_block], marker(bad_block, bad_layer))
+    return hashes, layers
+
+
 def flip_payload_byte(data_dir: Path, backend: str, block_hash: bytes, needle: bytes) -> int:
     """Flip one byte of `needle`'s stored copy in place, with the daemon running. Returns copies hit."""
     if backend == "lmdb":
@@ -98,11 +110,7 @@ def test_corrupt_first_block_in_a_later_layer_is_a_miss(daemon, kv: KVStoreClien
 
 
 def test_drop_select_never_hands_out_corrupt_bytes(daemon, kv: KVStoreClient, backend: str) -> None:
-    hashes = chain("corrupt-drop", 3)
-    layers = recognisable_layers(3)
-    kv.put(NS, hashes, layers)
-
-    flip_payload_byte(daemon.data_dir, backend, hashes[2], marker(2, 1))
+    hashes, layers = stored_with_a_flipped_byte(daemon, kv, backend, "corrupt-drop", 2, 1)
 
     got = kv.drop_select(NS, hashes, timeout=1.0)
     assert_same(got, rows(layers, 0, 2))

@@ -15,7 +15,7 @@ from daemon import Daemon
 from kvstore_client import KVStoreClient, errors
 
 from .helpers import NS, assert_same, chain, make_layers, rows
-from .test_corruption import flip_payload_byte, marker, recognisable_layers
+from .test_corruption import stored_with_a_flipped_byte
 from .test_security import token, token_file
 
 STORE_ID = "STORE_ID"
@@ -137,10 +137,7 @@ def test_local_data_dir_override_reads_the_same_files(make_daemon, tmp_path: Pat
 def test_corrupt_bytes_end_the_stream_and_reach_the_daemon(
     daemon: Daemon, kv: KVStoreClient, local: KVStoreClient, backend: str
 ) -> None:
-    hashes = chain("local-corrupt", 3)
-    layers = recognisable_layers(3)
-    kv.put(NS, hashes, layers)
-    flip_payload_byte(daemon.data_dir, backend, hashes[1], marker(1, 1))
+    hashes, layers = stored_with_a_flipped_byte(daemon, kv, backend, "local-corrupt", 1, 1)
 
     stream = local.get_stream(NS, hashes)
     assert stream.local and stream.num_blocks == 3
@@ -161,10 +158,7 @@ def test_corrupt_bytes_end_the_stream_and_reach_the_daemon(
 def test_select_falls_back_to_the_daemon_on_corrupt_bytes(
     daemon: Daemon, kv: KVStoreClient, local: KVStoreClient, backend: str
 ) -> None:
-    hashes = chain("local-corrupt-select", 3)
-    layers = recognisable_layers(3)
-    kv.put(NS, hashes, layers)
-    flip_payload_byte(daemon.data_dir, backend, hashes[2], marker(2, 0))
+    hashes, layers = stored_with_a_flipped_byte(daemon, kv, backend, "local-corrupt-select", 2, 0)
     assert_same(local.select(NS, hashes), rows(layers, 0, 2))
     assert kv.stats()["checksum_failures"] == 1
 
