@@ -62,7 +62,7 @@ def main() -> None:
         "kv_connector_extra_config": {"shared_storage_path": str(tmp / "example")},
     }
     llm = {"max_model_len": args.tokens + 64, "max_num_batched_tokens": args.tokens + 64,
-           "gpu_memory_utilization": 0.1}  # fmt: skip
+           "kv_cache_memory_bytes": 1 << 30}  # fmt: skip
     daemon = Daemon(tmp / "data", capacity="8GiB").start()
     try:
         common = {"prompts": prompts, "max_tokens": 1, "llm": llm, "one_by_one": True}

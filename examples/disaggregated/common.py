@@ -25,7 +25,9 @@ def kv_transfer_config(role: str) -> dict:
 
 
 def llm_args(model: str) -> dict:
-    args = {"model": model, "enforce_eager": True, "gpu_memory_utilization": 0.1, "max_model_len": 2048}
+    # an explicit KV cache size: on CPU, gpu_memory_utilization is a share of the NUMA
+    # node's memory less the process's own, too little on a small node
+    args = {"model": model, "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "max_model_len": 2048}
     if os.environ.get("SKIP_TOKENIZER", "1") == "1":
         args["skip_tokenizer_init"] = True
     return args
