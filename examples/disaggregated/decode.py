@@ -17,7 +17,8 @@ def main(model: str) -> None:
     for prompt in prompts():
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0]
-        print(f"{len(prompt)}-token prompt: {time.perf_counter() - start:.3f}s, tokens {list(out.outputs[0].token_ids)}")
+        seconds, tokens = time.perf_counter() - start, list(out.outputs[0].token_ids)
+        print(f"{len(prompt)}-token prompt: {seconds:.3f}s, tokens {tokens}")
 
 
 if __name__ == "__main__":
