@@ -8,6 +8,7 @@
         "lookup_timeout_s": 0.5,     # scheduler's Lookup deadline; a slower store counts as a miss
         "load_timeout_s": 10,        # longest a layer may wait for its load before it is recomputed
         "save_timeout_s": 10,        # deadline of one request's save (and of a sync step's wait)
+        "save_backlog_mib": 2048,    # async saves' host copies not yet in the store; beyond: dropped
         "retry_interval_s": 2.0,     # after a failure, how long lookups are skipped (store deemed down)
         "tune_malloc": true,         # keep large buffers in glibc's heap (see kvstore.memory)
         "local_reads": true,         # on the daemon's host, load from its files (kvstore_client.local)
@@ -39,6 +40,7 @@ _KEYS = {
     "lookup_timeout_s": "lookup_timeout",
     "load_timeout_s": "load_timeout",
     "save_timeout_s": "save_timeout",
+    "save_backlog_mib": "save_backlog_mib",
     "retry_interval_s": "retry_interval",
     "tune_malloc": "tune_malloc",
     "local_reads": "local_reads",
@@ -67,6 +69,11 @@ class ConnectorConfig:
     load_timeout: float = 10.0
     save_timeout: float = 10.0
     retry_interval: float = 2.0
+    save_backlog_mib: float = 2048
+    """Async saves: host memory their gathered KV may hold while it waits to reach the
+    store (a slow store). A save that would go beyond it is dropped (counted, logged
+    once per episode); one save is always taken when none is pending. Sync saves are
+    bounded by the step that waits for them."""
     tune_malloc: bool = True
     """Keep multi-MiB transfer buffers in glibc's heap instead of fresh mappings: page
     faults were most of a load's CPU time. Up to 1 GiB of freed memory stays resident."""
@@ -90,6 +97,9 @@ class ConnectorConfig:
             if f.name.endswith("timeout") or f.name == "retry_interval":
                 if not isinstance(value, (int, float)) or not value > 0:
                     raise ValueError(f"{f.name} must be a positive number of seconds, not {value!r}")
+        backlog = self.save_backlog_mib
+        if isinstance(backlog, bool) or not isinstance(backlog, (int, float)) or not backlog > 0:
+            raise ValueError(f"save_backlog_mib must be a positive number of MiB, not {backlog!r}")
         for name in ("consume", "tune_malloc", "local_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")

@@ -21,6 +21,7 @@ COUNTERS = (
     "bytes_saved",
     "save_seconds",
     "save_errors",
+    "saves_dropped",
 )
 
 
@@ -59,6 +60,7 @@ class KVStoreConnectorStats(KVConnectorStats):
             "Blocks saved": d["blocks_saved"],
             "Save GB/s": round(d["bytes_saved"] / save_s / 1e9, 3) if save_s else 0.0,
             "Save errors": d["save_errors"],
+            "Saves dropped (backlog full)": d["saves_dropped"],
         }
 
     def is_empty(self) -> bool:

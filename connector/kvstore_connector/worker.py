@@ -55,11 +55,56 @@ class _LayerGates:
         return event is None or event.wait(timeout)
 
 
+class SaveBacklog:
+    """Bytes of KV that async saves hold in host memory until the store has them.
+
+    A slow store (alive, but taking saves slower than the engine makes KV) would
+    otherwise grow the sender's queue without end, in pinned memory on GPUs, until
+    the host runs out. `admit` is called on the forward thread when a save opens,
+    `release` on the sender thread when it ends (committed or failed). One WARNING
+    when saves start being dropped, one INFO when one is taken again.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._dropped = 0  # saves dropped since the backlog last had room
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def admit(self, nbytes: int) -> bool:
+        """Reserve `nbytes` for a save, or refuse it: False means drop the save."""
+        with self._lock:
+            if self._pending and self._pending + nbytes > self.limit:
+                if not self._dropped:
+                    log.warning(
+                        "kvstore saves are behind: %.0f MiB of KV waiting for the store (save_backlog_mib "
+                        "%.0f); new saves are dropped until it drains",
+                        self._pending / 2**20,
+                        self.limit / 2**20,
+                    )
+                self._dropped += 1
+                return False
+            if self._dropped:
+                log.info("kvstore saves caught up; %d saves were dropped meanwhile", self._dropped)
+                self._dropped = 0
+            self._pending += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending -= nbytes
+
+
 @dataclass
 class _Save:
     spec: SaveSpec
     stream: PutStream
     started: float
+    reserved: int = 0  # bytes held in the backlog (async saves)
     nbytes: int = 0
     layers: list[Future[None]] = field(default_factory=list)
 
@@ -99,6 +144,8 @@ class WorkerSide:
         self._streams: list[LayerStream] = []  # this step's Get/DropSelect calls
         self._errors_lock = threading.Lock()
         self._saves: list[_Save] = []
+        self._saves_opened = False  # this step's saves were opened (or skipped)
+        self.backlog = SaveBacklog(int(config.save_backlog_mib * 2**20))
         self._save_ids: torch.Tensor | None = None
         self._commits: list[Future[None]] = []
         self._loads_local = False  # last load read the daemon's files directly
@@ -285,10 +332,11 @@ class WorkerSide:
     def save_layer(self, meta: KVStoreConnectorMetadata, layer: str, kv_layer: torch.Tensor) -> None:
         if not meta.saves or self._mover is None or layer not in self._caches:
             return
-        if not self._saves:
+        if not self._saves_opened:  # the step's first layer: open its saves once
+            self._saves_opened = True
             self._open_saves(meta.saves)
-            if not self._saves:
-                return
+        if not self._saves:
+            return
         view = self._caches[layer]
         if self._save_ids is None:
             self._save_ids = self._mover.index([b for s in self._saves for b in s.spec.block_ids])
@@ -302,7 +350,14 @@ class WorkerSide:
     def _open_saves(self, specs: list[SaveSpec]) -> None:
         if not self.health.available():
             return
+        block_bytes = sum(s.block_bytes for s in self._specs)
         for spec in specs:
+            reserved = 0
+            if not self.save_sync:
+                reserved = len(spec.block_ids) * block_bytes
+                if not self.backlog.admit(reserved):
+                    self._add_stats(saves_dropped=1)
+                    continue
             stream = self.client.put_stream(
                 self.namespace,
                 spec.hashes,
@@ -310,7 +365,7 @@ class WorkerSide:
                 parent_hash=spec.parent_hash,
                 timeout=self.config.save_timeout,
             )
-            self._saves.append(_Save(spec, stream, time.perf_counter()))
+            self._saves.append(_Save(spec, stream, time.perf_counter(), reserved))
 
     def _send_layer(self, save: _Save, layer: str, copy: PendingCopy, offset: int, n: int) -> None:
         host = copy.wait()
@@ -321,6 +376,7 @@ class WorkerSide:
     def finish_step_saves(self) -> None:
         """Commit this step's saves; in sync mode, wait until the store has them."""
         saves, self._saves, self._save_ids = self._saves, [], None
+        self._saves_opened = False
         self._commits = [f for f in self._commits if not f.done()]
         for save in saves:
             self._commits.append(self._sender.submit(self._commit, save))
@@ -337,6 +393,8 @@ class WorkerSide:
             self._add_stats(save_errors=1)
             self.health.failed("save", exc)
             return
+        finally:
+            self.backlog.release(save.reserved)
         self.health.ok()
         self._add_stats(
             saves=1,

@@ -8,6 +8,8 @@ behaviour is proven on real vLLM in tests/e2e.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 from types import SimpleNamespace
 
@@ -174,11 +176,11 @@ def test_a_store_that_is_down_is_a_miss_with_one_warning(caplog: pytest.LogCaptu
 
 # ---- worker side
 def make_worker(
-    address: str, kv_first: bool = False, **kw: object
+    address: str, kv_first: bool = False, save_sync: bool = True, **kw: object
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     """A worker over zeroed caches; `kv_first` lays them out [2, blocks, ...] (non-contiguous
     block views: loads go through host tensors instead of straight into the pages)."""
-    worker = WorkerSide(NS, POOL, config(address, **kw), load=True, save=True, save_sync=True)
+    worker = WorkerSide(NS, POOL, config(address, **kw), load=True, save=True, save_sync=save_sync)
     if kv_first:
         raw = {name: torch.zeros((2, POOL, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
         worker.register_kv_caches(raw)
@@ -292,9 +294,6 @@ def test_a_corrupt_block_on_the_same_host_path_is_recomputed_and_dropped(daemon,
 
 
 def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
-    import os
-    import signal
-
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     store_blocks(daemon.address, hashes)
     worker, caches = make_worker(daemon.address, load_timeout=1.0, save_timeout=1.0)
@@ -309,4 +308,49 @@ def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
     assert errors == {1, 2, 3}
     stats = worker.take_stats()
     assert stats is not None and stats.data["load_errors"] == 3
+    worker.close()
+
+
+def test_a_stalled_store_bounds_the_async_save_backlog(daemon, caplog: pytest.LogCaptureFixture) -> None:
+    """While the store takes no saves, async saves hold their KV in host memory up to
+    save_backlog_mib; saves beyond it are dropped (counted, one warning), and saving
+    resumes once the backlog drains."""
+    hashes = block_hashes(INFO.hash_root, list(range(2000, 2000 + 10 * BS)), BS)
+    block_bytes = len(LAYERS) * 2 * BS * 128 * 2
+    worker, caches = make_worker(
+        daemon.address, save_sync=False, save_timeout=120.0, save_backlog_mib=4.5 * block_bytes / 2**20
+    )  # room for two saves of two blocks, not three
+    for name in LAYERS:
+        caches[name].copy_(torch.randn(caches[name].shape).to(torch.bfloat16))
+
+    def saving(i: int) -> KVStoreConnectorMetadata:  # request i: blocks 2i and 2i+1 of the chain
+        parent = hashes[2 * i - 1] if i else b""
+        return KVStoreConnectorMetadata(
+            saves=[SaveSpec(f"r{i}", hashes[2 * i : 2 * i + 2], [2 * i + 1, 2 * i + 2], parent)]
+        )
+
+    caplog.set_level(logging.INFO)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # alive and connected, taking nothing
+    try:
+        for i in range(4):
+            run_step(worker, saving(i), caches)  # never waits for the store
+        assert worker.backlog.pending == 4 * block_bytes  # saves 0 and 1; 2 and 3 dropped
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "saves are behind" in warnings[0], warnings
+    worker.wait_for_commits()
+    assert worker.backlog.pending == 0
+    run_step(worker, saving(4), caches)
+    worker.wait_for_commits()
+    assert "kvstore saves caught up; 2 saves were dropped meanwhile" in caplog.text
+    stats = worker.take_stats()
+    assert stats is not None
+    assert (stats.data["saves"], stats.data["saves_dropped"], stats.data["blocks_saved"]) == (3, 2, 6)
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(NS, hashes) == 4  # requests 0 and 1, then the gap
+        assert kv.lookup(NS, hashes[4:8]) == 0
+        assert kv.lookup(NS, hashes[8:]) == 2
+        stored = kv.select(NS, hashes[8:])[LAYERS[0]]
+        assert stored.view(torch.uint8).equal(caches[LAYERS[0]][9:11].view(torch.uint8))
     worker.close()

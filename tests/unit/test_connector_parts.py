@@ -35,6 +35,9 @@ def test_extra_config_maps_documented_keys() -> None:
         ({"kvstore_address": "nohostport"}, "HOST:PORT"),
         ({"local_reads": "on"}, "local_reads"),
         ({"local_data_dir": 7}, "local_data_dir"),
+        ({"save_backlog_mib": 0}, "save_backlog_mib"),
+        ({"save_backlog_mib": "1GiB"}, "save_backlog_mib"),
+        ({"save_backlog_mib": True}, "save_backlog_mib"),
     ],
 )
 def test_bad_extra_config_is_refused_with_its_name(extra: dict, message: str) -> None:
