@@ -12,11 +12,15 @@ from daemon import Daemon  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _vllm_sockets_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """vLLM engines (here and in their subprocesses) make their IPC sockets in the
-    session's temp dir, not /tmp, where a hundred would stay behind per run."""
+def _vllm_files_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """vLLM engines (here and in their subprocesses) make their IPC sockets, torch's
+    file stores and inductor's cache in the session's temp dir, not /tmp, where about
+    a hundred files and 300 MB would stay behind per run."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("vllm-ipc")))
+        tmp = tmp_path_factory.mktemp("tmp")
+        mp.setenv("TMPDIR", str(tmp))  # read by subprocesses' tempfile
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp / "inductor"))  # read when used, here too
         yield
 
 
