@@ -51,6 +51,8 @@ _KEYS = {
     "tls_key": "tls_key",
 }
 _MAX_MODEL_ID = 120
+# settings that must be positive numbers (besides the *_timeout ones, in seconds), and their unit
+_POSITIVE = {"retry_interval": "seconds", "save_backlog_mib": "MiB"}
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,12 @@ class ConnectorConfig:
         if self.save_mode not in (None, "sync", "async"):
             raise ValueError(f"save_mode must be 'sync' or 'async', not {self.save_mode!r}")
         for f in fields(self):
+            unit = "seconds" if f.name.endswith("timeout") else _POSITIVE.get(f.name)
             value = getattr(self, f.name)
-            if f.name.endswith("timeout") or f.name == "retry_interval":
-                if not isinstance(value, (int, float)) or not value > 0:
-                    raise ValueError(f"{f.name} must be a positive number of seconds, not {value!r}")
-        backlog = self.save_backlog_mib
-        if isinstance(backlog, bool) or not isinstance(backlog, (int, float)) or not backlog > 0:
-            raise ValueError(f"save_backlog_mib must be a positive number of MiB, not {backlog!r}")
+            if unit is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+            ):
+                raise ValueError(f"{f.name} must be a positive number of {unit}, not {value!r}")
         for name in ("consume", "tune_malloc", "local_reads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
