@@ -3,7 +3,7 @@
 Every request is checked before it reaches the store; every store error is
 translated to a status code here and nowhere else:
 
-    INVALID_ARGUMENT    malformed request (sizes, counts, dtypes, shapes, keys)
+    INVALID_ARGUMENT    malformed or undecodable request (sizes, counts, dtypes, shapes, keys)
     RESOURCE_EXHAUSTED  over a documented limit, or no room in the store
     DEADLINE_EXCEEDED   DropSelect waited its full time
     NOT_FOUND           Describe of a block that is not stored
@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from kvstore import wire
 from kvstore.host import pid_namespace
@@ -94,18 +95,41 @@ def translated(method: F) -> F:
     @functools.wraps(method)
     def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
-            return method(self, request, context)
+            return method(self, _decoded(request), context)
         except errors as exc:
             _abort_for(context, exc)
 
     @functools.wraps(method)
     def streaming(self: Servicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
-            yield from method(self, request, context)
+            yield from method(self, _decoded(request), context)
         except errors as exc:
             _abort_for(context, exc)
 
     return streaming if inspect.isgeneratorfunction(method) else unary  # type: ignore[return-value]
+
+
+def _decoded(request: Any) -> Any:
+    """The request, unless it did not decode (see `_decoder`): then INVALID_ARGUMENT."""
+    if isinstance(request, wire.Malformed):
+        raise InvalidRequest(request.reason)
+    return request
+
+
+def _decoder(message: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises. gRPC answers a deserializer's
+    exception (or None) with INTERNAL "Exception deserializing request!"; a
+    client's garbage is INVALID_ARGUMENT, so it becomes a Malformed value that
+    the `translated` method refuses. (Put streams decode through wire.decode_put_request.)"""
+    name = message.DESCRIPTOR.name
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return message.FromString(raw)
+        except DecodeError as exc:
+            return wire.Malformed(f"undecodable {name}: {exc}")
+
+    return decode
 
 
 # ---- validation ------------------------------------------------------------------
@@ -227,7 +251,7 @@ class Servicer:
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:
-        first = next(requests, None)
+        first = _decoded(next(requests, None))
         if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
             raise InvalidRequest("a Put stream must start with a header")
         header = first.header
@@ -527,27 +551,27 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     """Method handlers; Put, Get and DropSelect use the fast codec in kvstore.wire."""
     unary = grpc.unary_unary_rpc_method_handler
     handlers = {
-        "Lookup": unary(servicer.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString),
+        "Lookup": unary(servicer.Lookup, _decoder(pb.LookupRequest), pb.LookupResponse.SerializeToString),
         "Put": grpc.stream_unary_rpc_method_handler(
             servicer.Put, wire.decode_put_request, pb.PutResponse.SerializeToString
         ),
         "Get": grpc.unary_stream_rpc_method_handler(
-            servicer.Get, pb.GetRequest.FromString, wire.encode_get_response
+            servicer.Get, _decoder(pb.GetRequest), wire.encode_get_response
         ),
         "DropSelect": grpc.unary_stream_rpc_method_handler(
-            servicer.DropSelect, pb.DropSelectRequest.FromString, wire.encode_get_response
+            servicer.DropSelect, _decoder(pb.DropSelectRequest), wire.encode_get_response
         ),
-        "Evict": unary(servicer.Evict, pb.EvictRequest.FromString, pb.EvictResponse.SerializeToString),
-        "Stats": unary(servicer.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString),
-        "List": unary(servicer.List, pb.ListRequest.FromString, pb.ListResponse.SerializeToString),
+        "Evict": unary(servicer.Evict, _decoder(pb.EvictRequest), pb.EvictResponse.SerializeToString),
+        "Stats": unary(servicer.Stats, _decoder(pb.StatsRequest), pb.StatsResponse.SerializeToString),
+        "List": unary(servicer.List, _decoder(pb.ListRequest), pb.ListResponse.SerializeToString),
         "Describe": unary(
-            servicer.Describe, pb.DescribeRequest.FromString, pb.DescribeResponse.SerializeToString
+            servicer.Describe, _decoder(pb.DescribeRequest), pb.DescribeResponse.SerializeToString
         ),
         "Watch": grpc.unary_stream_rpc_method_handler(
-            servicer.Watch, pb.WatchRequest.FromString, pb.Event.SerializeToString
+            servicer.Watch, _decoder(pb.WatchRequest), pb.Event.SerializeToString
         ),
         "LocalAccess": unary(
-            servicer.LocalAccess, pb.LocalAccessRequest.FromString, pb.LocalAccessResponse.SerializeToString
+            servicer.LocalAccess, _decoder(pb.LocalAccessRequest), pb.LocalAccessResponse.SerializeToString
         ),
     }
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -14,6 +14,7 @@ from kvstore_client import KVStoreClient, LayerSpec, errors
 
 from .helpers import (
     NS,
+    SERVICE,
     assert_intact,
     chain,
     chunk,
@@ -300,4 +301,35 @@ def test_put_stream_closed_without_commit_is_put_aborted(daemon, kv: KVStoreClie
     with pytest.raises(errors.PutAborted):
         raise errors.from_rpc_error(info.value)
     assert kv.lookup(NS, H) == 0
+    assert_intact(kv, seeded)
+
+
+KVSTORE_METHODS = pb.DESCRIPTOR.services_by_name["KVStore"].methods
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"\xff\xff\xff", b"\x0a\xff\x01", b"\x12\x05ab"], ids=["varint", "len", "short"]
+)
+def test_undecodable_requests_are_invalid_argument_on_every_method(
+    daemon, kv: KVStoreClient, garbage: bytes
+) -> None:
+    """gRPC itself answers a deserializer that raises with INTERNAL; the daemon answers
+    INVALID_ARGUMENT with a message naming the message type, on every method."""
+    seeded = seed_store(kv, "undecodable")
+    with grpc.insecure_channel(daemon.address) as channel:
+        for method in KVSTORE_METHODS:
+            path = SERVICE + method.name
+            if method.client_streaming:
+                call = channel.stream_unary(path)
+                fn: Callable[[], object] = lambda call=call: call(iter([garbage]), timeout=10)  # noqa: E731
+            elif method.server_streaming:
+                call = channel.unary_stream(path)
+                fn = lambda call=call: list(call(garbage, timeout=10))  # noqa: E731
+            else:
+                call = channel.unary_unary(path)
+                fn = lambda call=call: call(garbage, timeout=10)  # noqa: E731
+            with pytest.raises(grpc.RpcError) as info:
+                fn()
+            assert info.value.code() == INVALID, (method.name, info.value.details())
+            assert method.input_type.name in info.value.details(), method.name
     assert_intact(kv, seeded)
