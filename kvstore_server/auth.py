@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,10 @@ else:  # pragma: no cover
 
 ROLES = ("reader", "writer", "admin")
 SERVICE_PREFIX = "/kvstore.v1.KVStore/"
-MAX_TENANT_BYTES = 64
+# Tenant names: letters, digits, '.', '_', '-'; never NUL, which ends the tenant in
+# a stored namespace (see tenant_prefix).
+TENANT_PATTERN = "[A-Za-z0-9._-]{1,64}"
+_TENANT_RE = re.compile(TENANT_PATTERN)
 
 # the least role each RPC needs
 METHOD_ROLES = {
@@ -93,8 +97,8 @@ class TokenTable:
             role, tenant = item.get("role"), item.get("tenant")
             if role not in ROLES:
                 raise ValueError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
-            if not isinstance(tenant, str) or not 0 < len(tenant.encode()) <= MAX_TENANT_BYTES:
-                raise ValueError(f"{where}: tenant must be a string of 1..{MAX_TENANT_BYTES} bytes")
+            if not isinstance(tenant, str) or _TENANT_RE.fullmatch(tenant) is None:
+                raise ValueError(f"{where}: tenant {tenant!r} must match {TENANT_PATTERN}")
             if ("token" in item) == ("token_sha256" in item):
                 raise ValueError(f"{where}: give exactly one of token, token_sha256")
             if "token" in item:
@@ -169,13 +173,21 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return continuation(details)
 
 
+def tenant_prefix(tenant: str) -> bytes:
+    """What the server puts before every namespace of `tenant`: `0x00 || T || 0x00`.
+
+    Unambiguous because tenant names never contain NUL (TENANT_PATTERN): the
+    second NUL of a stored namespace ends the tenant, so no (tenant, namespace)
+    pair stores as another's, whatever bytes the namespaces hold.
+    """
+    return b"\x00" + tenant.encode() + b"\x00"
+
+
 class Scope:
     """Maps client namespaces to stored ones and back, per caller.
 
-    Without auth it is the identity. With auth, tenant T's namespace N is
-    stored as `0x00 || T || 0x00 || N`: unreachable from any other tenant, and
-    from clients of a store that runs without auth (they cannot send 0x00-led
-    namespaces through a tenant).
+    Without auth it is the identity. With auth, tenant T's namespace N is stored
+    as `tenant_prefix(T) || N`: unreachable from any other tenant.
     """
 
     def __init__(self, tokens: TokenTable | None) -> None:
@@ -189,4 +201,4 @@ class Scope:
         if principal is None:  # the interceptor let it through: cannot happen
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
             raise RuntimeError("context.abort returned")  # it raises; this keeps type checkers honest
-        return b"\x00" + principal.tenant.encode() + b"\x00"
+        return tenant_prefix(principal.tenant)

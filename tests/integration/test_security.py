@@ -118,6 +118,25 @@ def test_health_stays_open_for_load_balancers(secured: Daemon) -> None:
         assert kv.health() == "SERVING"
 
 
+def test_a_token_file_with_a_tenant_name_outside_the_rule_is_refused_at_start(tmp_path: Path) -> None:
+    # tenants "a" and "a\0b": ("a", b"b\0ns") and ("a\0b", b"ns") would store as one namespace
+    path = tmp_path / "tokens.toml"
+    path.write_text(
+        '[[tokens]]\ntoken = "a-token-0123456789abcdef"\ntenant = "a"\nrole = "writer"\n\n'
+        '[[tokens]]\ntoken = "b-token-0123456789abcdef"\ntenant = "a\\u0000b"\nrole = "writer"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore_server", "--listen", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
+         "--token-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"{path}: tokens[1]: tenant 'a\\x00b' must match [A-Za-z0-9._-]{{1,64}}" in proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "d").exists()
+
+
 def test_tenants_never_see_each_others_blocks(secured: Daemon) -> None:
     data = layers(3)
     with (
