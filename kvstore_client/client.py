@@ -218,10 +218,15 @@ class PutStream:
     """An open Put: write each layer once (any order), then `commit()`.
 
     Nothing is visible on the store until commit returns. `abort()` (or leaving
-    a `with` block by an exception) cancels it and leaves nothing behind.
-    write_layer never waits for the network: the layer queues for gRPC's
-    sender, which reads the tensor's memory when it sends it, so a written
-    tensor must stay unmodified until commit() returns.
+    a `with` block by an exception) cancels it and leaves nothing behind; a
+    stream must end in one of the two. write_layer never waits for the network:
+    the layer queues for gRPC's sender, which reads the tensor's memory when it
+    sends it, so a written tensor must stay unmodified until commit() returns.
+
+    `timeout` bounds the store, never the writer: the stream fails with
+    StoreTimeout once the store has had data to take, or the commit to answer,
+    and made no progress for `timeout` seconds. A writer may take as long as it
+    likes between layers (a long forward pass) without the stream expiring.
     """
 
     def __init__(
@@ -234,26 +239,53 @@ class PutStream:
     ) -> None:
         self.layers = list(layers)
         self.num_blocks = num_blocks
+        self.timeout = timeout
         self._index = {spec.name: i for i, spec in enumerate(self.layers)}
         self._written: set[int] = set()
         self._chunk_bytes = client.chunk_bytes
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queue.put(pb.PutRequest(header=header))
-        self._future = client._put.future(self._requests(), timeout=timeout)
+        # When gRPC's sender last took a message: it takes the next one only once the
+        # transport accepted the previous, so an old stamp with messages waiting (or
+        # with the commit sent and no answer) is a store that stopped taking data.
+        self._progress = time.monotonic()
+        self._sent_all = False
+        # NOTE: no gRPC deadline: it would run through the writer's own time too.
+        self._future = client._put.future(self._requests())
         self._done = False
 
     def _requests(self) -> Iterator[Any]:
         # Runs on gRPC's sender: a chunk is encoded (its one copy) only when the
         # transport wants it, so a put's bytes are never all duplicated at once.
         while (item := self._queue.get()) is not _END:
+            self._progress = time.monotonic()
             if isinstance(item, tuple):
                 index, first, view = item
                 yield wire.encode_chunk(index, first, [view])
             else:
                 yield item
+        self._progress = time.monotonic()
+        self._sent_all = True
+
+    def _stalled_for(self) -> float:
+        """Seconds the store has had work and taken none of it; 0 while it is the writer's turn."""
+        if not self._sent_all and self._queue.empty():
+            return 0.0
+        return time.monotonic() - self._progress
+
+    def _check_progress(self) -> None:
+        stalled = self._stalled_for()
+        if stalled > self.timeout:
+            self.abort()
+            raise errors.StoreTimeout(
+                f"the store took no data of this put for {stalled:.1f}s (timeout {self.timeout:g}s)",
+                "DEADLINE_EXCEEDED",
+            )
 
     def write_layer(self, layer: str | int, tensor: torch.Tensor) -> None:
-        """Send one layer's [num_blocks, *shape] CPU tensor. Returns at once."""
+        """Send one layer's [num_blocks, *shape] CPU tensor. Returns at once.
+
+        Raises StoreTimeout (and aborts) when the store has stalled on this stream."""
         index = self._index[layer] if isinstance(layer, str) else layer
         spec = self.layers[index]
         if index in self._written:
@@ -263,6 +295,7 @@ class PutStream:
                 f"layer {spec.name!r}: expected {spec.dtype} {[self.num_blocks, *spec.shape]}, "
                 f"got {dtype_name(tensor.dtype)} {list(tensor.shape)}"
             )
+        self._check_progress()
         view = byte_view(tensor)
         per_block = spec.block_bytes
         per_chunk = max(1, self._chunk_bytes // per_block)
@@ -279,11 +312,18 @@ class PutStream:
             raise ValueError(f"commit without layers {missing[:4]}")
         self._queue.put(pb.PutRequest(commit=pb.PutCommit()))
         self._queue.put(_END)
+        while True:
+            try:
+                resp = self._future.result(timeout=max(0.0, self.timeout - self._stalled_for()) + 0.01)
+                break
+            except grpc.FutureTimeoutError:
+                self._check_progress()  # raises once the store is really stuck
+            except grpc.FutureCancelledError as exc:
+                raise errors.PutAborted("the put was aborted before its commit was answered") from exc
+            except grpc.RpcError as exc:
+                self._done = True
+                raise errors.from_rpc_error(exc) from exc
         self._done = True
-        try:
-            resp = self._future.result()
-        except grpc.RpcError as exc:
-            raise errors.from_rpc_error(exc) from exc
         return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
 
     def abort(self) -> None:
@@ -606,7 +646,10 @@ class KVStoreClient:
         parent_hash: bytes = b"",
         timeout: float | None = None,
     ) -> PutStream:
-        """Open a Put for `block_hashes`; write each layer with write_layer, then commit."""
+        """Open a Put for `block_hashes`; write each layer with write_layer, then commit.
+
+        `timeout` (default: the client's, at least 60 s) is how long the store may go
+        without taking this put's data or answering its commit; see PutStream."""
         if not layers:
             raise ValueError("a put needs at least one layer")
         header = pb.PutHeader(

@@ -7,7 +7,7 @@
         "save_mode": null,           # "sync" | "async"; default sync for kv_producer, async for kv_both
         "lookup_timeout_s": 0.5,     # scheduler's Lookup deadline; a slower store counts as a miss
         "load_timeout_s": 10,        # longest a layer may wait for its load before it is recomputed
-        "save_timeout_s": 10,        # deadline of one request's save (and of a sync step's wait)
+        "save_timeout_s": 10,        # how long the store may stall on a save (never counts compute)
         "save_backlog_mib": 2048,    # async saves' host copies not yet in the store; beyond: dropped
         "retry_interval_s": 2.0,     # after a failure, how long lookups are skipped (store deemed down)
         "tune_malloc": true,         # keep large buffers in glibc's heap (see kvstore.memory)
@@ -70,6 +70,9 @@ class ConnectorConfig:
     lookup_timeout: float = 0.5
     load_timeout: float = 10.0
     save_timeout: float = 10.0
+    """How long the store may go without taking a save's data, or answering its commit
+    once the last layer is handed over. Never counts the engine's own time: a forward
+    pass of any length stores its blocks (see kvstore_client.PutStream)."""
     retry_interval: float = 2.0
     save_backlog_mib: float = 2048
     """Async saves: host memory their gathered KV may hold while it waits to reach the

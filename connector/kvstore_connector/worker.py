@@ -404,14 +404,11 @@ class WorkerSide:
         )
 
     def wait_for_commits(self) -> None:
+        """Wait until this worker's saves are committed or failed. Each is bounded by the
+        store's progress (see PutStream), never by how long the engine computed."""
         commits, self._commits = self._commits, []
-        deadline = time.monotonic() + self.config.save_timeout
         for future in commits:
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeout:
-                log.warning("kvstore saves did not finish within %.0fs; continuing", self.config.save_timeout)
-                return
+            future.result()
 
     def close(self) -> None:
         self.wait_for_commits()

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -308,6 +309,61 @@ def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
     assert errors == {1, 2, 3}
     stats = worker.take_stats()
     assert stats is not None and stats.data["load_errors"] == 3
+    worker.close()
+
+
+@pytest.mark.parametrize("save_sync", [True, False], ids=["sync", "async"])
+def test_a_forward_pass_longer_than_save_timeout_still_stores_every_block(
+    daemon, save_sync: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """save_timeout_s bounds the store, never the engine: a prefill whose layers take
+    several save timeouts to compute (a long prompt on a slow CPU) stores all its blocks,
+    logs nothing and leaves the store in service."""
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:6]
+    worker, caches = make_worker(daemon.address, save_sync=save_sync, save_timeout=0.3)
+    for name in LAYERS:
+        caches[name].copy_(torch.randn(caches[name].shape).to(torch.bfloat16))
+    meta = KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [1, 2, 3, 4, 5, 6], b"")])
+    caplog.set_level(logging.INFO)
+    worker.start_load(meta)
+    started = time.monotonic()
+    for name in LAYERS:
+        time.sleep(0.6)  # this layer's compute: twice the save timeout, 4x over the pass
+        worker.save_layer(meta, name, caches[name])
+    worker.finish_step_saves()
+    worker.wait_for_commits()
+    assert time.monotonic() - started > 4 * 0.3
+    stats = worker.take_stats()
+    assert stats is not None and (stats.data["blocks_saved"], stats.data["save_errors"]) == (6, 0)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert worker.health.available()
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(NS, hashes) == 6
+        got = kv.select(NS, hashes)[LAYERS[1]]
+        assert got.view(torch.uint8).equal(caches[LAYERS[1]][1:7].view(torch.uint8))
+    worker.close()
+
+
+def test_a_save_the_store_refuses_is_logged_and_leaves_the_store_in_service(
+    make_daemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save that fails for a reason of its own (here: larger than the daemon's
+    max_put_bytes) says what happened, once, and lookups and saves carry on."""
+    block_bytes = len(LAYERS) * 2 * BS * 128 * 2
+    daemon = make_daemon(extra_args=["--max-put-bytes", str(3 * block_bytes)])
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:6]
+    worker, caches = make_worker(daemon.address)
+    caplog.set_level(logging.INFO)
+    too_big = KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes[:4], [1, 2, 3, 4], b"")])
+    for _ in range(2):
+        run_step(worker, too_big, caches)
+    refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(refusals) == 1 and "CapacityExceeded" in refusals[0] and "max_put_bytes" in refusals[0]
+    assert "stays in use" in refusals[0]
+    assert worker.health.available()
+    run_step(worker, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes[:2], [1, 2], b"")]), caches)
+    stats = worker.take_stats()
+    assert stats is not None and (stats.data["save_errors"], stats.data["blocks_saved"]) == (2, 2)
     worker.close()
 
 

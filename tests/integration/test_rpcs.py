@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from concurrent.futures import Future
 
@@ -69,6 +71,34 @@ def test_put_waits_for_commit_and_insert_returns_a_future(kv: KVStoreClient) -> 
     assert future.result(timeout=30) == PutResult(4, 0, 4 * size, 0)
     assert kv.lookup(NS, more) == 4
     assert_same(kv.select(NS, more), more_layers)
+
+
+def test_a_put_stream_timeout_counts_the_store_not_the_writer(daemon, kv: KVStoreClient) -> None:
+    """The writer may take several timeouts between layers (a long forward pass);
+    a store that stops taking data fails the stream with StoreTimeout, then stores nothing."""
+    hashes = chain("slow-writer", 2)
+    layers = make_layers(2, num_layers=2)
+    specs = [LayerSpec.of(name, t) for name, t in layers.items()]
+    stream = kv.put_stream(NS, hashes, specs, timeout=0.2)
+    for name, tensor in layers.items():
+        time.sleep(0.5)  # the writer's own work, 2.5x the timeout each time
+        stream.write_layer(name, tensor)
+    assert stream.commit().blocks_written == 2
+
+    big = make_layers(4, num_layers=4, shape=(256, 1024))  # 2 MiB a layer: more than gRPC's windows
+    stalled = kv.put_stream(
+        NS, chain("stalled", 4), [LayerSpec.of(n, t) for n, t in big.items()], timeout=0.5
+    )
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # connected, taking nothing
+    try:
+        with pytest.raises(errors.StoreTimeout, match="took no data"):
+            for name, tensor in big.items():
+                stalled.write_layer(name, tensor)
+            stalled.commit()
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert kv.lookup(NS, chain("stalled", 4)) == 0
+    assert_same(kv.select(NS, hashes), layers)
 
 
 def test_reput_reports_skipped_blocks_and_keeps_the_first_data(kv: KVStoreClient) -> None:
