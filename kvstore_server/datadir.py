@@ -6,10 +6,16 @@ survive any process crash (SIGKILL, OOM), but an OS crash or power loss can
 lose or tear the newest writes. So when the last run did not stop cleanly
 *and* the machine has rebooted since, the store cannot vouch for its files: it
 moves them aside and starts empty (a cache may forget; it must not lie).
+
+A full filesystem must not stop the daemon from starting or stopping cleanly:
+the small records here (STATE, STORE_ID) are replaced atomically when there is
+room, and overwritten in place when there is not (an existing file's block
+needs no new space), so their records have a fixed length.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -17,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from kvstore_server.storage import BACKEND_DIRS
+from kvstore_server.storage import BACKEND_DIRS, NO_SPACE
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +31,53 @@ _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 STORE_ID_FILE = "STORE_ID"
+# STATE records are padded to this length, so one can overwrite another in place.
+_STATE_BYTES = 256
+
+
+def write_record(path: Path, data: bytes, *, sync: bool) -> None:
+    """Replace the small file `path` by `data`: atomically (a temporary file renamed
+    over it) when the filesystem has room, else in place, which needs no new block.
+    Callers keep `data` the same length as what it overwrites."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write_file(tmp, data, os.O_CREAT | os.O_TRUNC, sync=sync)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if exc.errno not in NO_SPACE or not path.exists():
+            raise
+        log.warning("%s: the filesystem is full; overwriting %s in place", exc.strerror, path.name)
+        _write_file(path, data, 0, sync=sync)
+        return
+    if sync:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_file(path: Path, data: bytes, flags: int, *, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | flags, 0o644)
+    try:
+        if os.pwrite(fd, data, 0) != len(data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        os.ftruncate(fd, len(data))  # shrinking never needs space
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def publish_store_id(path: Path, store_id: str | None) -> None:
     """Write this run's store_id where same-host clients look for it (see LocalAccess);
-    None withdraws it, so clients of an earlier run that offered local reads stop."""
+    None withdraws it, so clients of an earlier run that offered local reads stop.
+    Ids have a fixed length (32 hex digits), so a full filesystem overwrites in place."""
     if store_id is None:
         (path / STORE_ID_FILE).unlink(missing_ok=True)
         return
-    tmp = path / (STORE_ID_FILE + ".tmp")
-    tmp.write_text(store_id)
-    os.replace(tmp, path / STORE_ID_FILE)
+    write_record(path / STORE_ID_FILE, store_id.encode(), sync=False)
 
 
 class DataDirInUse(RuntimeError):
@@ -91,11 +133,12 @@ class DataDir:
         )
 
     def _write_state(self, *, clean: bool, sync: bool) -> None:
-        tmp = self.path / "STATE.tmp"
-        tmp.write_text(json.dumps({"clean": clean, "boot_id": _boot_id(), "sync": sync, "pid": os.getpid()}))
-        os.replace(tmp, self.path / "STATE")
+        doc = json.dumps({"clean": clean, "boot_id": _boot_id(), "sync": sync, "pid": os.getpid()})
+        write_record(self.path / "STATE", doc.ljust(_STATE_BYTES).encode(), sync=sync)
 
-    def close(self, *, sync: bool) -> None:
-        """Record a clean stop (after the backend is closed) and release the lock."""
-        self._write_state(clean=True, sync=sync)
-        os.close(self._lock_fd)
+    def close(self, *, sync: bool, clean: bool = True) -> None:
+        """Record the stop (clean: after the backend is closed) and release the lock."""
+        try:
+            self._write_state(clean=clean, sync=sync)
+        finally:
+            os.close(self._lock_fd)

@@ -21,6 +21,24 @@ def make_room(index: PrefixIndex, incoming: int, capacity: int, protect: set[Blo
     return down_to(index, capacity - incoming, protect)
 
 
+def evictable_bytes(index: PrefixIndex, protect: set[BlockKey]) -> int:
+    """Bytes that evicting with `protect` could free: all but the protected blocks and
+    their ancestors (a block with a protected descendant never becomes a tail)."""
+    kept = 0
+    seen: set[BlockKey] = set()
+    for key in protect:
+        while key not in seen:
+            seen.add(key)
+            entry = index.get(*key)
+            if entry is None:
+                break
+            kept += entry.size
+            if not entry.parent:
+                break
+            key = (key[0], entry.parent)
+    return index.bytes_used - kept
+
+
 def down_to(index: PrefixIndex, target: int, protect: set[BlockKey] | None = None) -> list[BlockKey]:
     """Evict tails until at most `target` bytes are used (or nothing evictable is left)."""
     victims: list[BlockKey] = []

@@ -38,7 +38,7 @@ from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
-from kvstore_server.storage import open_backend
+from kvstore_server.storage import StorageError, open_backend
 from kvstore_server.store import Store
 
 log = logging.getLogger("kvstore_server")
@@ -191,10 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     except DataDirInUse as exc:
         log.error("%s", exc)
         return 1
-    store = Store(
-        open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync),
-        config.capacity,
-    )
+    except OSError as exc:
+        log.error("cannot use the data directory %s: %s", config.data_dir, exc)
+        return 1
+    try:
+        store = Store(
+            open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync),
+            config.capacity,
+        )
+    except (OSError, StorageError) as exc:
+        log.error("cannot open the %s backend in %s: %s", config.backend, config.data_dir, exc)
+        datadir.close(sync=config.sync, clean=False)
+        return 1
     # NOTE: block the stop signals before gRPC starts its threads, so they all
     # inherit the mask and the main thread alone takes the signals, in sigwait
     # below; a Python handler never runs if a C thread received the signal.

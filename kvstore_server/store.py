@@ -119,6 +119,7 @@ class Store:
         self._draining = False  # DropSelect waiters give up
         self._closed = False  # no more writes
         self._listeners: list[Listener] = []
+        self._eviction_helps = True  # see _write
         for meta in backend.scan():
             self._index.add(
                 meta.namespace,
@@ -132,7 +133,7 @@ class Store:
         if self._index.bytes_used > capacity_bytes:
             with self._commit_lock, self._lock:
                 victims = eviction.down_to(self._index, capacity_bytes)
-            backend.delete(victims)
+            self._reconcile(victims)
             log.info("evicted %d blocks to fit the configured capacity", len(victims))
         log.info(
             "loaded %d blocks (%d bytes) in %d namespaces from the %s backend",
@@ -244,32 +245,60 @@ class Store:
     def _write(
         self, writes: list[BlockWrite], victims: list[BlockKey], protect: set[BlockKey]
     ) -> list[BlockKey]:
-        """Write and delete `victims`; return what else had to be evicted."""
+        """Write and delete `victims`; return what else had to be evicted.
+
+        When the backend is full below the byte budget (the filesystem, or LMDB's
+        map), eviction gets one chance: as many more bytes as the put brings (and
+        one block), and only if that much is evictable. If the write still fails, eviction evidently
+        does not help (another process holds the space, a reader pins LMDB's pages):
+        later full writes fail at once, without evicting, until a write succeeds.
+        So a full disk never empties the store for puts that fail.
+        """
         try:
             self.backend.write(writes, victims)
+            self._eviction_helps = True
             return []
-        except StorageFullError:
-            log.warning("backend full below the byte budget; evicting 10% more and retrying once")
+        except StorageFullError as exc:
+            full = exc
         except StorageError:
             self._reconcile(victims)
             raise
+        incoming = sum(w.meta.size for w in writes)
         with self._lock:
-            # not the chain being written: its new blocks would hang below nothing
-            extra = eviction.down_to(self._index, int(self._index.bytes_used * 0.9), protect)
-            self._emit_removed(extra)
-            self.counters.evictions += len(extra)
+            if not self._eviction_helps:
+                reason = "the last eviction for room did not help; none is tried until a put succeeds"
+            elif eviction.evictable_bytes(self._index, protect) < incoming:
+                reason = f"evicting everything evictable would not free the {incoming} bytes it needs"
+            else:
+                reason = ""
+                # NOTE: one block more than the put brings: LMDB stores a block in
+                # contiguous pages, and the put's own small allocations split one
+                # freed run; the disk backend just frees a little more than it needs.
+                need = incoming + max(w.meta.size for w in writes)
+                extra = eviction.down_to(self._index, self._index.bytes_used - need, protect)
+                self._emit_removed(extra)
+                self.counters.evictions += len(extra)
+        if reason:
+            self._reconcile(victims)
+            raise CapacityError(f"no room for this put ({full}); {reason}") from full
+        log.warning("%s; evicted %d more blocks to make room for a put", full, len(extra))
         try:
             self.backend.write(writes, victims + extra)
             return extra
         except StorageFullError as exc:
+            self._eviction_helps = False
             self._reconcile(victims + extra)
-            raise CapacityError(f"storage is full: {exc}") from exc
+            log.warning("no room after evicting %d blocks: full puts fail without eviction now", len(extra))
+            raise CapacityError(f"no room for this put after evicting {len(extra)} blocks: {exc}") from exc
         except StorageError:
             self._reconcile(victims + extra)
             raise
 
     def _reconcile(self, victims: list[BlockKey]) -> None:
-        # The index already dropped the victims; make the backend agree.
+        """Delete from the backend what the index already dropped. A backend that cannot
+        (a failing disk) is logged: the blocks are not served, and return at restart."""
+        if not victims:
+            return
         try:
             self.backend.delete(victims)
         except StorageError as exc:
@@ -306,7 +335,7 @@ class Store:
                         self._emit_removed(keys)
                     blocks = stack.enter_context(self.backend.read(keys))
                     # The read snapshot keeps the bytes readable after this delete.
-                    self.backend.delete(keys)
+                    self._reconcile(keys)
                 break
             result = self._verified_prefix(blocks, keys, remove_bad=False)
             yield result
@@ -365,7 +394,7 @@ class Store:
                 if self._index.remove(*key) is not None:
                     self._emit_removed([key])
             # deleting inside a read snapshot is safe: the snapshot keeps its pages
-            self.backend.delete([key])
+            self._reconcile([key])
 
     def _count_read(self, result: ReadResult) -> None:
         with self._lock:
@@ -381,7 +410,7 @@ class Store:
                 freed = before - self._index.bytes_used
                 self._emit_removed(victims)
                 self.counters.evictions += len(victims)
-            self.backend.delete(victims)
+            self._reconcile(victims)
         if victims:
             log.info("evicted %d blocks (%d bytes) on request", len(victims), freed)
         return len(victims), freed

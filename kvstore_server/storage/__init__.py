@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstore_server.storage.base import (
+    NO_SPACE,
     Backend,
     BlockKey,
     BlockMeta,
@@ -17,6 +18,7 @@ from kvstore_server.storage.base import (
 )
 
 __all__ = [
+    "NO_SPACE",
     "BACKENDS",
     "BACKEND_DIRS",
     "Backend",

@@ -17,6 +17,7 @@ threads, never from an event loop.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from abc import ABC, abstractmethod
@@ -29,6 +30,10 @@ import xxhash
 
 BlockKey = tuple[bytes, bytes]
 """(namespace, 32-byte block hash)."""
+
+
+# What a filesystem says when it has no room (quota included).
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class StorageError(Exception):

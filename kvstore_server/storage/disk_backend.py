@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kvstore.wire import DTYPES
 from kvstore_server.storage.base import (
+    NO_SPACE,
     Backend,
     BlockKey,
     BlockMeta,
@@ -107,23 +108,30 @@ class DiskBackend(Backend):
                     log.warning("skipping unreadable block file %s: %s", path, exc)
 
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        """Delete, then write each block to a temporary name and rename it into place.
+        If one fails, the blocks this call already placed are removed again: a failed
+        write leaves no file behind to hold space the index does not count."""
         if self._readonly:
             raise StorageError("this disk backend was opened read-only")
         for namespace, block_hash in deletes:
             self._path(namespace, block_hash).unlink(missing_ok=True)
         dirs: set[Path] = set()
+        placed: list[Path] = []
         for block in puts:
             path = self._path(block.meta.namespace, block.meta.block_hash)
-            path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
             try:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 self._write_file(tmp, [_header(block.meta), *block.layers])
                 os.replace(tmp, path)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
-                if exc.errno in (28, 122):  # ENOSPC, EDQUOT
+                for done in placed:
+                    done.unlink(missing_ok=True)
+                if exc.errno in NO_SPACE:
                     raise StorageFullError(f"no space for {path}: {exc}") from exc
                 raise StorageError(f"writing {path} failed: {exc}") from exc
+            placed.append(path)
             dirs.add(path.parent)
         if self._sync:
             for directory in dirs:

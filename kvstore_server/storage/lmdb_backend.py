@@ -6,11 +6,22 @@ after any crash. Keys are `len(ns) (2 bytes) || ns || hash`.
 
 NOTE: writemap stays off. With MDB_WRITEMAP a full filesystem turns into a
 SIGBUS inside the daemon instead of an error we can answer with.
+
+A full filesystem: LMDB reports it as a failed commit (EIO after a short
+write, or ENOSPC), which is told apart from a failing disk by the free space
+left. Freed pages are reused, so deletions make room; but a deletion needs a
+few new pages itself (copied B-tree pages, the free list), and a packed file on
+a full filesystem has none. So the backend keeps a headroom file of reserved
+space beside the environment and gives it up to let deletions commit, then
+takes back what is left. The lock file, which readers write through a shared
+mapping, is allocated up front: touching an unallocated page of it on a full
+tmpfs would be a SIGBUS.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +29,7 @@ from pathlib import Path
 import lmdb
 
 from kvstore_server.storage.base import (
+    NO_SPACE,
     Backend,
     BlockKey,
     BlockMeta,
@@ -40,6 +52,12 @@ _MAP_MIN_BYTES = 1 << 30
 _BUMP_KEY = b"\x00\x00"
 # Same-host clients (kvstore_client.local) take reader slots too: one per read in flight.
 _MAX_READERS = 1024
+# Reserved space for deletions on a full filesystem: each deleted page costs 8 bytes of
+# free list, so a batch of _DELETE_BATCH blocks of up to 8 MiB needs well under this.
+_HEADROOM_BYTES = 8 << 20
+_DELETE_BATCH = 256
+# A failed commit with less free space than it wanted to write, plus this, is a full disk.
+_FULL_SLACK = 1 << 20
 
 
 @contextmanager
@@ -71,18 +89,25 @@ class LmdbBackend(Backend):
         path.mkdir(parents=True, exist_ok=True)
         map_size = max(_MAP_MIN_BYTES, capacity_bytes * _MAP_OVERHEAD_FACTOR)
         self._readonly = False
-        self._env = lmdb.open(
-            str(path),
-            map_size=map_size,
-            max_dbs=2,
-            sync=sync,
-            metasync=sync,
-            readahead=False,
-            max_readers=_MAX_READERS,
-        )
-        self._clear_stale_readers()
-        self._meta = self._env.open_db(b"meta")
-        self._data = self._env.open_db(b"data")
+        try:
+            self._env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                max_dbs=2,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                max_readers=_MAX_READERS,
+            )
+            self._clear_stale_readers()
+            self._meta = self._env.open_db(b"meta")
+            self._data = self._env.open_db(b"data")
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open {path}: {type(exc).__name__}: {exc}") from exc
+        self._path = path
+        _allocate(path / "lock.mdb")
+        self._headroom = Headroom(path / "headroom", _HEADROOM_BYTES)
+        self._headroom.fill()
 
     @classmethod
     def reader(cls, path: Path) -> LmdbBackend:
@@ -126,23 +151,56 @@ class LmdbBackend(Backend):
         if self._readonly:
             raise StorageError("this LMDB environment was opened read-only")
         try:
+            if not puts:
+                self._delete(deletes)
+                return
             try:
                 self._commit(puts, deletes)
-            except lmdb.MapFullError:
-                if not puts:
+                return
+            except lmdb.Error as exc:
+                if not self._full(exc, puts):
                     raise
-                self._clear_stale_readers()
-                # LMDB reuses the pages a transaction frees only two commits later,
-                # and a failed write commits nothing: a store whose puts keep failing
-                # would never get its freed room back. Commit the deletions, then one
-                # more transaction, and retry the puts once (each block stays atomic).
-                self._commit((), deletes)
-                self._commit((), (), bump=True)
-                self._commit(puts, ())
-        except lmdb.MapFullError as exc:
-            raise StorageFullError(f"LMDB map is full: {exc}") from exc
+            self._clear_stale_readers()
+            # LMDB reuses the pages a transaction frees only two commits later,
+            # and a failed write commits nothing: a store whose puts keep failing
+            # would never get its freed room back. Commit the deletions, then one
+            # more transaction, and retry the puts once (each block stays atomic).
+            self._delete(deletes, bump=True)
+            self._commit(puts, ())
         except lmdb.Error as exc:
+            if isinstance(exc, lmdb.MapFullError):
+                raise StorageFullError(f"LMDB map is full: {exc}") from exc
+            if self._full(exc, puts):
+                raise StorageFullError(f"the filesystem of {self._path} is full ({exc})") from exc
             raise StorageError(f"LMDB write failed: {exc}") from exc
+
+    def _full(self, exc: lmdb.Error, puts: Sequence[BlockWrite]) -> bool:
+        """Whether a failed commit ran out of room (the map, or the filesystem)."""
+        if isinstance(exc, lmdb.MapFullError):
+            return True
+        wanted = sum(block.meta.size for block in puts) + _FULL_SLACK
+        try:
+            return _free_bytes(self._path) < wanted
+        except OSError:
+            return False
+
+    def _delete(self, keys: Sequence[BlockKey], *, bump: bool = False) -> None:
+        """Commit deletions in batches (each bounds the free-list record it writes); with
+        `bump`, one more commit after them, so a put can reuse what they freed. On a full
+        filesystem the headroom is given up to let them commit, then refilled."""
+        batches = [keys[i : i + _DELETE_BATCH] for i in range(0, len(keys), _DELETE_BATCH)]
+        released = False
+        for batch in [*batches, None] if bump else batches:
+            try:
+                self._commit((), batch or (), bump=batch is None)
+            except lmdb.Error as exc:
+                if released or not self._full(exc, ()) or not self._headroom.release():
+                    raise
+                released = True
+                log.warning("the filesystem of %s is full: deletions commit in the headroom", self._path)
+                self._commit((), batch or (), bump=batch is None)
+        if released:
+            self._headroom.fill()
 
     def _commit(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey], bump: bool = False) -> None:
         with self._env.begin(write=True) as txn:
@@ -195,3 +253,65 @@ class LmdbBackend(Backend):
 
     def close(self) -> None:
         self._env.close()
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _allocate(path: Path) -> None:
+    """Give `path`'s holes real blocks (its bytes stay as they are)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        log.warning("could not allocate %s (%s): on a full tmpfs, readers may crash", path, exc)
+
+
+class Headroom:
+    """A file of reserved filesystem space, given up so that deletions can commit on a
+    full filesystem. `fill` takes up to `size` bytes, less when less is free."""
+
+    _MIN_BYTES = 64 << 10
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = path
+        self.size = size
+
+    def held(self) -> int:
+        try:
+            return os.stat(self.path).st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def fill(self) -> None:
+        want = self.size
+        while want >= self._MIN_BYTES and self.held() < want:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, want)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    log.warning("cannot reserve headroom in %s: %s", self.path, exc)
+                    return
+                want //= 2
+        if self.held() < self.size:
+            log.warning(
+                "only %d of %d bytes of headroom reserved in %s: the filesystem is nearly full",
+                self.held(),
+                self.size,
+                self.path,
+            )
+
+    def release(self) -> bool:
+        """Free the reserved space; False when there was none to free."""
+        had = self.held()
+        self.path.unlink(missing_ok=True)
+        return had > 0

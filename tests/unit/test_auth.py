@@ -6,7 +6,6 @@ import hashlib
 from pathlib import Path
 
 import pytest
-
 from hypothesis import given
 from hypothesis import strategies as st
 

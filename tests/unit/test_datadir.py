@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from kvstore_server.datadir import DataDir, DataDirInUse, _boot_id
+from kvstore_server.datadir import DataDir, DataDirInUse, _boot_id, publish_store_id
 
 
 def populate(path: Path) -> None:
@@ -128,3 +129,28 @@ def test_unreadable_state_counts_as_unclean(tmp_path: Path) -> None:
 def test_boot_id_is_stable() -> None:
     assert _boot_id() == _boot_id()
     assert _boot_id()
+
+
+def test_a_full_filesystem_overwrites_state_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No room for the temporary file (ENOSPC): STATE is rewritten in place, which needs
+    no new block, so the daemon can start and stop on a full disk. (The chaos suite
+    does this on a real full tmpfs.)"""
+    datadir = DataDir(tmp_path, sync=False)
+    publish_store_id(tmp_path, "b" * 32)
+    real_open = os.open
+
+    def no_new_files(path, flags, mode=0o777):  # what a full filesystem does to a new file
+        if str(path).endswith(".tmp") and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", no_new_files)
+    datadir.close(sync=False)
+    assert state(tmp_path)["clean"] is True
+    again = DataDir(tmp_path, sync=False)
+    assert state(tmp_path)["clean"] is False
+    publish_store_id(tmp_path, "a" * 32)
+    monkeypatch.undo()
+    again.close(sync=False)
+    assert (tmp_path / "STORE_ID").read_text() == "a" * 32
+    assert not list(tmp_path.glob("*.tmp"))

@@ -266,6 +266,55 @@ def test_extra_eviction_on_a_full_backend_spares_the_chain_being_extended(tiny_l
         store.close()
 
 
+def fill_map(backend: lmdb_backend.LmdbBackend, tag: str, *, chained: bool = False) -> list[bytes]:
+    """Write 16 KiB blocks until the map is full; their hashes (a chain with `chained`)."""
+    written: list[bytes] = []
+    with pytest.raises(StorageFullError):
+        for i, x in enumerate(chain(tag, 100)):
+            parent = written[-1] if chained and written else b""
+            backend.write([make_write(NS, x, parent=parent, layers=BIG, created_at=100.0 + i)])
+            written.append(x)
+    return written
+
+
+def test_when_eviction_does_not_make_room_a_burst_of_full_puts_evicts_once(tiny_lmdb) -> None:
+    """A reader that pins the map's old pages (a same-host client's long read) means
+    freed pages are not reused: the first full put evicts one put's worth (and a block),
+    finds it did not help, and every later full put fails at once without evicting."""
+    backend = tiny_lmdb()
+    fill_map(backend, "fill")
+    store = Store(backend, 1 << 30)  # the byte budget is far away: only the map is full
+    pin = backend._env.begin()  # a reader holding the current snapshot
+    try:
+        before = store.stats()["blocks"]
+        for i in range(17):
+            x = h(f"new-{i}")
+            with pytest.raises(CapacityError, match="no room"):
+                store.put(NS, b"", [x], BIG, block_data([x], BIG))
+        assert before - store.stats()["blocks"] == 2  # the put's 16 KiB, plus one block
+        assert store.stats()["evictions"] == 2
+    finally:
+        pin.abort()
+    x = h("after")
+    assert store.put(NS, b"", [x], BIG, block_data([x], BIG)).blocks_written == 1
+    assert sorted(m.block_hash for m in store.backend.scan()) == sorted(k[1] for k in store._index.keys())
+    store.close()
+
+
+def test_a_full_backend_evicts_nothing_when_nothing_evictable_would_make_room(tiny_lmdb) -> None:
+    backend = tiny_lmdb()
+    stored = fill_map(backend, "one-chain", chained=True)
+    store = Store(backend, 1 << 30)
+    try:
+        child = h("child")  # extends the chain: every stored block is its ancestor
+        with pytest.raises(CapacityError, match="would not free"):
+            store.put(NS, stored[-1], [child], BIG, block_data([child], BIG))
+        assert store.stats()["evictions"] == 0
+        assert store.lookup(NS, stored) == len(stored)
+    finally:
+        store.close()
+
+
 # ---- read integrity -----------------------------------------------------------------------
 def test_corrupt_block_ends_the_prefix(store: Store, backend_kind: str, tmp_path: Path) -> None:
     a = chain("a", 4)
