@@ -6,6 +6,10 @@ freed heap tops go back to the kernel, so each transfer pays one page fault per
 4 KiB touched: on a VM that is most of the CPU time of a put or a get
 (measured: ~185k faults per GB). Keeping such buffers in the heap removes that
 cost at the price of up to `trim_bytes` of freed memory staying resident.
+
+A long-running daemon also bounds what that costs: few arenas (each thread that
+allocates may otherwise get an arena of its own, whose freed memory no other
+thread reuses), and the heap handed back to the kernel once it is idle.
 """
 
 from __future__ import annotations
@@ -19,6 +23,20 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+_MADV_DONTNEED = 4
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
 
 
 def tune_malloc(mmap_threshold: int = 32 << 20, trim_bytes: int = 1 << 30) -> bool:
@@ -27,17 +45,33 @@ def tune_malloc(mmap_threshold: int = 32 << 20, trim_bytes: int = 1 << 30) -> bo
     Both are set together (setting one alone disables glibc's adaptive
     threshold and is worse than neither). Returns False where there is no glibc.
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)  # musl and others have none
+    if mallopt is None:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, trim_bytes) == 1
     if ok:
         log.debug("malloc tuned: mmap threshold %d, trim threshold %d", mmap_threshold, trim_bytes)
     return ok
+
+
+def limit_arenas(count: int) -> bool:
+    """At most `count` malloc arenas; call before threads start allocating."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    return mallopt is not None and mallopt(_M_ARENA_MAX, count) == 1
+
+
+def trim_heap() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim)."""
+    malloc_trim = getattr(_libc(), "malloc_trim", None)
+    return malloc_trim is not None and malloc_trim(0) == 1
+
+
+def drop_mapped_pages(address: int, length: int) -> bool:
+    """Unmap the pages of a read-only file mapping from this process (MADV_DONTNEED):
+    they stay in the page cache and are mapped again when touched."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None or not address or not length:
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(address, length, _MADV_DONTNEED) == 0

@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import wire
-from kvstore.memory import tune_malloc
+from kvstore.memory import limit_arenas, tune_malloc
 from kvstore.v1 import kvstore_pb2
 from kvstore_server import __version__
 from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
@@ -44,6 +44,7 @@ from kvstore_server.store import Store
 log = logging.getLogger("kvstore_server")
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_MALLOC_ARENAS = 2
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Running:
     events: EventLog | None = None
     # None unless config.metrics_port is set; serving them over HTTP is main()'s job
     metrics: Metrics | None = None
+    servicer: Servicer | None = None
 
 
 def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None = None) -> Running:
@@ -78,6 +80,12 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            # NOTE: no BDP probing. It grows each stream's flow-control window to
+            # megabytes, and gRPC buffers that much of every incoming Put before the
+            # daemon reads it (measured: 40 concurrent Puts held ~300 MiB beyond
+            # max_inflight_put_bytes). Without it a stream buffers about the message
+            # being read, which still keeps a stream of 4 MiB messages at full speed.
+            ("grpc.http2.bdp_probe", 0),
         ],
     )
     servicer = Servicer(store, config, Scope(tokens))
@@ -108,7 +116,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         raise OSError(f"could not bind {config.listen}")
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return Running(server, port, health_servicer, store, servicer.events, metrics)
+    return Running(server, port, health_servicer, store, servicer.events, metrics, servicer)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     tune_malloc()
+    # Before gRPC starts its threads: one arena per allocating thread would keep each
+    # thread's freed buffers out of the others' reach (see kvstore.memory).
+    limit_arenas(_MALLOC_ARENAS)
     try:
         datadir = DataDir(config.data_dir, sync=config.sync)
     except DataDirInUse as exc:
@@ -254,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if running.events is not None:
         running.events.close()  # Watch streams end now (UNAVAILABLE), not at the grace deadline
     running.server.stop(config.grace_seconds).wait()
+    if running.servicer is not None:
+        running.servicer.close()
     if metrics_http is not None:
         metrics_http.close()
     store.close()

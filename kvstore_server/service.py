@@ -29,12 +29,15 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore import wire
 from kvstore.host import pid_namespace
+from kvstore.memory import trim_heap
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
-from kvstore_server.storage import LayerSpec, StorageError, checksum
+from kvstore_server.idle import IdleReclaim
+from kvstore_server.putbuffer import MalformedPut, PutBuffer
+from kvstore_server.storage import LayerSpec, StorageError
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,
@@ -69,6 +72,7 @@ class LocalReadsOff(Exception):
 
 _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (MalformedPut, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidChain, grpc.StatusCode.INVALID_ARGUMENT),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
@@ -191,7 +195,10 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
 
 
 def _chunk_size(requested: int) -> int:
-    return min(requested or wire.DEFAULT_CHUNK_BYTES, wire.MAX_CHUNK_BYTES)
+    """Bytes per Get message: what the client asks, at most DEFAULT_CHUNK_BYTES (4 MiB).
+    Each stream holds about three copies of one message (ours, gRPC's, the socket's),
+    so this cap is what bounds a Get's memory; a larger block-layer still goes whole."""
+    return min(requested or wire.DEFAULT_CHUNK_BYTES, wire.DEFAULT_CHUNK_BYTES)
 
 
 class ByteBudget:
@@ -226,6 +233,15 @@ class Servicer:
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
         self.events = EventLog(config.event_window)
         store.add_listener(self.events.record)
+        self.reclaim = IdleReclaim(self._release_memory)
+
+    def _release_memory(self) -> None:
+        trim_heap()
+        self.store.backend.release_memory()
+
+    def close(self) -> None:
+        """Stop the idle-memory thread; after the server stopped."""
+        self.reclaim.close()
 
     @property
     def inflight_put_bytes(self) -> int:
@@ -251,6 +267,10 @@ class Servicer:
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:
+        with self.reclaim.busy():
+            return self._put(requests, context)
+
+    def _put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:
         first = _decoded(next(requests, None))
         if not isinstance(first, pb.PutRequest) or first.WhichOneof("msg") != "header":
             raise InvalidRequest("a Put stream must start with a header")
@@ -267,14 +287,24 @@ class Servicer:
         if not self._put_budget.try_acquire(total):
             raise CapacityError("too many bytes of puts in flight; retry later")
         try:
-            received = self._receive(requests, layers, len(hashes), context)
-            if received is None:
-                context.abort(
-                    grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored"
+            buffer = PutBuffer(layers, len(hashes))
+            try:
+                if not self._receive(requests, buffer, context):
+                    context.abort(
+                        grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored"
+                    )
+                    raise RuntimeError("context.abort returned")
+                result = self.store.put(
+                    namespace,
+                    parent,
+                    hashes,
+                    layers,
+                    [[buffer.layer(k, i) for i in range(len(hashes))] for k in range(len(layers))],
+                    buffer.checksums,
+                    joined=[buffer.block(i) for i in range(len(hashes))],
                 )
-                raise RuntimeError("context.abort returned")
-            data, sums = received
-            result = self.store.put(namespace, parent, hashes, layers, data, sums)
+            finally:
+                buffer.close()
         finally:
             self._put_budget.release(total)
         return pb.PutResponse(
@@ -284,79 +314,39 @@ class Servicer:
             blocks_evicted=result.blocks_evicted,
         )
 
-    def _receive(
-        self,
-        requests: Iterator[Any],
-        layers: Sequence[LayerSpec],
-        num_blocks: int,
-        context: grpc.ServicerContext,
-    ) -> tuple[list[list[memoryview]], list[list[int]]] | None:
-        """Collect chunks (and their per-block checksums) until the commit; None if the stream ends first."""
-        data: list[list[memoryview]] = [[] for _ in layers]
-        sums: list[list[int]] = [[] for _ in layers]
+    def _receive(self, requests: Iterator[Any], buffer: PutBuffer, context: grpc.ServicerContext) -> bool:
+        """Copy chunks into `buffer` until the commit; False if the stream ends first."""
         try:
             for msg in requests:
                 if isinstance(msg, wire.Chunk):
-                    self._accept_chunk(msg, layers, num_blocks, data, sums)
+                    buffer.accept(msg)
                     continue
                 if isinstance(msg, wire.Malformed):
                     raise InvalidRequest(msg.reason)
                 kind = msg.WhichOneof("msg")
                 if kind == "chunk":  # a chunk the fast decoder left to protobuf
                     chunk = msg.chunk
-                    view = wire.Chunk(chunk.layer_index, chunk.first_block, memoryview(chunk.data))
-                    self._accept_chunk(view, layers, num_blocks, data, sums)
+                    buffer.accept(wire.Chunk(chunk.layer_index, chunk.first_block, memoryview(chunk.data)))
                 elif kind == "commit":
-                    missing = [layers[i].name for i, got in enumerate(data) if len(got) != num_blocks]
+                    missing = buffer.missing_layers()
                     if missing:
                         raise InvalidRequest(
                             f"commit before all data arrived: layers {missing[:4]} are incomplete"
                         )
-                    return data, sums
+                    return True
                 else:
                     raise InvalidRequest(f"unexpected {kind or 'empty'} message inside a Put stream")
         except grpc.RpcError:
             # The client went away mid-stream: drop what arrived, store nothing.
             log.info("put stream broken by the client; nothing stored")
             context.abort(grpc.StatusCode.CANCELLED, "client cancelled the put")
-        return None
-
-    @staticmethod
-    def _accept_chunk(
-        chunk: wire.Chunk,
-        layers: Sequence[LayerSpec],
-        num_blocks: int,
-        data: list[list[memoryview]],
-        sums: list[list[int]],
-    ) -> None:
-        if chunk.layer_index >= len(layers):
-            raise InvalidRequest(f"chunk for layer {chunk.layer_index}; the header declared {len(layers)}")
-        spec = layers[chunk.layer_index]
-        got = data[chunk.layer_index]
-        if chunk.first_block != len(got):
-            raise InvalidRequest(
-                f"layer {spec.name!r}: chunk starts at block {chunk.first_block}, expected {len(got)}"
-            )
-        size = len(chunk.data)
-        if size == 0 or size % spec.nbytes:
-            raise InvalidRequest(
-                f"layer {spec.name!r}: chunk of {size} bytes is not a whole number of "
-                f"{spec.nbytes}-byte blocks ({spec.dtype} {list(spec.shape)})"
-            )
-        count = size // spec.nbytes
-        if len(got) + count > num_blocks:
-            raise InvalidRequest(f"layer {spec.name!r}: more data than the {num_blocks} declared blocks")
-        layer_sums = sums[chunk.layer_index]
-        for i in range(count):
-            view = chunk.data[i * spec.nbytes : (i + 1) * spec.nbytes]
-            got.append(view)
-            layer_sums.append(checksum(view))
+        return False
 
     @translated
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         namespace = self._ns(context, request.namespace)
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
-        with self.store.read(namespace, hashes) as result:
+        with self.reclaim.busy(), self.store.read(namespace, hashes) as result:
             yield from _stream(result, _chunk_size(request.max_chunk_bytes))
 
     @translated
@@ -374,7 +364,7 @@ class Servicer:
         if not self._waiters.acquire(blocking=False):
             raise CapacityError(f"more than {self.config.max_waiting_drop_selects} DropSelect calls waiting")
         try:
-            with self.store.take(namespace, hashes, wait, context.is_active) as result:
+            with self.store.take(namespace, hashes, wait, context.is_active) as result, self.reclaim.busy():
                 yield from _stream(result, _chunk_size(request.max_chunk_bytes))
         finally:
             self._waiters.release()

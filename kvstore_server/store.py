@@ -161,11 +161,13 @@ class Store:
         layers: Sequence[LayerSpec],
         data: Sequence[Sequence[memoryview]],
         checksums: Sequence[Sequence[int]] | None = None,
+        joined: Sequence[memoryview] | None = None,
     ) -> PutResult:
         """Store blocks; data[layer][block] is one block's bytes of one layer.
 
         `checksums[layer][block]` may come precomputed (the servicer sums each
         chunk as it arrives, outside the commit lock); else they are computed here.
+        `joined[block]`, when given, is that block's layers back to back (see BlockWrite).
         """
         block_bytes = sum(layer.nbytes for layer in layers)
         chain = {(namespace, h) for h in hashes}
@@ -205,6 +207,7 @@ class Store:
                         created_at=now,
                     ),
                     [data[k][i] for k in range(len(layers))],
+                    joined[i] if joined is not None else None,
                 )
                 for i in fresh
             ]

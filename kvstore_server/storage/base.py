@@ -12,6 +12,7 @@ threads, never from an event loop.
     read(keys)        context manager yielding the blocks' metadata and layer views
     stored_prefix(keys)  how many leading keys are stored (same-host lookups)
     delete(keys)      remove blocks; unknown keys are ignored
+    release_memory()  drop what is held only as a cache (when idle; optional)
     close()           release files; called exactly once
 """
 
@@ -123,10 +124,12 @@ class BlockMeta:
 
 @dataclass(frozen=True, slots=True)
 class BlockWrite:
-    """A block to store: its metadata and one buffer per layer (same order)."""
+    """A block to store: its metadata and one buffer per layer (same order); `joined`,
+    when the writer has it, is the same bytes back to back (spares the backend a join)."""
 
     meta: BlockMeta
     layers: Sequence[memoryview | bytes]
+    joined: memoryview | bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,9 @@ class Backend(ABC):
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         self.write((), keys)
+
+    def release_memory(self) -> None:  # noqa: B027 - optional: most backends hold no cache
+        """Give back memory held only as a cache (called when the daemon is idle)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -1,0 +1,106 @@
+"""Where one Put's payload lives while it streams in, until its commit is stored.
+
+An anonymous mapping of exactly the bytes the Put's header declared (what
+`max_inflight_put_bytes` admitted), laid out block-major: block i's layers back
+to back, in header order. So:
+
+- the daemon's memory for puts is exactly what the budget admitted, and goes
+  back to the kernel (munmap) when the put ends, instead of staying in malloc's
+  heap where gRPC's freed messages fragment it (measured: 2.5x the admitted
+  bytes, resident long after the load);
+- each received message is copied in and dropped at once, never held until the
+  commit;
+- a block is one contiguous value: LMDB stores it without joining its layers.
+
+Each block-layer's checksum is computed as it is copied in (cache-hot, outside
+the store's commit lock).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Sequence
+
+from kvstore import wire
+from kvstore_server.storage import LayerSpec, checksum
+
+log = logging.getLogger(__name__)
+
+# Pre-fault the mapping in one call: cheaper than one fault per 4 KiB page as it fills.
+_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+
+class MalformedPut(ValueError):
+    """A chunk that does not fit the Put's header (the servicer answers INVALID_ARGUMENT)."""
+
+
+class PutBuffer:
+    """One Put's blocks: fill with `accept`, check with `missing_layers`, read with
+    `block` and `layer`, then `close`. Not thread-safe (one Put stream is one thread)."""
+
+    def __init__(self, layers: Sequence[LayerSpec], num_blocks: int) -> None:
+        self.layers = tuple(layers)
+        self.num_blocks = num_blocks
+        self.block_bytes = sum(layer.nbytes for layer in layers)
+        self._offsets = []
+        offset = 0
+        for layer in layers:
+            self._offsets.append(offset)
+            offset += layer.nbytes
+        self._map = mmap.mmap(-1, self.block_bytes * num_blocks, flags=_FLAGS)
+        self._view = memoryview(self._map)
+        self.checksums: list[list[int]] = [[] for _ in layers]
+
+    def accept(self, chunk: wire.Chunk) -> None:
+        """Copy one LayerChunk in: the next blocks of one layer, in order."""
+        if chunk.layer_index >= len(self.layers):
+            raise MalformedPut(f"chunk for layer {chunk.layer_index}; the header declared {len(self.layers)}")
+        spec = self.layers[chunk.layer_index]
+        sums = self.checksums[chunk.layer_index]
+        if chunk.first_block != len(sums):
+            raise MalformedPut(
+                f"layer {spec.name!r}: chunk starts at block {chunk.first_block}, expected {len(sums)}"
+            )
+        size = len(chunk.data)
+        if size == 0 or size % spec.nbytes:
+            raise MalformedPut(
+                f"layer {spec.name!r}: chunk of {size} bytes is not a whole number of "
+                f"{spec.nbytes}-byte blocks ({spec.dtype} {list(spec.shape)})"
+            )
+        count = size // spec.nbytes
+        if len(sums) + count > self.num_blocks:
+            raise MalformedPut(f"layer {spec.name!r}: more data than the {self.num_blocks} declared blocks")
+        nbytes = spec.nbytes
+        dest = self._offsets[chunk.layer_index] + chunk.first_block * self.block_bytes
+        for i in range(count):
+            target = self._view[dest : dest + nbytes]
+            target[:] = chunk.data[i * nbytes : (i + 1) * nbytes]
+            sums.append(checksum(target))
+            dest += self.block_bytes
+
+    def missing_layers(self) -> list[str]:
+        """Names of the layers not yet complete."""
+        return [
+            spec.name
+            for spec, sums in zip(self.layers, self.checksums, strict=True)
+            if len(sums) < self.num_blocks
+        ]
+
+    def block(self, index: int) -> memoryview:
+        """Block `index`: its layers' bytes back to back."""
+        start = index * self.block_bytes
+        return self._view[start : start + self.block_bytes]
+
+    def layer(self, layer_index: int, index: int) -> memoryview:
+        start = index * self.block_bytes + self._offsets[layer_index]
+        return self._view[start : start + self.layers[layer_index].nbytes]
+
+    def close(self) -> None:
+        """Unmap the payload. Views handed out must be gone by now; one still held
+        (say, by a traceback) keeps the mapping until it is released."""
+        self._view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            log.debug("a put's payload is still referenced; it is unmapped when the last view goes")

@@ -1,0 +1,110 @@
+"""The daemon's memory under concurrent load stays within the documented bound.
+
+README (Limits): resident memory stays within its idle size + max_inflight_put_bytes
++ MEMORY_CONSTANT, and returns near the idle size once the load has stopped. Here:
+a small budget, many clients putting 16 MiB each at once (most are refused with
+RESOURCE_EXHAUSTED: the budget is the point), readers streaming stored blocks
+back meanwhile, on the real daemon process, both backends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from daemon import Daemon, eventually
+from integration.helpers import NS, chain, make_layers
+
+from kvstore_client import KVStoreClient, errors
+
+MiB = 1 << 20
+BUDGET = 64 * MiB
+# README, Limits: the documented constant above idle + max_inflight_put_bytes.
+MEMORY_CONSTANT = 256 * MiB
+# ... and "near its idle size" once the load is over
+SETTLED = 64 * MiB
+CLIENTS = 24
+ROUNDS = 2
+READERS = 4
+
+
+def resident(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM (the peak), RssAnon, RssFile of a process, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def run_all(targets: list[Callable[[], None]]) -> list[BaseException]:
+    errors_seen: list[BaseException] = []
+
+    def wrap(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(t,)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors_seen
+
+
+def test_rss_under_concurrent_put_and_get_load_stays_within_the_bound(tmp_path: Path, backend: str) -> None:
+    daemon = Daemon(
+        tmp_path / "data",
+        backend=backend,
+        capacity="2GiB",
+        extra_args=["--max-inflight-put-bytes", str(BUDGET)],
+    ).start()
+    try:
+        pid = daemon.proc.pid
+        layers = make_layers(16, num_layers=16, shape=(64, 512), seed=3)  # 16 blocks x 1 MiB
+        with KVStoreClient(daemon.address, timeout=60) as kv:
+            readable = chain("readable", 16)
+            kv.put(NS, readable, layers)
+        idle = resident(pid)["VmRSS"]
+        outcomes: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def writer(i: int, round_: int) -> None:
+            with KVStoreClient(daemon.address, timeout=60) as kv:
+                try:
+                    kv.put(NS, chain(f"w{i}-{round_}", 16), layers)
+                    outcome = "stored"
+                except errors.CapacityExceeded:
+                    outcome = "refused"
+            with lock:
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        def reader() -> None:
+            with KVStoreClient(daemon.address, timeout=60) as kv:
+                for _ in range(3):
+                    got = kv.select(NS, readable)
+                    assert len(got) == 16 and got["layer.0"].shape[0] == 16
+
+        for round_ in range(ROUNDS):
+            failures = run_all(
+                [lambda i=i, r=round_: writer(i, r) for i in range(CLIENTS)] + [reader] * READERS
+            )
+            assert failures == []
+        peak = resident(pid)["VmHWM"]
+        print(
+            f"\n[{backend}] budget {BUDGET / MiB:.0f} MiB, {CLIENTS} clients x {ROUNDS} rounds of 16 MiB puts "
+            f"+ {READERS} readers: idle {idle / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB = idle + budget "
+            f"+ {(peak - idle - BUDGET) / MiB:.0f} MiB (documented constant {MEMORY_CONSTANT / MiB:.0f}); {outcomes}"
+        )
+        assert outcomes.get("stored", 0) > 0 and outcomes.get("refused", 0) > 0  # the budget was the limit
+        assert peak <= idle + BUDGET + MEMORY_CONSTANT
+        # once idle, the daemon gives its transfer buffers (and LMDB's mapped pages) back
+        eventually(lambda: resident(pid)["VmRSS"] <= idle + SETTLED, deadline_s=30)
+        print(f"[{backend}] after the load: {resident(pid)['VmRSS'] / MiB:.0f} MiB")
+    finally:
+        daemon.stop()
