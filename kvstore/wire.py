@@ -157,13 +157,20 @@ def _decode_chunk(buf: memoryview) -> Chunk:
 
 
 def decode_put_request(raw: bytes) -> pb.PutRequest | Chunk | Malformed:
-    """gRPC request deserializer for Put: chunks by hand, the rest by protobuf."""
-    try:
-        if raw[:1] == bytes((_TAG_CHUNK,)):
+    """gRPC request deserializer for Put: chunks by hand, the rest by protobuf.
+
+    A chunk the fast decoder does not take (fields it does not know, a chunk split
+    in two) goes to protobuf, so any valid encoding of the message is accepted."""
+    fast_error = ""
+    if raw[:1] == bytes((_TAG_CHUNK,)):
+        try:
             return _decode_chunk(memoryview(raw))
+        except ValueError as exc:  # not the plain layout this decoder reads: protobuf decides
+            fast_error = f" ({exc})"
+    try:
         return pb.PutRequest.FromString(raw)
     except Exception as exc:  # noqa: BLE001 - any decode failure becomes INVALID_ARGUMENT
-        return Malformed(f"undecodable PutRequest: {exc}")
+        return Malformed(f"undecodable PutRequest: {exc}{fast_error}")
 
 
 def encode_put_request(msg: pb.PutRequest | bytes) -> bytes:

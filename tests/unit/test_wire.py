@@ -160,3 +160,19 @@ def test_limits_are_consistent() -> None:
 )
 def test_layer_block_bytes(dtype: str, shape: tuple[int, ...], expected: int) -> None:
     assert wire.layer_block_bytes(dtype, shape) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x12\x0c\x08\x01\x10\x02\x1a\x06abcdef\x20\x07",  # an unknown field inside the LayerChunk
+        _GOOD + b"\x28\x01",  # an unknown field after the chunk
+        b"\x12\x02\x08\x01\x12\x0a\x10\x02\x1a\x06abcdef",  # the chunk in two occurrences (merged)
+    ],
+    ids=["unknown-inner-field", "unknown-outer-field", "split-chunk"],
+)
+def test_valid_encodings_the_fast_decoder_does_not_read_go_to_protobuf(raw: bytes) -> None:
+    """Any valid protobuf encoding is accepted, so a client with newer fields still works."""
+    decoded = wire.decode_put_request(raw)
+    assert isinstance(decoded, pb.PutRequest) and decoded.WhichOneof("msg") == "chunk"
+    assert (decoded.chunk.layer_index, decoded.chunk.first_block, decoded.chunk.data) == (1, 2, b"abcdef")
