@@ -28,6 +28,8 @@ MAX_SHAPE_DIMS: Final = 8
 MAX_BLOCKS_PER_LOOKUP: Final = 65536
 MAX_LOOKUP_NAMESPACES: Final = 64
 MAX_BLOCKS_PER_PUT: Final = 8192
+# A block's metadata record may be as large as its data, or this when the data is smaller.
+MAX_RECORD_FLOOR: Final = 4096
 DEFAULT_CHUNK_BYTES: Final = 4 << 20
 # gRPC message cap on both sides; a chunk plus its few bytes of framing must fit.
 MAX_MESSAGE_BYTES: Final = 64 << 20

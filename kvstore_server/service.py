@@ -37,7 +37,7 @@ from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.idle import IdleReclaim
 from kvstore_server.putbuffer import MalformedPut, PutBuffer
-from kvstore_server.storage import LayerSpec, StorageError
+from kvstore_server.storage import BlockMeta, LayerSpec, StorageError
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,
@@ -194,6 +194,22 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
     return tuple(out)
 
 
+def check_record_size(namespace: bytes, block_hash: bytes, layers: Sequence[LayerSpec]) -> None:
+    """A block's metadata record (layer names and specs, stored beside its bytes) may be
+    at most max(its payload, MAX_RECORD_FLOOR): capacity counts payload, so a header of
+    a thousand long-named one-byte layers would otherwise store (and, committing, hold
+    in memory) hundreds of times what it is charged."""
+    payload = sum(layer.nbytes for layer in layers)
+    record = len(
+        BlockMeta(namespace, block_hash, block_hash, tuple(layers), (2**64 - 1,) * len(layers)).to_json()
+    )
+    if record > max(payload, wire.MAX_RECORD_FLOOR):
+        raise InvalidRequest(
+            f"the layers' names and specs take {record} bytes per block, more than the block's "
+            f"{payload} bytes of data; the limit is max(data, {wire.MAX_RECORD_FLOOR})"
+        )
+
+
 def _chunk_size(requested: int) -> int:
     """Bytes per Get message: what the client asks, at most DEFAULT_CHUNK_BYTES (4 MiB).
     Each stream holds about three copies of one message (ours, gRPC's, the socket's),
@@ -281,6 +297,7 @@ class Servicer:
         if parent and parent in hashes:
             raise InvalidRequest("parent_hash is one of the put's own block hashes; a chain has no cycles")
         layers = check_layers(header.layers)
+        check_record_size(namespace, hashes[0], layers)
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"put of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")

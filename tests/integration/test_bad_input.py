@@ -333,3 +333,18 @@ def test_undecodable_requests_are_invalid_argument_on_every_method(
             assert info.value.code() == INVALID, (method.name, info.value.details())
             assert method.input_type.name in info.value.details(), method.name
     assert_intact(kv, seeded)
+
+
+def test_metadata_larger_than_the_data_it_describes_is_refused(daemon, kv: KVStoreClient) -> None:
+    """Capacity counts a block's data; its metadata record (names, specs) may not dwarf it:
+    1024 one-byte layers with long names would store ~300 KB per block charged 1 KB."""
+    seeded = seed_store(kv, "record-size")
+    bloated = [(f"{'n' * 200}.{i}", "bool", (1,)) for i in range(1024)]
+    code = rpc_code(lambda: raw_put(daemon.address, [header(H[:2], bloated), commit()]))
+    assert code == INVALID
+    with pytest.raises(errors.InvalidRequest, match="names and specs take .* bytes per block"):
+        kv.put(NS, H[:1], {f"{'n' * 200}.{i}": torch.zeros((1, 1), dtype=torch.bool) for i in range(1024)})
+    # small blocks with short names stay fine: the floor is 4 KiB per block
+    small = {f"l{i}": torch.zeros((1, 1), dtype=torch.bool) for i in range(16)}
+    assert kv.put(NS, H[:1], small).blocks_written == 1
+    assert_intact(kv, seeded)
