@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import signal
 import sys
 from concurrent import futures
@@ -45,6 +46,8 @@ log = logging.getLogger("kvstore_server")
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _MALLOC_ARENAS = 2
+# Freed heap kept for reuse under load (the rest goes back to the kernel at once).
+_MALLOC_KEEP_FREE = 64 << 20
 
 
 @dataclass
@@ -117,6 +120,15 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return Running(server, port, health_servicer, store, servicer.events, metrics, servicer)
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit on open files up to the hard one: the disk backend maps each block
+    file a Get reads (a mapping holds a descriptor), and a Get may read 65536 blocks."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.debug("open files limit raised from %d to %d", soft, hard)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -193,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    tune_malloc()
+    tune_malloc(trim_bytes=_MALLOC_KEEP_FREE)
+    _raise_open_files_limit()
     # Before gRPC starts its threads: one arena per allocating thread would keep each
     # thread's freed buffers out of the others' reach (see kvstore.memory).
     limit_arenas(_MALLOC_ARENAS)

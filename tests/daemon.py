@@ -93,6 +93,18 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def memory(self) -> dict[str, int]:
+        """The process's VmRSS, VmHWM (peak RSS), RssAnon and RssFile, in bytes."""
+        if self.proc is None:
+            raise RuntimeError("the daemon is not running")
+        out = {}
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                    out[key] = int(value.split()[0]) * 1024
+        return out
+
 
 def eventually(check: Callable[[], bool], deadline_s: float = 20.0) -> None:
     """For what the daemon does after a client's call returned (a cancelled stream's

@@ -15,10 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from io import BufferedReader
 from pathlib import Path
 
 from kvstore.wire import DTYPES
@@ -55,7 +57,20 @@ def _header(meta: BlockMeta) -> bytes:
     return len(raw).to_bytes(8, "little") + raw
 
 
-def _parse(buf: bytearray) -> tuple[BlockMeta, list[memoryview]]:
+def _map_file(f: BufferedReader) -> mmap.mmap | bytearray:
+    """A block file's bytes: mapped read-only (page cache, which the kernel may reclaim;
+    a Get of many blocks does not copy them all into the daemon's memory), or read into
+    memory where it cannot be mapped (no address space or map slots left)."""
+    try:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file
+        log.debug("cannot map %s (%s); reading it", f.name, exc)
+    buf = bytearray(os.fstat(f.fileno()).st_size)
+    f.readinto(buf)
+    return buf
+
+
+def _parse(buf: mmap.mmap | bytearray) -> tuple[BlockMeta, list[memoryview]]:
     size = int.from_bytes(buf[:8], "little")
     if size > len(buf) - 8:
         raise ValueError("header longer than the file")
@@ -164,8 +179,7 @@ class DiskBackend(Backend):
             path = self._path(namespace, block_hash)
             try:
                 with open(path, "rb") as f:
-                    buf = bytearray(os.fstat(f.fileno()).st_size)
-                    f.readinto(buf)
+                    buf = _map_file(f)
                 meta, views = _parse(buf)
             except FileNotFoundError:
                 blocks.append(None)
