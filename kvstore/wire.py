@@ -35,6 +35,22 @@ DEFAULT_CHUNK_BYTES: Final = 4 << 20
 MAX_MESSAGE_BYTES: Final = 64 << 20
 MAX_CHUNK_BYTES: Final = MAX_MESSAGE_BYTES - 1024
 
+# HTTP/2 keepalive. The client pings every 10 s while it has calls open and drops a
+# connection whose pings go unanswered for 5 s (a stalled or vanished daemon would
+# otherwise keep close() waiting); the daemon accepts those pings, and pings its own
+# clients every 30 s, so a client that vanished without a FIN releases what its
+# calls hold (a Put's budget, a worker thread) within 40 s.
+CLIENT_KEEPALIVE: Final = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+SERVER_KEEPALIVE: Final = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+)
+
 # torch dtype name -> (element size, safetensors dtype code)
 DTYPES: Final[dict[str, tuple[int, str]]] = {
     "bool": (1, "BOOL"),

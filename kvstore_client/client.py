@@ -500,6 +500,7 @@ class KVStoreClient:
         options = [
             ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
+            *wire.CLIENT_KEEPALIVE,
             *channel_options,
         ]
         if tls or tls_ca is not None or tls_cert is not None:

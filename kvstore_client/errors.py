@@ -1,8 +1,11 @@
 """Every exception the client raises, in one tree.
 
     KVStoreError                    base; catch this to catch them all
-    ├── StoreUnavailable            daemon unreachable or shutting down (UNAVAILABLE).
-    │                               Nothing changed on the store; retry later or recompute.
+    ├── StoreUnavailable            daemon unreachable or shutting down, or the connection
+    │                               broke (UNAVAILABLE). Retry later or recompute. A put
+    │                               whose connection broke after its commit was sent may
+    │                               have committed (a retry skips what is stored); nothing
+    │                               else changed on the store.
     ├── StoreTimeout                deadline passed (DEADLINE_EXCEEDED); also a TimeoutError.
     │                               A put may or may not have committed; a drop_select
     │                               removed nothing.

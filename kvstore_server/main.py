@@ -89,6 +89,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
             # max_inflight_put_bytes). Without it a stream buffers about the message
             # being read, which still keeps a stream of 4 MiB messages at full speed.
             ("grpc.http2.bdp_probe", 0),
+            *wire.SERVER_KEEPALIVE,
         ],
     )
     servicer = Servicer(store, config, Scope(tokens))
