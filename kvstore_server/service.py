@@ -36,7 +36,7 @@ from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.idle import IdleReclaim
-from kvstore_server.putbuffer import MalformedPut, PutBuffer
+from kvstore_server.putbuffer import MalformedPut, PutBudget, PutBuffer
 from kvstore_server.storage import BlockMeta, LayerSpec, StorageError
 from kvstore_server.store import (
     CapacityError,
@@ -217,26 +217,6 @@ def _chunk_size(requested: int) -> int:
     return min(requested or wire.DEFAULT_CHUNK_BYTES, wire.DEFAULT_CHUNK_BYTES)
 
 
-class ByteBudget:
-    """Bytes of in-flight puts; acquiring never waits (callers get RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def try_acquire(self, n: int) -> bool:
-        with self._lock:
-            if self.used + n > self.limit:
-                return False
-            self.used += n
-            return True
-
-    def release(self, n: int) -> None:
-        with self._lock:
-            self.used -= n
-
-
 class Servicer:
     """Implements kvstore.v1.KVStore on a Store. One instance per server."""
 
@@ -244,7 +224,7 @@ class Servicer:
         self.store = store
         self.config = config
         self.scope = scope or Scope(None)
-        self._put_budget = ByteBudget(config.max_inflight_put_bytes)
+        self._puts = PutBudget(config.max_inflight_put_bytes)
         self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
         self.events = EventLog(config.event_window)
@@ -252,6 +232,7 @@ class Servicer:
         self.reclaim = IdleReclaim(self._release_memory)
 
     def _release_memory(self) -> None:
+        self._puts.drain()
         trim_heap()
         self.store.backend.release_memory()
 
@@ -262,7 +243,7 @@ class Servicer:
     @property
     def inflight_put_bytes(self) -> int:
         """Bytes of Put data buffered right now, across clients."""
-        return self._put_budget.used
+        return self._puts.used
 
     def _ns(self, context: grpc.ServicerContext, namespace: bytes) -> bytes:
         """The stored namespace for a caller's: the tenant's prefix + the validated name."""
@@ -301,29 +282,26 @@ class Servicer:
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"put of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
-        if not self._put_budget.try_acquire(total):
+        buffer = self._puts.acquire(layers, len(hashes))
+        if buffer is None:
             raise CapacityError("too many bytes of puts in flight; retry later")
         try:
-            buffer = PutBuffer(layers, len(hashes))
-            try:
-                if not self._receive(requests, buffer, context):
-                    context.abort(
-                        grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored"
-                    )
-                    raise RuntimeError("context.abort returned")
-                result = self.store.put(
-                    namespace,
-                    parent,
-                    hashes,
-                    layers,
-                    [[buffer.layer(k, i) for i in range(len(hashes))] for k in range(len(layers))],
-                    buffer.checksums,
-                    joined=[buffer.block(i) for i in range(len(hashes))],
+            if not self._receive(requests, buffer, context):
+                context.abort(
+                    grpc.StatusCode.ABORTED, "put stream ended before its commit; nothing was stored"
                 )
-            finally:
-                buffer.close()
+                raise RuntimeError("context.abort returned")
+            result = self.store.put(
+                namespace,
+                parent,
+                hashes,
+                layers,
+                [[buffer.layer(k, i) for i in range(len(hashes))] for k in range(len(layers))],
+                buffer.checksums,
+                joined=[buffer.block(i) for i in range(len(hashes))],
+            )
         finally:
-            self._put_budget.release(total)
+            self._puts.release(buffer)
         return pb.PutResponse(
             blocks_written=result.blocks_written,
             blocks_skipped=result.blocks_skipped,
