@@ -252,10 +252,10 @@ class Store:
 
         When the backend is full below the byte budget (the filesystem, or LMDB's
         map), eviction gets one chance: as many more bytes as the put brings (and
-        one block), and only if that much is evictable. If the write still fails, eviction evidently
-        does not help (another process holds the space, a reader pins LMDB's pages):
-        later full writes fail at once, without evicting, until a write succeeds.
-        So a full disk never empties the store for puts that fail.
+        one block), and only if that much is evictable. If the write still fails,
+        eviction evidently does not help (another process holds the space, a reader
+        pins LMDB's pages): later full writes fail at once, without evicting, until
+        a write succeeds. So a full disk never empties the store for puts that fail.
         """
         try:
             self.backend.write(writes, victims)
@@ -266,6 +266,9 @@ class Store:
         except StorageError:
             self._reconcile(victims)
             raise
+        if not writes:  # only the victims' deletion failed: nothing needs room
+            self._reconcile(victims)
+            return []
         incoming = sum(w.meta.size for w in writes)
         with self._lock:
             if not self._eviction_helps:

@@ -20,6 +20,7 @@ tmpfs would be a SIGBUS.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -220,17 +221,22 @@ class LmdbBackend(Backend):
         """Commit deletions in batches (each bounds the free-list record it writes); with
         `bump`, one more commit after them, so a put can reuse what they freed. On a full
         filesystem the headroom is given up to let them commit, then refilled."""
-        batches = [keys[i : i + _DELETE_BATCH] for i in range(0, len(keys), _DELETE_BATCH)]
+        commits = [
+            functools.partial(self._commit, (), keys[i : i + _DELETE_BATCH])
+            for i in range(0, len(keys), _DELETE_BATCH)
+        ]
+        if bump:
+            commits.append(functools.partial(self._commit, (), (), bump=True))
         released = False
-        for batch in [*batches, None] if bump else batches:
+        for commit in commits:
             try:
-                self._commit((), batch or (), bump=batch is None)
+                commit()
             except lmdb.Error as exc:
                 if released or not self._full(exc, ()) or not self._headroom.release():
                     raise
                 released = True
                 log.warning("the filesystem of %s is full: deletions commit in the headroom", self._path)
-                self._commit((), batch or (), bump=batch is None)
+                commit()
         if released:
             self._headroom.fill()
 
