@@ -93,6 +93,19 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def pause(self) -> None:
+        """SIGSTOP, and return once every thread has stopped: kill() only queues the
+        signal, and a thread that runs on for a moment could still answer a call."""
+        if self.proc is None:
+            raise RuntimeError("the daemon is not running")
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        eventually(lambda: all(_thread_state(pid, task) == "T" for task in os.listdir(f"/proc/{pid}/task")))
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def memory(self) -> dict[str, int]:
         """The process's VmRSS, VmHWM (peak RSS), RssAnon and RssFile, in bytes."""
         if self.proc is None:
@@ -104,6 +117,15 @@ class Daemon:
                 if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                     out[key] = int(value.split()[0]) * 1024
         return out
+
+
+def _thread_state(pid: int, task: str) -> str:
+    """One thread's state letter (R, S, T, ...); a thread that has exited counts as stopped."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return "T"
 
 
 def eventually(check: Callable[[], bool], deadline_s: float = 20.0) -> None:

@@ -7,9 +7,7 @@ baseline; store-side Stats prove the KV was served.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
@@ -128,13 +126,13 @@ def test_stalled_store_is_a_miss_not_a_hang(tmp_path, model, prompts, baseline, 
         "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
     }])  # fmt: skip
     assert store.proc is not None
-    os.kill(store.proc.pid, signal.SIGSTOP)  # alive, connected, answering nothing
+    store.pause()  # alive, connected, answering nothing
     try:
         out = run_engines(tmp_path, model, [{
             "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
         }], timeout=300)  # fmt: skip
     finally:
-        os.kill(store.proc.pid, signal.SIGCONT)
+        store.resume()
     assert out["decode"]["tokens"] == baseline
 
 

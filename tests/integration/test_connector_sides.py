@@ -8,8 +8,6 @@ behaviour is proven on real vLLM in tests/e2e.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import socket
 import time
 from types import SimpleNamespace
@@ -298,14 +296,14 @@ def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     store_blocks(daemon.address, hashes)
     worker, caches = make_worker(daemon.address, load_timeout=1.0, save_timeout=1.0)
-    os.kill(daemon.proc.pid, signal.SIGSTOP)  # alive and connected, answering nothing
+    daemon.pause()  # alive and connected, answering nothing
     try:
         meta = KVStoreConnectorMetadata(
             loads=[LoadSpec("r", hashes, [1, 2, 3])], saves=[SaveSpec("s", hashes, [4, 5, 6], b"")]
         )
         errors = run_step(worker, meta, caches)  # returns: each wait is bounded by a deadline
     finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.resume()
     assert errors == {1, 2, 3}
     stats = worker.take_stats()
     assert stats is not None and stats.data["load_errors"] == 3
@@ -386,13 +384,13 @@ def test_a_stalled_store_bounds_the_async_save_backlog(daemon, caplog: pytest.Lo
         )
 
     caplog.set_level(logging.INFO)
-    os.kill(daemon.proc.pid, signal.SIGSTOP)  # alive and connected, taking nothing
+    daemon.pause()  # alive and connected, taking nothing
     try:
         for i in range(4):
             run_step(worker, saving(i), caches)  # never waits for the store
         assert worker.backlog.pending == 4 * block_bytes  # saves 0 and 1; 2 and 3 dropped
     finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.resume()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "saves are behind" in warnings[0], warnings
     worker.wait_for_commits()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -351,10 +350,10 @@ def test_local_lookups_and_reads_go_on_while_the_daemon_stalls(daemon: Daemon, k
     kv.put(NS, hashes, layers)
     local = KVStoreClient(daemon.address, timeout=1.0, local_reads=True)
     assert local.lookup(NS, hashes) == 2  # negotiated
-    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    daemon.pause()
     try:
         assert [local.lookup(NS, hashes) for _ in range(5)] == [2] * 5
         assert_same(local.select(NS, hashes), layers)
         local.close()  # gives the stalled daemon's background Lookups one deadline, not five
     finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.resume()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from concurrent.futures import Future
 
@@ -89,14 +87,14 @@ def test_a_put_stream_timeout_counts_the_store_not_the_writer(daemon, kv: KVStor
     stalled = kv.put_stream(
         NS, chain("stalled", 4), [LayerSpec.of(n, t) for n, t in big.items()], timeout=0.5
     )
-    os.kill(daemon.proc.pid, signal.SIGSTOP)  # connected, taking nothing
+    daemon.pause()  # connected, taking nothing
     try:
         with pytest.raises(errors.StoreTimeout, match="took no data"):
             for name, tensor in big.items():
                 stalled.write_layer(name, tensor)
             stalled.commit()
     finally:
-        os.kill(daemon.proc.pid, signal.SIGCONT)
+        daemon.resume()
     assert kv.lookup(NS, chain("stalled", 4)) == 0
     assert_same(kv.select(NS, hashes), layers)
 
