@@ -139,11 +139,12 @@ class PutBudget:
             if self.used + size > self.limit:
                 return None
             self.used += size
-            same = self._kept.get(size)
-            mapping = same.pop() if same else None
-            if mapping is not None:
-                self._kept_bytes -= size
-            dropped = self._make_room()
+            mapping = self._take(size)
+            dropped = []
+            while self.used + self._kept_bytes > self.limit:  # give kept mappings up for this one
+                old = self._take(next(iter(self._kept)))  # (used <= limit: some mapping is kept)
+                if old is not None:
+                    dropped.append(old)
         for old in dropped:
             old.close()
         try:
@@ -166,16 +167,16 @@ class PutBudget:
         if mapping is not None:
             mapping.close()
 
-    def _make_room(self) -> list[mmap.mmap]:
-        """Give up kept mappings until what is mapped fits the limit again (under the lock)."""
-        dropped: list[mmap.mmap] = []
-        while self._kept and self.used + self._kept_bytes > self.limit:
-            size, group = next(iter(self._kept.items()))
-            dropped.append(group.pop())
-            if not group:
-                del self._kept[size]
-            self._kept_bytes -= size
-        return dropped
+    def _take(self, size: int) -> mmap.mmap | None:
+        """A kept mapping of `size` bytes, taken out of the pool (under the lock)."""
+        group = self._kept.get(size)
+        if not group:
+            return None
+        mapping = group.pop()
+        if not group:
+            del self._kept[size]
+        self._kept_bytes -= size
+        return mapping
 
     def drain(self) -> None:
         """Unmap every kept mapping (the daemon is idle)."""
