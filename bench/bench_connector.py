@@ -23,6 +23,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +32,8 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 from daemon import Daemon  # noqa: E402
 from harness import build_model, kv_config, run_engines  # noqa: E402
+
+from kvstore_client import KVStoreClient  # noqa: E402
 
 
 def main() -> None:
@@ -66,10 +69,23 @@ def main() -> None:
     daemon = Daemon(tmp / "data", capacity="8GiB").start()
     try:
         common = {"prompts": prompts, "max_tokens": 1, "llm": llm, "one_by_one": True}
+        print(
+            f"filling the stores: {len(prompts)} prefills of {args.tokens} tokens per connector",
+            file=sys.stderr,
+        )
+        started = time.monotonic()
         run_engines(tmp, model, [
             {"name": "fill-kvstore", "kv": kv_config(daemon.address, "kv_producer"), **common},
             {"name": "fill-example", "kv": example, **common},
-        ])  # fmt: skip
+        ], timeout=None, progress=True)  # fmt: skip
+        fill_seconds = time.monotonic() - started
+        with KVStoreClient(daemon.address) as kv:
+            stored = kv.stats()["blocks"]
+        expected = len(prompts) * (args.tokens // 32)
+        print(
+            f"kvstore holds {stored} blocks after the fill (full blocks of the prompts: {expected})",
+            file=sys.stderr,
+        )
         hits = {
             "kvstore hit": kv_config(daemon.address, "kv_consumer"),
             "ExampleConnector hit": example,
@@ -81,7 +97,11 @@ def main() -> None:
             {"name": f"{name}#{r}", "kv": kv, "time_hooks": True, **common}
             for r in range(args.rounds) for name, kv in hits.items()
         ]  # fmt: skip
-        out = run_engines(tmp, model, engines)
+        # sized from the work: the recompute engine alone redoes half the fill, and hit
+        # engines that recompute (a broken store) would redo it once each
+        timeout = 600 + fill_seconds * (1 + 3 * args.rounds)
+        print(f"measuring {len(engines)} engines (timeout {timeout:.0f}s)", file=sys.stderr)
+        out = run_engines(tmp, model, engines, timeout=timeout, progress=True)
     finally:
         daemon.stop()
         shutil.rmtree(tmp, ignore_errors=True)  # the model and two stores: GBs

@@ -6,6 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
@@ -53,24 +56,63 @@ def kv_config(address: str, role: str, **extra: object) -> dict:
 
 
 def run_engines(tmp: Path, model: Path, engines: list[dict], *, env: dict[str, str] | None = None,
-                timeout: float = 600) -> dict[str, dict]:  # fmt: skip
-    """Run engines (sequentially) in one fresh Python process; results by engine name."""
+                timeout: float | None = 600, progress: bool = False) -> dict[str, dict]:  # fmt: skip
+    """Run engines (sequentially) in one fresh Python process; results by engine name.
+
+    `progress`: print a line (to stderr) as each engine finishes, with its time."""
     job = tmp / f"job-{os.getpid()}-{len(list(tmp.glob('job-*')))}.json"
     job.write_text(json.dumps({"model": str(model), "engines": engines}))
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(job)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            doc = json.loads(line[len("RESULT ") :])
-            results[doc["name"]] = doc
+    results: dict[str, dict] = {}
+    lines: list[str] = []
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as errors:
+        with subprocess.Popen(
+            [sys.executable, str(RUNNER), str(job)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env={**os.environ, **(env or {})},
+        ) as proc:
+            _read_results(proc, engines, timeout, progress, started, results, lines)
+        errors.seek(0)
+        stderr = errors.read()
     if proc.returncode != 0 or len(results) != len(engines):
-        raise RuntimeError(f"engine run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+        why = (
+            f"killed after {timeout:.0f}s"
+            if proc.returncode == -9 and timeout is not None
+            else f"rc={proc.returncode}"
+        )
+        raise RuntimeError(f"engine run failed ({why}):\n{stderr[-6000:]}")
     # vLLM logs to stdout by default; keep everything for assertions on log lines
-    results["_log"] = {"text": proc.stdout + proc.stderr}
+    results["_log"] = {"text": "".join(lines) + stderr}
     return results
+
+
+def _read_results(proc: subprocess.Popen[str], engines: list[dict], timeout: float | None, progress: bool,
+                  started: float, results: dict[str, dict], lines: list[str]) -> None:  # fmt: skip
+    # NOTE: a timer, not the reading loop, enforces the deadline: a silent engine
+    # blocks the loop in readline.
+    timer = threading.Timer(timeout, proc.kill) if timeout is not None else None
+    if timer is not None:
+        timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("RESULT "):
+                doc = json.loads(line[len("RESULT ") :])
+                results[doc["name"]] = doc
+                if progress:
+                    print(
+                        f"  engine {doc['name']} done ({len(results)}/{len(engines)}, "
+                        f"{time.monotonic() - started:.0f}s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
