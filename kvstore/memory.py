@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -27,16 +28,21 @@ _M_ARENA_MAX = -8
 _MADV_DONTNEED = 4
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (None elsewhere); madvise typed for pointer-sized arguments."""
     if not sys.platform.startswith("linux"):
         return None
     name = ctypes.util.find_library("c")
     if name is None:
         return None
     try:
-        return ctypes.CDLL(name, use_errno=True)
+        libc = ctypes.CDLL(name, use_errno=True)
     except OSError:
         return None
+    if hasattr(libc, "madvise"):
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
 
 
 def tune_malloc(mmap_threshold: int = 32 << 20, trim_bytes: int = 1 << 30) -> bool:
@@ -73,5 +79,4 @@ def drop_mapped_pages(address: int, length: int) -> bool:
     madvise = getattr(_libc(), "madvise", None)
     if madvise is None or not address or not length:
         return False
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return madvise(address, length, _MADV_DONTNEED) == 0
