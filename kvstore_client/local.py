@@ -45,10 +45,10 @@ from kvstore import wire
 from kvstore.host import pid_namespace
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
-from kvstore_server.storage import StorageError, checksum, open_reader
+from kvstore_server.tiers import StorageError, checksum, open_reader
 
 if TYPE_CHECKING:
-    from kvstore_server.storage import Backend, StoredBlock
+    from kvstore_server.tiers import Backend, StoredBlock
 
 log = logging.getLogger(__name__)
 

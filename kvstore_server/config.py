@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvstore_server.storage import BACKENDS
+from kvstore_server.tiers import BACKENDS
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -23,7 +23,7 @@ import os
 import time
 from pathlib import Path
 
-from kvstore_server.storage import BACKEND_DIRS, NO_SPACE
+from kvstore_server.tiers import BACKEND_DIRS, NO_SPACE
 
 log = logging.getLogger(__name__)
 

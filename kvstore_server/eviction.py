@@ -13,7 +13,7 @@ deletes them from the backend in the same commit.
 from __future__ import annotations
 
 from kvstore_server.index import PrefixIndex
-from kvstore_server.storage import BlockKey
+from kvstore_server.tiers import BlockKey
 
 
 def make_room(index: PrefixIndex, incoming: int, capacity: int, protect: set[BlockKey]) -> list[BlockKey]:

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
-from kvstore_server.storage import BlockKey
+from kvstore_server.tiers import BlockKey
 
 
 class Entry:

@@ -39,7 +39,7 @@ from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
-from kvstore_server.storage import StorageError, open_backend
+from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.store import Store
 
 log = logging.getLogger("kvstore_server")

@@ -31,7 +31,7 @@ import threading
 from collections.abc import Sequence
 
 from kvstore import wire
-from kvstore_server.storage import LayerSpec, checksum
+from kvstore_server.tiers import LayerSpec, checksum
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.idle import IdleReclaim
 from kvstore_server.putbuffer import MalformedPut, PutBudget, PutBuffer
-from kvstore_server.storage import BlockMeta, LayerSpec, StorageError
+from kvstore_server.tiers import BlockMeta, LayerSpec, StorageError
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
-from kvstore_server.storage import (
+from kvstore_server.tiers import (
     Backend,
     BlockKey,
     BlockMeta,

@@ -30,7 +30,7 @@ from daemon import Daemon
 from integration.helpers import NS, assert_same, chain, make_layers
 
 from kvstore_client import KVStoreClient, errors
-from kvstore_server.storage.lmdb_backend import LmdbBackend
+from kvstore_server.tiers.lmdb import LmdbBackend
 
 MiB = 1 << 20
 FS_MIB = 40
@@ -145,7 +145,7 @@ def test_lmdb_deletions_commit_on_a_full_disk_through_the_headroom(
     """A packed LMDB file on a full filesystem: a deletion needs a few new pages (copied
     B-tree pages, the free list) and there are none, so the backend gives up its
     headroom file to let it commit; afterwards the freed pages take new blocks."""
-    from kvstore_server.storage import BlockMeta, BlockWrite, LayerSpec, StorageFullError, checksum
+    from kvstore_server.tiers import BlockMeta, BlockWrite, LayerSpec, StorageFullError, checksum
 
     spec = (LayerSpec("l", "uint8", (MiB,), MiB),)
     backend = LmdbBackend(small_fs / "lmdb", capacity_bytes=1 << 30, sync=False)

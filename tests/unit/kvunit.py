@@ -7,7 +7,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore_server.storage import Backend, BlockMeta, BlockWrite, LayerSpec, checksum, open_backend
+from kvstore_server.tiers import Backend, BlockMeta, BlockWrite, LayerSpec, checksum, open_backend
 
 NS = b"ns-a"
 NS2 = b"ns-b"

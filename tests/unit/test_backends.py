@@ -1,4 +1,4 @@
-"""The Backend contract, run against every backend (kvstore_server.storage)."""
+"""The Backend contract, run against every backend (kvstore_server.tiers)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import xxhash
 from kvunit import LAYERS, NS, NS2, chain, h, layer_bytes, make_write, new_backend
 
-from kvstore_server.storage import (
+from kvstore_server.tiers import (
     BACKENDS,
     Backend,
     BlockMeta,

@@ -17,8 +17,8 @@ from safetensors.numpy import load_file as np_load_file
 from safetensors.torch import load_file as torch_load_file
 
 from kvstore.wire import DTYPES
-from kvstore_server.storage import BlockMeta, BlockWrite, LayerSpec, checksum, open_backend
-from kvstore_server.storage.disk_backend import DiskBackend
+from kvstore_server.tiers import BlockMeta, BlockWrite, LayerSpec, checksum, open_backend
+from kvstore_server.tiers.disk import DiskBackend
 
 
 @pytest.fixture

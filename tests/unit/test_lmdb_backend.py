@@ -8,8 +8,9 @@ import lmdb
 import pytest
 from kvunit import LAYERS, NS, chain, h, layer_bytes, make_write
 
-from kvstore_server.storage import LayerSpec, StorageFullError, lmdb_backend, open_backend
-from kvstore_server.storage.lmdb_backend import LmdbBackend
+from kvstore_server.tiers import LayerSpec, StorageFullError, open_backend
+from kvstore_server.tiers import lmdb as lmdb_backend
+from kvstore_server.tiers.lmdb import LmdbBackend
 
 BIG = (LayerSpec("k", "uint8", (16384,), 16384),)
 
@@ -125,7 +126,7 @@ def test_unreadable_metadata_is_skipped(tmp_path: Path) -> None:
 
 
 def test_other_lmdb_errors_are_storage_errors(tmp_path: Path) -> None:
-    from kvstore_server.storage import StorageError
+    from kvstore_server.tiers import StorageError
 
     backend = LmdbBackend(tmp_path, capacity_bytes=1 << 20, sync=False)
     try:

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore import wire
 from kvstore_server.putbuffer import MalformedPut, PutBudget, PutBuffer
-from kvstore_server.storage import LayerSpec, checksum
+from kvstore_server.tiers import LayerSpec, checksum
 
 LAYERS = (LayerSpec("k", "uint8", (4,), 4), LayerSpec("v", "uint8", (2,), 2))
 

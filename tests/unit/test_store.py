@@ -24,7 +24,8 @@ from kvunit import (
 )
 
 from kvstore_server import eviction
-from kvstore_server.storage import LayerSpec, StorageFullError, lmdb_backend
+from kvstore_server.tiers import LayerSpec, StorageFullError
+from kvstore_server.tiers import lmdb as lmdb_backend
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,
@@ -529,7 +530,7 @@ def test_describe_unknown_block(store: Store) -> None:
 
 
 def test_describe_returns_checksums(store: Store) -> None:
-    from kvstore_server.storage import checksum
+    from kvstore_server.tiers import checksum
 
     put(store, [h(1)])
     info, meta = store.describe(NS, h(1))

@@ -30,7 +30,7 @@ from pathlib import Path
 import lmdb
 
 from kvstore.memory import drop_mapped_pages
-from kvstore_server.storage.base import (
+from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
     BlockKey,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore_server.storage.base import (
+from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
     BlockKey,
@@ -51,10 +51,10 @@ def open_backend(kind: str, data_dir: Path, *, capacity_bytes: int, sync: bool) 
     """Open the backend `kind` under `data_dir` (created if missing)."""
     root = backend_dir(kind, data_dir)
     if kind == "lmdb":
-        from kvstore_server.storage.lmdb_backend import LmdbBackend
+        from kvstore_server.tiers.lmdb import LmdbBackend
 
         return LmdbBackend(root, capacity_bytes=capacity_bytes, sync=sync)
-    from kvstore_server.storage.disk_backend import DiskBackend
+    from kvstore_server.tiers.disk import DiskBackend
 
     return DiskBackend(root, sync=sync)
 
@@ -65,10 +65,10 @@ def open_reader(kind: str, data_dir: Path) -> Backend:
     Raises StorageError when the files cannot be opened."""
     root = backend_dir(kind, data_dir)
     if kind == "lmdb":
-        from kvstore_server.storage.lmdb_backend import LmdbBackend
+        from kvstore_server.tiers.lmdb import LmdbBackend
 
         return LmdbBackend.reader(root)
-    from kvstore_server.storage.disk_backend import DiskBackend
+    from kvstore_server.tiers.disk import DiskBackend
 
     if not root.is_dir():
         raise StorageError(f"{root} is not a directory")

@@ -24,7 +24,7 @@ from io import BufferedReader
 from pathlib import Path
 
 from kvstore.wire import DTYPES
-from kvstore_server.storage.base import (
+from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
     BlockKey,
