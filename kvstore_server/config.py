@@ -66,7 +66,15 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "tls_client_ca": _STR,
     "insecure": ((bool,), "true or false"),
     "local_reads": ((bool,), "true or false"),
+    "memory": _SIZE,
+    "memory_dir": _STR,
+    "memory_group": ((str, int), "a group name or id"),
+    "memory_clients": ((bool,), "true or false"),
+    "lease_seconds": ((int, float), "a number"),
+    "write_behind_bytes": _SIZE,
 }
+
+DEFAULT_MEMORY = 1 << 30
 
 
 def parse_size(value: str | int) -> int:
@@ -147,8 +155,35 @@ class ServerConfig:
     blocks from its files directly. Not set: on without token_file, off with it, since a
     process that can read the files can read every tenant's KV."""
 
+    memory: int | None = None
+    """Size of the memory tier: an arena in a file under memory_dir that same-host clients
+    map (saves and loads move no bytes through gRPC), in front of the backend. 0 turns it
+    off. Not set: 1 GiB, or off with a warning where memory_dir has no room for it."""
+    memory_dir: Path = Path("/dev/shm")
+    """Where the arena file lives: a shared-memory filesystem (tmpfs). The file outlives
+    the daemon process (a restarted daemon recovers its committed blocks), not a reboot."""
+    memory_group: str | None = None
+    """Group that may map the arena too (file mode 0660); not set: the daemon's user only (0600)."""
+    memory_clients: bool | None = None
+    """Offer the arena to same-host clients (ArenaAccess). Not set: on without token_file,
+    off with it, since a process that maps the arena can read and write every tenant's KV."""
+    lease_seconds: float = 30.0
+    """How long a reservation (a save in progress) or a pin (a load) lasts unless ended."""
+    write_behind_bytes: int | None = None
+    """Bytes of committed blocks waiting to be written behind to the backend; beyond it, new
+    commits stay in memory only (counted as write_behind_dropped). Not set: half of memory."""
+
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
+        self.memory_dir = Path(self.memory_dir).expanduser()
+        if self.memory is not None:
+            self.memory = parse_size(self.memory)
+        if self.write_behind_bytes is not None:
+            self.write_behind_bytes = parse_size(self.write_behind_bytes)
+        if self.memory_group is not None:
+            self.memory_group = str(self.memory_group)
+        if not self.lease_seconds > 0:
+            raise ValueError("lease_seconds must be positive")
         self.capacity = parse_size(self.capacity)
         self.max_put_bytes = parse_size(self.max_put_bytes)
         self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes)
@@ -180,6 +215,14 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key")
+
+    def memory_bytes(self) -> int:
+        return DEFAULT_MEMORY if self.memory is None else self.memory
+
+    def offers_memory(self) -> bool:
+        if self.memory_clients is not None:
+            return self.memory_clients
+        return self.token_file is None
 
     def offers_local_reads(self) -> bool:
         if self.local_reads is not None:

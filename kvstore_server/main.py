@@ -16,6 +16,7 @@ Everything else goes to the log (stderr).
 from __future__ import annotations
 
 import argparse
+import grp
 import logging
 import resource
 import signal
@@ -39,8 +40,9 @@ from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
-from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.store import Store
+from kvstore_server.tiers import StorageError, open_backend
+from kvstore_server.tiers.arena import open_memory_tier
 
 log = logging.getLogger("kvstore_server")
 
@@ -97,6 +99,8 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
     )
     servicer = Servicer(store, config, Scope(tokens))
     publish_store_id(config.data_dir, servicer.events.store_id if config.offers_local_reads() else None)
+    if store.memory is not None:
+        store.memory.file.publish(servicer.events.store_id)
     if metrics is not None:
         metrics.watch(store, servicer)
     server.add_generic_rpc_handlers((generic_handler(servicer),))
@@ -124,6 +128,53 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return Running(server, port, health_servicer, store, servicer.events, metrics, servicer)
+
+
+def open_store(config: ServerConfig) -> Store:
+    """The backend and, unless `memory` is 0, the memory tier in front of it.
+    Raises StorageError (or OSError) when either cannot be opened."""
+    backend = open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync)
+    memory = None
+    size = config.memory_bytes()
+    if size:
+        try:
+            memory = open_memory_tier(
+                config.memory_dir,
+                config.data_dir,
+                size,
+                "",
+                lease_seconds=config.lease_seconds,
+                write_behind_bytes=config.write_behind_bytes or size // 2,
+                group=_group_id(config.memory_group),
+            )
+        except (StorageError, OSError, KeyError) as exc:
+            if config.memory is not None:  # asked for: a hard error
+                backend.close()
+                raise StorageError(f"memory tier: {exc}") from exc
+            log.warning("running without a memory tier: %s (set memory = 0 to say so)", exc)
+    try:
+        store = Store(backend, config.capacity, memory=memory)
+    except BaseException:
+        backend.close()
+        if memory is not None:
+            memory.close()
+        raise
+    if memory is not None:
+        log.info(
+            "memory tier: %s in %s (%s)",
+            format_size(memory.file.size),
+            memory.file.path,
+            "recovered" if not memory.file.fresh else "new",
+        )
+    return store
+
+
+def _group_id(group: str | None) -> int | None:
+    if group is None:
+        return None
+    if group.isdigit():
+        return int(group)
+    return grp.getgrnam(group).gr_gid  # KeyError: no such group
 
 
 def _raise_open_files_limit() -> None:
@@ -174,6 +225,17 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="let same-host clients read data_dir directly (default: on unless --token-file)",
     )
+    p.add_argument("--memory", help="memory tier size, e.g. 16GiB; 0: off (default 1GiB where it fits)")
+    p.add_argument("--memory-dir", dest="memory_dir", type=Path, help="where the arena file lives (/dev/shm)")
+    p.add_argument("--memory-group", dest="memory_group", help="group that may map the arena (mode 0660)")
+    p.add_argument(
+        "--memory-clients",
+        dest="memory_clients",
+        action=argparse.BooleanOptionalAction,
+        help="let same-host clients map the arena (default: on unless --token-file)",
+    )
+    p.add_argument("--lease-seconds", dest="lease_seconds", type=float, help="reservation/pin lease (30)")
+    p.add_argument("--write-behind-bytes", dest="write_behind_bytes", help="write-behind queue bound")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")
@@ -223,10 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot use the data directory %s: %s", config.data_dir, exc)
         return 1
     try:
-        store = Store(
-            open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync),
-            config.capacity,
-        )
+        store = open_store(config)
     except (OSError, StorageError) as exc:
         log.error("cannot open the %s backend in %s: %s", config.backend, config.data_dir, exc)
         datadir.close(sync=config.sync, clean=False)
@@ -268,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics_note = f", metrics={metrics_http.url}" if metrics_http is not None else ""
     print(
         f"kvstore-server ready on {host}:{running.port} (backend={config.backend}, "
-        f"data_dir={config.data_dir}, capacity={format_size(config.capacity)}{metrics_note})",
+        f"data_dir={config.data_dir}, capacity={format_size(config.capacity)}, "
+        f"memory={format_size(store.memory.file.size) if store.memory is not None else 'off'}{metrics_note})",
         flush=True,
     )
     signum = signal.sigwait(_STOP_SIGNALS)

@@ -9,7 +9,9 @@ translated to a status code here and nowhere else:
     NOT_FOUND           Describe of a block that is not stored
     ABORTED             Put stream closed before its commit (nothing stored)
     OUT_OF_RANGE        Watch from (or fallen behind to) a sequence no longer held
-    FAILED_PRECONDITION LocalAccess on a daemon that does not offer local reads
+    NOT_FOUND           ... and Commit/Abort of a reservation that no longer exists
+    FAILED_PRECONDITION LocalAccess on a daemon that does not offer local reads, memory-tier
+                        calls on one without a memory tier (or not offering it to clients)
     UNAVAILABLE         the daemon is shutting down (also ends Watch streams)
     INTERNAL            the backend failed (logged with details)
 """
@@ -37,16 +39,20 @@ from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.idle import IdleReclaim
 from kvstore_server.putbuffer import MalformedPut, PutBudget, PutBuffer
-from kvstore_server.tiers import BlockMeta, LayerSpec, StorageError
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,
+    InvalidCommit,
+    LeaseNotFound,
+    NoMemoryTier,
     NotFoundError,
     ReadResult,
     ShuttingDown,
     Store,
     WaitTimeout,
 )
+from kvstore_server.tiers import BlockMeta, LayerSpec, StorageError
+from kvstore_server.tiers.arena import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,9 @@ _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (MalformedPut, grpc.StatusCode.INVALID_ARGUMENT),
     (InvalidChain, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidCommit, grpc.StatusCode.INVALID_ARGUMENT),
+    (LeaseNotFound, grpc.StatusCode.NOT_FOUND),
+    (NoMemoryTier, grpc.StatusCode.FAILED_PRECONDITION),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
@@ -452,6 +461,103 @@ class Servicer:
             pid_namespace=pid_namespace(),
         )
 
+    # ---- memory tier (the same-host data plane)
+    def _memory_offered(self) -> MemoryTier:
+        memory = self.store.memory
+        if memory is None:
+            raise NoMemoryTier("this daemon runs without a memory tier (memory = 0); use Put and Get")
+        if not self.config.offers_memory():
+            reason = (
+                "memory_clients = false" if self.config.memory_clients is False else "tenants are configured"
+            )
+            raise NoMemoryTier(
+                f"this daemon does not offer its memory tier to clients ({reason}); use Put and Get"
+            )
+        return memory
+
+    @translated
+    def ArenaAccess(
+        self, request: pb.ArenaAccessRequest, context: grpc.ServicerContext
+    ) -> pb.ArenaAccessResponse:
+        memory = self._memory_offered()
+        return pb.ArenaAccessResponse(
+            path=str(memory.file.path.resolve()),
+            size_bytes=memory.file.size,
+            store_id=self.events.store_id,
+            namespace_prefix=self.scope.prefix(context),
+            lease_seconds=memory.lease_seconds,
+        )
+
+    @translated
+    def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        memory = self._memory_offered()
+        namespace = self._ns(context, request.namespace)
+        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_PUT)
+        parent = check_hash(request.parent_hash, "parent_hash") if request.parent_hash else b""
+        if parent and parent in hashes:
+            raise InvalidRequest(
+                "parent_hash is one of the request's own block hashes; a chain has no cycles"
+            )
+        layers = check_layers(request.layers)
+        check_record_size(namespace, hashes[0], layers)
+        total = sum(layer.nbytes for layer in layers) * len(hashes)
+        if total > self.config.max_put_bytes:
+            raise CapacityError(f"save of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
+        res = self.store.reserve(self.scope.prefix(context), namespace, parent, hashes, layers)
+        if res is None:
+            return pb.ReserveResponse(reservation_id=0)
+        return pb.ReserveResponse(
+            reservation_id=res.id,
+            blocks=res.request_index,
+            offset=res.extent,
+            lease_seconds=memory.lease_seconds,
+        )
+
+    @translated
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.PutResponse:
+        self._memory_offered()
+        result = self.store.commit(
+            self.scope.prefix(context), request.reservation_id, list(request.checksums)
+        )
+        return pb.PutResponse(
+            blocks_written=result.blocks_written,
+            blocks_skipped=result.blocks_skipped,
+            bytes_written=result.bytes_written,
+            blocks_evicted=result.blocks_evicted,
+        )
+
+    @translated
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        self._memory_offered()
+        self.store.abort(self.scope.prefix(context), request.reservation_id)
+        return pb.AbortResponse()
+
+    @translated
+    def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
+        self._memory_offered()
+        namespace = self._ns(context, request.namespace)
+        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
+        with self.reclaim.busy():
+            pin = self.store.pin(self.scope.prefix(context), namespace, hashes)
+        return pb.PinResponse(
+            pin_id=pin.pin_id,
+            num_blocks=pin.num_blocks,
+            layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in pin.layers],
+            runs=[
+                pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
+                for r in pin.runs
+            ],
+            checksums=pin.checksums,
+            lease_seconds=pin.lease_seconds,
+        )
+
+    @translated
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        self._memory_offered()
+        corrupt = check_hashes(request.corrupt_block_hashes, wire.MAX_BLOCKS_PER_LOOKUP, allow_empty=True)
+        found = self.store.release(self.scope.prefix(context), request.pin_id, corrupt)
+        return pb.ReleaseResponse(was_pinned=found)
+
     # ---- routers and observers
     @translated
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
@@ -559,4 +665,13 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
             servicer.LocalAccess, _decoder(pb.LocalAccessRequest), pb.LocalAccessResponse.SerializeToString
         ),
     }
+    for name, request, response in (
+        ("ArenaAccess", pb.ArenaAccessRequest, pb.ArenaAccessResponse),
+        ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
+        ("Commit", pb.CommitRequest, pb.PutResponse),
+        ("Abort", pb.AbortRequest, pb.AbortResponse),
+        ("Pin", pb.PinRequest, pb.PinResponse),
+        ("Release", pb.ReleaseRequest, pb.ReleaseResponse),
+    ):
+        handlers[name] = unary(getattr(servicer, name), _decoder(request), response.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

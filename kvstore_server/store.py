@@ -1,12 +1,25 @@
-"""The store: a backend plus the prefix index, capacity and the hand-off wait.
+"""The store: the prefix index, capacity and the hand-off wait, over a chain of tiers.
 
 `Store` is what the gRPC servicer calls, from many worker threads at once. It
 takes validated Python values and raises the errors below; translating them to
 gRPC status codes is the servicer's job.
 
-Locks: `_lock` guards the index and counters and is held only for in-memory
-work. `_commit_lock` serialises everything that changes the backend (puts,
-evictions, drop-selects), so the index and the backend change together.
+Tiers: the memory tier (`tiers.arena`, optional) in front of the persistent
+tier (`backend`: LMDB or disk). The index holds every visible block, whichever
+tier has it, and `capacity_bytes` bounds them all: the persistent tier gets
+every block in the end (written behind from the arena). Saves through the arena
+(reserve -> the client writes -> commit) land in the memory tier and are
+written behind by `tiers.writeback`; gRPC Puts go to the persistent tier. Loads
+pin blocks in the arena, promoting those only the persistent tier holds; gRPC
+reads take each block from the first tier that has it.
+
+Locks: `_lock` guards the index, the memory tier's state and the counters, and
+is held only for in-memory work. `_commit_lock` serialises everything that
+changes a tier's contents (puts, commits, promotions, write-behind, evictions,
+drop-selects), so the index and the tiers change together.
+
+NOTE: over 500 lines: the memory tier's operations share the index, the locks
+and the eviction rules with the rest, and read best next to them.
 """
 
 from __future__ import annotations
@@ -16,9 +29,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
+from kvstore import arena_format as fmt
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
 from kvstore_server.tiers import (
@@ -32,6 +46,8 @@ from kvstore_server.tiers import (
     StoredBlock,
     checksum,
 )
+from kvstore_server.tiers.arena import ArenaError, MemoryTier, Pin, Placed, Reservation
+from kvstore_server.tiers.writeback import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +74,18 @@ class WaitTimeout(StoreError):
 
 class ShuttingDown(StoreError):
     """The store is closing; the call should be retried elsewhere or later."""
+
+
+class LeaseNotFound(StoreError):
+    """No reservation or pin with that id (never made, expired, or already ended)."""
+
+
+class InvalidCommit(StoreError):
+    """A commit that does not match its reservation (checksum count)."""
+
+
+class NoMemoryTier(StoreError):
+    """The daemon runs without a memory tier."""
 
 
 @dataclass
@@ -94,6 +122,26 @@ class ReadResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Run:
+    """`count` blocks of a pinned prefix, at positions first.. of the extent at `extent`."""
+
+    extent: int
+    extent_blocks: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinResult:
+    pin_id: int  # 0: nothing pinned (a miss)
+    layers: tuple[LayerSpec, ...]
+    runs: list[Run]
+    checksums: list[int]  # block-major: block b, layer l at b * len(layers) + l
+    num_blocks: int
+    lease_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class BlockInfo:
     namespace: bytes
     block_hash: bytes
@@ -107,8 +155,9 @@ under the store's lock, in commit order."""
 
 
 class Store:
-    def __init__(self, backend: Backend, capacity_bytes: int) -> None:
+    def __init__(self, backend: Backend, capacity_bytes: int, *, memory: MemoryTier | None = None) -> None:
         self.backend = backend
+        self.memory = memory
         self.capacity_bytes = capacity_bytes
         self.counters = Counters()
         self.started_at = time.time()
@@ -129,7 +178,10 @@ class Store:
                 meta.created_at,
                 len(meta.layers),
             )
+        if memory is not None:
+            self._recover_memory(memory)
         self._index.sort_leaves()
+        self._writer = WriteBehind(self) if memory is not None else None
         if self._index.bytes_used > capacity_bytes:
             with self._commit_lock, self._lock:
                 victims = eviction.down_to(self._index, capacity_bytes)
@@ -301,10 +353,14 @@ class Store:
             raise
 
     def _reconcile(self, victims: list[BlockKey]) -> None:
-        """Delete from the backend what the index already dropped. A backend that cannot
+        """Delete from the tiers what the index already dropped. A backend that cannot
         (a failing disk) is logged: the blocks are not served, and return at restart."""
         if not victims:
             return
+        if self.memory is not None:
+            with self._lock:
+                gone = self.memory.unplace(victims)
+            self._forget_records(self.memory, gone)
         try:
             self.backend.delete(victims)
         except StorageError as exc:
@@ -317,10 +373,34 @@ class Store:
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n])
         keys = [(namespace, h) for h in hashes[:n]]
-        with self.backend.read(keys) as blocks:
+        with self._read_tiers(keys) as blocks:
             result = self._verified_prefix(blocks, keys)
             yield result
         self._count_read(result)
+
+    @contextmanager
+    def _read_tiers(self, keys: list[BlockKey]) -> Iterator[list[StoredBlock | None]]:
+        """Each block from the first tier that has it; arena extents stay pinned meanwhile."""
+        memory = self.memory
+        if memory is None:
+            with self.backend.read(keys) as blocks:
+                yield blocks
+            return
+        with self._lock:
+            placements = [memory.resident.get(key) for key in keys]
+            extents = list(dict.fromkeys(p.extent for p in placements if p is not None))
+            memory.pin_extents(extents, time.time())
+            hot = len(keys) - placements.count(None)
+            memory.counters.memory_hit_blocks += hot
+            memory.counters.persistent_hit_blocks += len(keys) - hot
+        try:
+            cold = [key for key, p in zip(keys, placements, strict=True) if p is None]
+            with self.backend.read(cold) if cold else nullcontext([]) as cold_blocks:
+                rest = iter(cold_blocks)
+                yield [memory.block(p) if p is not None else next(rest) for p in placements]
+        finally:
+            with self._lock:
+                memory.unpin_extents(extents)
 
     @contextmanager
     def take(
@@ -339,7 +419,7 @@ class Store:
                         for key in reversed(keys):  # tail first: nothing left below to walk
                             self._index.remove(*key)
                         self._emit_removed(keys)
-                    blocks = stack.enter_context(self.backend.read(keys))
+                    blocks = stack.enter_context(self._read_tiers(keys))
                     # The read snapshot keeps the bytes readable after this delete.
                     self._reconcile(keys)
                 break
@@ -396,15 +476,402 @@ class Store:
 
     def _remove_corrupt(self, key: BlockKey) -> None:
         with self._commit_lock:
-            with self._lock:
-                if self._index.remove(*key) is not None:
-                    self._emit_removed([key])
-            # deleting inside a read snapshot is safe: the snapshot keeps its pages
-            self._reconcile([key])
+            self._remove_corrupt_locked(key)
+
+    def _remove_corrupt_locked(self, key: BlockKey) -> None:
+        with self._lock:
+            if self._index.remove(*key) is not None:
+                self._emit_removed([key])
+        # deleting inside a read snapshot is safe: the snapshot keeps its pages (and an
+        # arena extent being read is pinned)
+        self._reconcile([key])
 
     def _count_read(self, result: ReadResult) -> None:
         with self._lock:
             self.counters.bytes_read += sum(layer.nbytes for layer in result.layers) * result.num_blocks
+
+    # ---- the memory tier: recovery, reservations, pins, promotion, write-behind
+    def _recover_memory(self, memory: MemoryTier) -> None:
+        """Take back the blocks a previous daemon committed to the arena: those the
+        persistent tier has are resident copies; the others wait for write-behind."""
+        recovered = memory.recover(memory.index.scan())
+        queued = 0
+        for placed in recovered:
+            m = placed.meta
+            persisted = self._index.get(*m.key) is not None
+            if not persisted:
+                self._index.add(m.namespace, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
+            memory.place([placed], m.created_at, dirty=not persisted)
+            queued += not persisted
+        if recovered:
+            log.info(
+                "memory tier: recovered %d committed blocks from %s (%d not yet written behind)",
+                len(recovered),
+                memory.file.path,
+                queued,
+            )
+
+    def _tier(self) -> MemoryTier:
+        if self.memory is None:
+            raise NoMemoryTier("this daemon runs without a memory tier (--memory 0)")
+        return self.memory
+
+    def reserve(
+        self,
+        prefix: bytes,
+        namespace: bytes,
+        parent_hash: bytes,
+        hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+    ) -> Reservation | None:
+        """Reserve an extent for the blocks of `hashes` not stored yet (None: all are).
+        The caller writes them, layer-major, then commits within the lease."""
+        memory = self._tier()
+        block_bytes = sum(layer.nbytes for layer in layers)
+        now = time.time()
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the store is closed")
+            memory.expire(now)
+            todo = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
+        if not todo:
+            return None
+        nbytes = fmt.extent_bytes(block_bytes, len(todo))
+        if nbytes > memory.allocator.total:
+            raise CapacityError(
+                f"a save of {nbytes} bytes does not fit the memory tier ({memory.allocator.total} bytes)"
+            )
+        with self._commit_lock:
+            offset = self._allocate(memory, nbytes, now)
+            with self._lock:
+                res = Reservation(
+                    id=memory.new_id(),
+                    prefix=prefix,
+                    namespace=namespace,
+                    parent_hash=parent_hash,
+                    hashes=[hashes[i] for i in todo],
+                    parents=[hashes[i - 1] if i else parent_hash for i in todo],
+                    request_index=todo,
+                    skipped=len(hashes) - len(todo),
+                    layers=tuple(layers),
+                    extent=offset,
+                    nbytes=nbytes,
+                    expires=time.monotonic() + memory.lease_seconds,
+                )
+                memory.reservations[res.id] = res
+                memory.counters.reservations += 1
+        return res
+
+    def _allocate(self, memory: MemoryTier, nbytes: int, now: float) -> int:
+        """An extent of `nbytes`, evicting least recently used extents for it. Their blocks
+        stay stored in the persistent tier; memory-only ones leave the store. Under the
+        commit lock."""
+        while True:
+            with self._lock:
+                offset = memory.allocate(nbytes)
+                if offset is not None:
+                    return offset
+                extent = memory.evictable_extent(now)
+                if extent is None:
+                    raise CapacityError(
+                        f"no room for {nbytes} bytes in the memory tier: the rest is pinned, "
+                        "reserved or waiting to be written behind"
+                    )
+                keys = list(extent.live)
+                dropped = [k for k in keys if k in memory.memory_only]
+                for key in dropped:
+                    self._index.remove(*key)
+                self._emit_removed(dropped)
+                self.counters.evictions += len(dropped)
+                memory.counters.memory_evictions += len(keys)
+                gone = memory.unplace(keys)
+            self._forget_records(memory, gone)
+
+    def _forget_records(self, memory: MemoryTier, keys: Sequence[BlockKey]) -> None:
+        try:
+            memory.index.delete(keys)
+        except ArenaError as exc:
+            log.error("%s; %d blocks may come back from the memory tier at restart", exc, len(keys))
+
+    def commit(self, prefix: bytes, reservation_id: int, checksums: Sequence[int]) -> PutResult:
+        """Make a reservation's blocks visible, all or nothing; `checksums` block-major."""
+        memory = self._tier()
+        with self._commit_lock:
+            with self._lock:
+                res = memory.reservations.get(reservation_id)
+                if res is None or res.prefix != prefix:
+                    raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
+                if len(checksums) != len(res.hashes) * len(res.layers):
+                    raise InvalidCommit(
+                        f"a commit of {len(res.hashes)} blocks of {len(res.layers)} layers needs "
+                        f"{len(res.hashes) * len(res.layers)} checksums, not {len(checksums)}"
+                    )
+                memory.take_reservation(reservation_id, prefix)
+                ns = res.namespace
+                fresh = [i for i, h in enumerate(res.hashes) if self._index.get(ns, h) is None]
+                try:
+                    if fresh and res.parent_hash:
+                        self._check_acyclic(ns, res.parent_hash, res.hashes)
+                except InvalidChain:
+                    memory.allocator.free(res.extent, res.nbytes)
+                    raise
+                block_bytes = sum(layer.nbytes for layer in res.layers)
+                incoming = block_bytes * len(fresh)
+                chain = {(ns, h) for h in res.hashes} | (
+                    {(ns, res.parent_hash)} if res.parent_hash else set()
+                )
+                victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
+                self._emit_removed(victims)
+                self.counters.evictions += len(victims)
+                if self._index.bytes_used + incoming > self.capacity_bytes:
+                    memory.allocator.free(res.extent, res.nbytes)
+                    fits = False
+                else:
+                    fits = True
+            self._reconcile(victims)
+            if not fits:
+                raise CapacityError("not enough evictable data to make room for this commit")
+            now = time.time()
+            n, width = len(res.hashes), len(res.layers)
+            placed = [
+                Placed(
+                    BlockMeta(
+                        ns,
+                        res.hashes[i],
+                        res.parents[i],
+                        res.layers,
+                        tuple(checksums[i * width : (i + 1) * width]),
+                        now,
+                    ),  # fmt: skip
+                    res.extent,
+                    n,
+                    i,
+                )
+                for i in fresh
+            ]
+            try:
+                memory.index.put(placed)
+            except ArenaError:
+                with self._lock:
+                    memory.allocator.free(res.extent, res.nbytes)
+                raise
+            with self._lock:
+                if placed:
+                    for p in placed:
+                        m = p.meta
+                        self._index.add(ns, m.block_hash, m.parent_hash, block_bytes, now, width)
+                    memory.place(placed, now, dirty=True)
+                    for listener in self._listeners:
+                        listener("stored", ns, [p.meta.block_hash for p in placed],
+                                 [p.meta.parent_hash for p in placed])  # fmt: skip
+                else:
+                    memory.allocator.free(res.extent, res.nbytes)
+                memory.counters.commits += 1
+                self.counters.puts += 1
+                self.counters.blocks_written += len(placed)
+                self.counters.bytes_written += incoming
+                self._changed.notify_all()
+        if self._writer is not None:
+            self._writer.wake()
+        return PutResult(len(placed), res.skipped + n - len(placed), incoming, len(victims))
+
+    def abort(self, prefix: bytes, reservation_id: int) -> None:
+        memory = self._tier()
+        with self._lock:
+            res = memory.take_reservation(reservation_id, prefix)
+            if res is None:
+                raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
+            memory.allocator.free(res.extent, res.nbytes)
+            memory.counters.aborts += 1
+
+    def expire_leases(self) -> int:
+        if self.memory is None:
+            return 0
+        with self._lock:
+            return self.memory.expire(time.time())
+
+    def pin(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
+        """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
+        persistent tier holds) for the lease; a miss pins nothing (pin_id 0)."""
+        memory = self._tier()
+        now = time.time()
+        with self._lock:
+            memory.expire(now)
+            n = self._index.prefix_len(namespace, hashes)
+            self._index.touch(namespace, hashes[:n], now)
+            keys = [(namespace, h) for h in hashes[:n]]
+            cold = [k for k in keys if k not in memory.resident]
+        if cold:
+            self._promote(memory, keys, now)
+        with self._lock:
+            runs: list[Run] = []
+            sums: list[int] = []
+            layers: tuple[LayerSpec, ...] = ()
+            for key in keys:
+                placed = memory.resident.get(key)
+                if placed is None or self._index.get(*key) is None:
+                    break
+                if layers and placed.meta.layers != layers:
+                    break
+                layers = placed.meta.layers
+                last = runs[-1] if runs else None
+                if (
+                    last is not None
+                    and last.extent == placed.extent
+                    and last.first + last.count == placed.position
+                ):
+                    runs[-1] = Run(last.extent, last.extent_blocks, last.first, last.count + 1)
+                else:
+                    runs.append(Run(placed.extent, placed.extent_blocks, placed.position, 1))
+                sums.extend(placed.meta.checksums)
+            if not runs:
+                return PinResult(0, (), [], [], 0, memory.lease_seconds)
+            extents = list(dict.fromkeys(run.extent for run in runs))
+            memory.pin_extents(extents, now)
+            pin_id = memory.new_id()
+            memory.pins[pin_id] = Pin(
+                pin_id, prefix, namespace, extents, time.monotonic() + memory.lease_seconds
+            )
+            memory.counters.pins += 1
+            got = sum(run.count for run in runs)
+            memory.counters.memory_hit_blocks += got - len(cold)
+            memory.counters.persistent_hit_blocks += min(len(cold), got)
+            self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
+        return PinResult(pin_id, layers, runs, sums, got, memory.lease_seconds)
+
+    def _promote(self, memory: MemoryTier, keys: list[BlockKey], now: float) -> None:
+        """Copy the blocks of `keys` that only the persistent tier holds into one new extent,
+        verified; a bad block ends the promotion there (and is removed)."""
+        with self._commit_lock:
+            with self._lock:
+                hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
+                memory.pin_extents(hot, now)  # the request's own blocks stay while room is made
+                cold = [k for k in keys if k not in memory.resident and self._index.get(*k) is not None]
+            try:
+                if cold:
+                    self._promote_blocks(memory, cold, now)
+            finally:
+                with self._lock:
+                    memory.unpin_extents(hot)
+
+    def _promote_blocks(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> None:
+        with self.backend.read(cold) as blocks:
+            good = self._verified_prefix(blocks, cold, remove_bad=False)
+            if not good.blocks:
+                bad = cold[0] if blocks and blocks[0] is not None else None
+                if bad is not None:
+                    self._remove_corrupt_locked(bad)
+                return
+            n = good.num_blocks
+            sizes = [layer.nbytes for layer in good.layers]
+            nbytes = fmt.extent_bytes(sum(sizes), n)
+            if nbytes > memory.allocator.total:
+                return  # the load is served from what is in memory
+            try:
+                offset = self._allocate(memory, nbytes, now)
+            except CapacityError as exc:
+                log.info("no promotion of %d blocks: %s", n, exc)
+                return
+            view = memory.file.view
+            placed = []
+            for position, block in enumerate(good.blocks):
+                for layer, data in enumerate(block.layers):
+                    at = offset + fmt.block_layer_offset(sizes, n, layer, position)
+                    view[at : at + sizes[layer]] = data
+                placed.append(Placed(block.meta, offset, n, position))
+        if n < len(cold) and blocks[n] is not None:
+            self._remove_corrupt_locked(cold[n])
+        try:
+            memory.index.put(placed)
+        except ArenaError as exc:
+            log.error("%s; promotion skipped", exc)
+            with self._lock:
+                memory.allocator.free(offset, nbytes)
+            return
+        with self._lock:
+            live = [p for p in placed if self._index.get(*p.meta.key) is not None]
+            if live:
+                memory.place(live, now, dirty=False)
+            else:
+                memory.allocator.free(offset, nbytes)
+            memory.counters.promotions += 1
+            memory.counters.promoted_blocks += len(live)
+
+    def release(self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = ()) -> bool:
+        """End a pin; `corrupt`: blocks the client found failing their checksum (verified
+        here again, and removed if so). False: the pin had already expired."""
+        memory = self._tier()
+        with self._lock:
+            pin = memory.pins.get(pin_id)
+            if pin is None or pin.prefix != prefix:
+                found, namespace = False, b""
+            else:
+                found, namespace = True, pin.namespace
+        if found and corrupt:
+            self._check_reported(memory, namespace, corrupt)
+        with self._lock:
+            memory.release_pin(pin_id, prefix)
+        return found
+
+    def _check_reported(self, memory: MemoryTier, namespace: bytes, hashes: Sequence[bytes]) -> None:
+        for block_hash in hashes:
+            key = (namespace, block_hash)
+            with self._lock:
+                placed = memory.resident.get(key)
+                if placed is None:
+                    continue
+                bad = memory.block(placed).corrupt_layer() is not None
+            if bad:
+                log.error("block %s fails its checksum in the memory tier (reported by a client): removed",
+                          block_hash.hex())  # fmt: skip
+                with self._lock:
+                    self.counters.checksum_failures += 1
+                self._remove_corrupt(key)
+
+    def write_behind_once(self, batch_bytes: int) -> bool:
+        """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`),
+        verified; False when nothing was waiting."""
+        memory = self.memory
+        if memory is None:
+            return False
+        with self._commit_lock:
+            with self._lock:
+                batch: list[Placed] = []
+                size = 0
+                for key, nbytes in memory.dirty.items():
+                    if batch and size + nbytes > batch_bytes:
+                        break
+                    batch.append(memory.resident[key])
+                    size += nbytes
+                if not batch:
+                    return False
+            writes, corrupt = [], []
+            for placed in batch:
+                block = memory.block(placed)
+                if block.corrupt_layer() is None:
+                    writes.append(BlockWrite(block.meta, block.layers))
+                else:
+                    corrupt.append(placed.meta.key)
+            keys = [w.meta.key for w in writes]
+            try:
+                self.backend.write(writes)
+                ok = True
+            except StorageError as exc:
+                ok = False
+                log.warning(
+                    "write-behind of %d blocks failed; they stay in memory only: %s", len(writes), exc
+                )
+            with self._lock:
+                if ok:
+                    memory.written_behind(keys)
+                else:
+                    memory.drop_behind(keys)
+                if corrupt:
+                    self.counters.checksum_failures += len(corrupt)
+            for key in corrupt:
+                log.error("block %s fails its checksum in the memory tier: removed", key[1].hex())
+                self._remove_corrupt_locked(key)
+        return True
 
     # ---- operators
     def evict(self, select: Callable[[PrefixIndex], list[BlockKey]]) -> tuple[int, int]:
@@ -431,6 +898,7 @@ class Store:
                 "backend": self.backend.name,
                 "uptime_seconds": time.time() - self.started_at,
                 **vars(self.counters),
+                **(self.memory.stats() if self.memory is not None else {}),
             }
 
     def list_blocks(
@@ -464,7 +932,7 @@ class Store:
             if self._index.get(namespace, block_hash) is None:
                 raise NotFoundError(f"block {block_hash.hex()} is not stored in this namespace")
             info = self._info((namespace, block_hash))
-        with self.backend.read([(namespace, block_hash)]) as blocks:
+        with self._read_tiers([(namespace, block_hash)]) as blocks:
             block = blocks[0]
             if block is None:
                 raise NotFoundError(f"block {block_hash.hex()} vanished while being described")
@@ -498,9 +966,13 @@ class Store:
             self._changed.notify_all()
 
     def close(self) -> None:
-        """Close the backend; called once, after the server stopped."""
+        """Write behind what waits, close the tiers; called once, after the server stopped."""
         self.begin_shutdown()
+        if self._writer is not None:
+            self._writer.close()
         with self._commit_lock:
             with self._lock:
                 self._closed = True
             self.backend.close()
+            if self.memory is not None:
+                self.memory.close()

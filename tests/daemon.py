@@ -22,6 +22,10 @@ class Daemon:
     data_dir: Path
     backend: str = "lmdb"
     capacity: str = "1GiB"
+    # the memory tier: small, and in the test's own directory (never the host's /dev/shm,
+    # where arena files outlive the daemons); "0" turns it off
+    memory_size: str = "64MiB"
+    memory_dir: Path | None = None
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     wrap: list[str] = field(default_factory=list)  # command prefix, e.g. ["unshare", ...]
@@ -45,6 +49,10 @@ class Daemon:
             self.backend,
             "--capacity",
             self.capacity,
+            "--memory",
+            self.memory_size,
+            "--memory-dir",
+            str(self.memory_dir or self.data_dir.parent / f"{self.data_dir.name}-shm"),
             *self.extra_args,
         ]
         self.log_path = self.data_dir.parent / f"{self.data_dir.name}.log"

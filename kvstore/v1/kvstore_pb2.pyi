@@ -154,7 +154,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures")
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,27 @@ class StatsResponse(_message.Message):
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BEHIND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BEHIND_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BEHIND_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ONLY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes_used: int
     capacity_bytes: int
@@ -187,7 +208,28 @@ class StatsResponse(_message.Message):
     bytes_read: int
     evictions: int
     checksum_failures: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ...) -> None: ...
+    memory_capacity_bytes: int
+    memory_used_bytes: int
+    memory_blocks: int
+    memory_bytes: int
+    pinned_bytes: int
+    reserved_bytes: int
+    write_behind_blocks: int
+    write_behind_bytes: int
+    written_behind: int
+    write_behind_dropped: int
+    memory_only_blocks: int
+    promotions: int
+    promoted_blocks: int
+    memory_hit_blocks: int
+    persistent_hit_blocks: int
+    leases_expired: int
+    reservations: int
+    commits: int
+    aborts: int
+    pins: int
+    memory_evictions: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")
@@ -304,3 +346,113 @@ class LocalAccessResponse(_message.Message):
     namespace_prefix: bytes
     pid_namespace: str
     def __init__(self, backend: _Optional[str] = ..., data_dir: _Optional[str] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
+
+class ArenaAccessRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ArenaAccessResponse(_message.Message):
+    __slots__ = ("path", "size_bytes", "store_id", "namespace_prefix", "lease_seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    store_id: str
+    namespace_prefix: bytes
+    lease_seconds: float
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes", "layers", "parent_hash")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    parent_hash: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "blocks", "offset", "lease_seconds")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    lease_seconds: float
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("reservation_id", "checksums")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("reservation_id",)
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    def __init__(self, reservation_id: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "block_hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ArenaRun(_message.Message):
+    __slots__ = ("offset", "extent_blocks", "first", "count")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    extent_blocks: int
+    first: int
+    count: int
+    def __init__(self, offset: _Optional[int] = ..., extent_blocks: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    num_blocks: int
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    runs: _containers.RepeatedCompositeFieldContainer[ArenaRun]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    lease_seconds: float
+    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("pin_id", "corrupt_block_hashes")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    pin_id: int
+    corrupt_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pin_id: _Optional[int] = ..., corrupt_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("was_pinned",)
+    WAS_PINNED_FIELD_NUMBER: _ClassVar[int]
+    was_pinned: bool
+    def __init__(self, was_pinned: _Optional[bool] = ...) -> None: ...

@@ -84,6 +84,36 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessResponse.FromString,
                 _registered_method=True)
+        self.ArenaAccess = channel.unary_unary(
+                '/kvstore.v1.KVStore/ArenaAccess',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ArenaAccessRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ArenaAccessResponse.FromString,
+                _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvstore.v1.KVStore/Reserve',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvstore.v1.KVStore/Commit',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/kvstore.v1.KVStore/Abort',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvstore.v1.KVStore/Pin',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvstore.v1.KVStore/Release',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -149,6 +179,42 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ArenaAccess(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +267,36 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.LocalAccess,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.LocalAccessResponse.SerializeToString,
+            ),
+            'ArenaAccess': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArenaAccess,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ArenaAccessRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ArenaAccessResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +569,168 @@ class KVStore:
             '/kvstore.v1.KVStore/LocalAccess',
             kvstore_dot_v1_dot_kvstore__pb2.LocalAccessRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.LocalAccessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArenaAccess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ArenaAccess',
+            kvstore_dot_v1_dot_kvstore__pb2.ArenaAccessRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ArenaAccessResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Reserve',
+            kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Commit',
+            kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Abort',
+            kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Pin',
+            kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Release',
+            kvstore_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

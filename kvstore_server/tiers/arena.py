@@ -1,0 +1,559 @@
+"""The memory tier: a shared-memory arena the daemon owns and same-host clients map.
+
+Three parts, all used by `kvstore_server.store.Store` under its locks:
+
+    ArenaFile    the file (created, sized and pre-faulted by the daemon, mode 0600 or a
+                 group), its header (kvstore.arena_format) and the daemon's mapping
+    Allocator    first-fit free list of ALIGN-sized pages, coalescing on free
+    ArenaIndex   committed blocks -> where they lie, in a small LMDB environment beside
+                 the file (same filesystem, so it lives and dies with it). A commit writes
+                 its blocks' records in one transaction: after a SIGKILL the daemon
+                 recovers exactly the committed blocks; a reservation that was never
+                 committed has no record, so its bytes are free space, never data.
+    MemoryTier   the two above and what is resident where, reservations and pins with their leases, the
+                 write-behind queue. In-memory only; guarded by the store's lock.
+
+The arena is a cache in front of the persistent tier: a committed block stays
+here until the persistent tier has it (write-behind), then may be evicted; a
+block that only the persistent tier holds is promoted into a fresh extent when
+it is loaded. Clients write reserved extents and read pinned ones directly; the
+daemon never trusts those bytes: every block-layer carries its xxh3 checksum,
+verified before bytes are written behind, served over gRPC, or used by a client.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import mmap
+import os
+import secrets
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lmdb
+
+from kvstore import arena_format as fmt
+from kvstore_server.tiers.base import NO_SPACE, BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock
+
+log = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the whole mapping in now
+_RECORD = struct.Struct("<QII")  # extent offset, blocks in the extent, position
+_ID_KEY = b"\x00\x00arena-id"  # never a block key (those carry a 32-byte hash)
+_INDEX_MAP_BYTES = 1 << 30  # sparse: address space, not memory
+
+
+class ArenaError(StorageError):
+    """The arena file cannot be created, opened or used."""
+
+
+def _key(namespace: bytes, block_hash: bytes) -> bytes:
+    return len(namespace).to_bytes(2, "big") + namespace + block_hash
+
+
+# ---- the file ---------------------------------------------------------------------
+class ArenaFile:
+    """The arena file and the daemon's shared mapping of it.
+
+    An existing file of the same size and format is kept (its committed blocks are
+    recovered); anything else at the path is replaced by a fresh, zeroed arena.
+    """
+
+    def __init__(self, path: Path, size: int, store_id: str, *, group: int | None = None) -> None:
+        if size < fmt.DATA_OFFSET + fmt.ALIGN:
+            raise ArenaError(
+                f"memory tier of {size} bytes is too small (at least {fmt.DATA_OFFSET + fmt.ALIGN})"
+            )
+        size -= size % fmt.ALIGN
+        self.path = path
+        self.size = size
+        path.parent.mkdir(parents=True, exist_ok=True)
+        old = self._existing_header(path, size)
+        self.fresh = old is None
+        arena_id = old.arena_id if old is not None else secrets.token_hex(16)
+        if self.fresh:
+            path.unlink(missing_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ArenaError(f"cannot create the memory tier's file {path}: {exc.strerror}") from exc
+        try:
+            os.fchmod(fd, 0o660 if group is not None else 0o600)
+            if group is not None:
+                os.fchown(fd, -1, group)
+            os.ftruncate(fd, size)
+            # Allocates every page now (tmpfs): a full /dev/shm is an error here, at
+            # start, rather than a SIGBUS when a client writes its first save.
+            os.posix_fallocate(fd, 0, size)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            if self.fresh:
+                path.unlink(missing_ok=True)
+            if exc.errno in NO_SPACE:
+                raise ArenaError(
+                    f"no room for a memory tier of {size} bytes in {path.parent} "
+                    "(a container's /dev/shm is 64 MiB unless shm_size says more)"
+                ) from exc
+            raise ArenaError(f"cannot size the memory tier's file {path}: {exc.strerror}") from exc
+        os.close(fd)
+        started = time.perf_counter()
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE)
+        except OSError as exc:  # older kernels: pages fault in as they are first used
+            log.debug("memory tier not pre-faulted in this process: %s", exc)
+        log.debug("memory tier mapped in %.2fs", time.perf_counter() - started)
+        self.view = memoryview(self._map)
+        self.header = fmt.Header(size, arena_id, store_id)
+        self.view[: fmt.HEADER_BYTES] = self.header.pack()
+
+    @staticmethod
+    def _existing_header(path: Path, size: int) -> fmt.Header | None:
+        try:
+            with open(path, "rb") as f:
+                header = fmt.Header.unpack(f.read(fmt.HEADER_BYTES))
+            if header.size != size or path.stat().st_size != size:
+                log.info("memory tier resized to %d bytes: starting it empty", size)
+                return None
+            return header
+        except FileNotFoundError:
+            return None
+        except (OSError, fmt.ArenaFormatError) as exc:
+            log.warning("replacing the memory tier's file %s: %s", path, exc)
+            return None
+
+    def publish(self, store_id: str) -> None:
+        """Write the serving daemon run's id into the header (clients check it)."""
+        self.header = fmt.Header(self.size, self.header.arena_id, store_id)
+        self.view[: fmt.HEADER_BYTES] = self.header.pack()
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:  # a view of a read is still referenced: the mapping goes with it
+            log.debug("memory tier mapping still in use at close; left to the garbage collector")
+
+
+# ---- allocation -------------------------------------------------------------------
+class Allocator:
+    """Free extents of [start, end), in units of fmt.ALIGN bytes; first fit."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self._starts: list[int] = [start]
+        self._lengths: dict[int, int] = {start: end - start}
+        self.free_bytes = end - start
+        self.total = end - start
+
+    def allocate(self, nbytes: int) -> int | None:
+        for start in self._starts:
+            length = self._lengths[start]
+            if length >= nbytes:
+                i = bisect.bisect_left(self._starts, start)
+                del self._starts[i]
+                del self._lengths[start]
+                if length > nbytes:
+                    self._starts.insert(i, start + nbytes)
+                    self._lengths[start + nbytes] = length - nbytes
+                self.free_bytes -= nbytes
+                return start
+        return None
+
+    def claim(self, offset: int, nbytes: int) -> bool:
+        """Mark [offset, offset + nbytes) used (recovery); False if any of it is not free."""
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0:
+            return False
+        start = self._starts[i]
+        length = self._lengths[start]
+        if offset + nbytes > start + length:
+            return False
+        del self._starts[i]
+        del self._lengths[start]
+        if offset > start:
+            self._starts.insert(i, start)
+            self._lengths[start] = offset - start
+            i += 1
+        tail = start + length - (offset + nbytes)
+        if tail:
+            self._starts.insert(i, offset + nbytes)
+            self._lengths[offset + nbytes] = tail
+        self.free_bytes -= nbytes
+        return True
+
+    def free(self, offset: int, nbytes: int) -> None:
+        i = bisect.bisect_left(self._starts, offset)
+        end = offset + nbytes
+        if i < len(self._starts) and self._starts[i] == end:  # merge with the next
+            nbytes += self._lengths.pop(end)
+            del self._starts[i]
+        if i > 0:
+            prev = self._starts[i - 1]
+            if prev + self._lengths[prev] == offset:  # merge with the previous
+                self._lengths[prev] += nbytes
+                self.free_bytes += end - offset
+                return
+        self._starts.insert(i, offset)
+        self._lengths[offset] = nbytes
+        self.free_bytes += end - offset
+
+    @property
+    def largest(self) -> int:
+        return max(self._lengths.values(), default=0)
+
+
+# ---- committed records ----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A committed block in the arena: its metadata and where its extent is."""
+
+    meta: BlockMeta
+    extent: int
+    extent_blocks: int
+    position: int
+
+    def layer_offset(self, layer: int) -> int:
+        sizes = [spec.nbytes for spec in self.meta.layers]
+        return self.extent + fmt.block_layer_offset(sizes, self.extent_blocks, layer, self.position)
+
+
+class ArenaIndex:
+    """Committed blocks' records, in an LMDB environment beside the arena file."""
+
+    def __init__(self, path: Path, arena_id: str) -> None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+            self._env = lmdb.open(
+                str(path), map_size=_INDEX_MAP_BYTES, sync=False, metasync=False, max_dbs=0, readahead=False
+            )
+            with self._env.begin(write=True) as txn:
+                if txn.get(_ID_KEY) != arena_id.encode():
+                    txn.drop(self._env.open_db(), delete=False)  # another arena's records
+                    txn.put(_ID_KEY, arena_id.encode())
+        except lmdb.Error as exc:
+            raise ArenaError(f"cannot open the memory tier's index {path}: {exc}") from exc
+
+    def scan(self) -> Iterator[Placed]:
+        with self._env.begin(buffers=True) as txn:
+            for key, raw in txn.cursor():
+                if bytes(key) == _ID_KEY:
+                    continue
+                try:
+                    extent, n, position = _RECORD.unpack_from(raw)
+                    meta = BlockMeta.from_json(raw[_RECORD.size :])
+                except (struct.error, ValueError, KeyError, TypeError, StorageError) as exc:
+                    log.warning("skipping an unreadable memory-tier record: %s", exc)
+                    continue
+                yield Placed(meta, extent, n, position)
+
+    def put(self, blocks: Sequence[Placed]) -> None:
+        try:
+            with self._env.begin(write=True) as txn:
+                for p in blocks:
+                    txn.put(
+                        _key(*p.meta.key),
+                        _RECORD.pack(p.extent, p.extent_blocks, p.position) + p.meta.to_json(),
+                    )
+        except lmdb.Error as exc:
+            raise ArenaError(f"memory tier index commit failed: {exc}") from exc
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        if not keys:
+            return
+        try:
+            with self._env.begin(write=True) as txn:
+                for key in keys:
+                    txn.delete(_key(*key))
+        except lmdb.Error as exc:
+            raise ArenaError(f"memory tier index delete failed: {exc}") from exc
+
+    def close(self) -> None:
+        self._env.close()
+
+
+# ---- in-memory state ----------------------------------------------------------------
+@dataclass
+class Extent:
+    offset: int
+    nbytes: int
+    blocks: int
+    live: set[BlockKey] = field(default_factory=set)
+    pins: int = 0
+    last_use: float = 0.0
+
+
+@dataclass
+class Reservation:
+    id: int
+    prefix: bytes  # the caller's tenant: only it may commit or abort
+    namespace: bytes
+    parent_hash: bytes
+    hashes: list[bytes]  # the blocks to write, in extent order
+    parents: list[bytes]  # each one's parent in its chain
+    request_index: list[int]  # each one's index in the request
+    skipped: int  # blocks of the request that were already stored
+    layers: tuple[LayerSpec, ...]
+    extent: int
+    nbytes: int
+    expires: float
+
+
+@dataclass
+class Pin:
+    id: int
+    prefix: bytes
+    namespace: bytes
+    extents: list[int]
+    expires: float
+
+
+@dataclass
+class ArenaCounters:
+    reservations: int = 0
+    commits: int = 0
+    aborts: int = 0
+    pins: int = 0
+    leases_expired: int = 0
+    promotions: int = 0
+    promoted_blocks: int = 0
+    memory_hit_blocks: int = 0
+    persistent_hit_blocks: int = 0
+    written_behind: int = 0
+    write_behind_dropped: int = 0
+    memory_evictions: int = 0
+
+
+class MemoryTier:
+    """The arena file, its index of committed blocks, and the in-memory state: residency,
+    extents, leases and the write-behind queue. Not thread-safe: the store calls the
+    state methods under its lock (the index and the file's bytes under its commit lock)."""
+
+    def __init__(
+        self, file: ArenaFile, index: ArenaIndex, lease_seconds: float, write_behind_bytes: int
+    ) -> None:
+        self.file = file
+        self.index = index
+        self.lease_seconds = lease_seconds
+        self.write_behind_limit = write_behind_bytes
+        self.allocator = Allocator(fmt.DATA_OFFSET, file.size)
+        self.resident: dict[BlockKey, Placed] = {}
+        self.extents: dict[int, Extent] = {}
+        self.reservations: dict[int, Reservation] = {}
+        self.pins: dict[int, Pin] = {}
+        self.dirty: OrderedDict[BlockKey, int] = OrderedDict()  # key -> bytes, commit order
+        self.dirty_bytes = 0
+        self.memory_only: set[BlockKey] = set()  # not written behind (queue full or tier full)
+        self.counters = ArenaCounters()
+
+    def close(self) -> None:
+        self.index.close()
+        self.file.close()
+
+    # ---- recovery
+    def recover(self, records: Iterator[Placed]) -> list[Placed]:
+        """Claim the extents of recovered records; return those that fit and agree."""
+        kept: list[Placed] = []
+        for placed in records:
+            nbytes = fmt.extent_bytes(placed.meta.size, placed.extent_blocks)
+            extent = self.extents.get(placed.extent)
+            if extent is None:
+                if (
+                    placed.extent % fmt.ALIGN
+                    or placed.position >= placed.extent_blocks
+                    or not self.allocator.claim(placed.extent, nbytes)
+                ):
+                    log.warning(
+                        "memory tier record of block %s overlaps another: dropped",
+                        placed.meta.block_hash.hex(),
+                    )
+                    continue
+                extent = self.extents[placed.extent] = Extent(placed.extent, nbytes, placed.extent_blocks)
+            elif extent.nbytes != nbytes or extent.blocks != placed.extent_blocks:
+                log.warning(
+                    "memory tier record of block %s disagrees with its extent: dropped",
+                    placed.meta.block_hash.hex(),
+                )
+                continue
+            extent.live.add(placed.meta.key)
+            self.resident[placed.meta.key] = placed
+            kept.append(placed)
+        return kept
+
+    # ---- extents
+    def allocate(self, nbytes: int) -> int | None:
+        return self.allocator.allocate(nbytes)
+
+    def evictable_extent(self, now: float) -> Extent | None:
+        """The least recently used extent that may leave: unpinned, nothing in it waiting
+        for write-behind (memory-only blocks may go: the persistent tier refused them)."""
+        best: Extent | None = None
+        for extent in self.extents.values():
+            if extent.pins or any(key in self.dirty for key in extent.live):
+                continue
+            if best is None or extent.last_use < best.last_use:
+                best = extent
+        return best
+
+    def place(self, blocks: Sequence[Placed], now: float, *, dirty: bool) -> None:
+        if not blocks:
+            return
+        first = blocks[0]
+        extent = self.extents.get(first.extent)
+        if extent is None:
+            extent = self.extents[first.extent] = Extent(
+                first.extent, fmt.extent_bytes(first.meta.size, first.extent_blocks), first.extent_blocks
+            )
+        extent.last_use = now
+        for placed in blocks:
+            key = placed.meta.key
+            extent.live.add(key)
+            self.resident[key] = placed
+            if dirty:
+                if self.dirty_bytes + placed.meta.size > self.write_behind_limit:
+                    self.memory_only.add(key)
+                    self.counters.write_behind_dropped += 1
+                else:
+                    self.dirty[key] = placed.meta.size
+                    self.dirty_bytes += placed.meta.size
+
+    def unplace(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
+        """Forget `keys` (evicted, taken, corrupt); free extents left empty. Returns the keys
+        that were resident (their index records are the caller's to delete)."""
+        gone = []
+        for key in keys:
+            placed = self.resident.pop(key, None)
+            if placed is None:
+                continue
+            gone.append(key)
+            self.memory_only.discard(key)
+            size = self.dirty.pop(key, None)
+            if size is not None:
+                self.dirty_bytes -= size
+            extent = self.extents.get(placed.extent)
+            if extent is not None:
+                extent.live.discard(key)
+                self._maybe_free(extent)
+        return gone
+
+    def _maybe_free(self, extent: Extent) -> None:
+        if not extent.live and not extent.pins:
+            del self.extents[extent.offset]
+            self.allocator.free(extent.offset, extent.nbytes)
+
+    def written_behind(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            size = self.dirty.pop(key, None)
+            if size is not None:
+                self.dirty_bytes -= size
+                self.counters.written_behind += 1
+
+    def drop_behind(self, keys: Sequence[BlockKey]) -> None:
+        """The persistent tier refused these: they stay in memory only."""
+        for key in keys:
+            size = self.dirty.pop(key, None)
+            if size is not None:
+                self.dirty_bytes -= size
+                self.memory_only.add(key)
+                self.counters.write_behind_dropped += 1
+
+    # ---- leases
+    def new_id(self) -> int:
+        while True:
+            lease_id = secrets.randbits(63) or 1
+            if lease_id not in self.reservations and lease_id not in self.pins:
+                return lease_id
+
+    def pin_extents(self, offsets: Sequence[int], now: float) -> None:
+        for offset in offsets:
+            extent = self.extents[offset]
+            extent.pins += 1
+            extent.last_use = now
+
+    def unpin_extents(self, offsets: Sequence[int]) -> None:
+        for offset in offsets:
+            extent = self.extents.get(offset)
+            if extent is not None:
+                extent.pins -= 1
+                self._maybe_free(extent)
+
+    def release_pin(self, pin_id: int, prefix: bytes) -> Pin | None:
+        pin = self.pins.get(pin_id)
+        if pin is None or pin.prefix != prefix:
+            return None
+        del self.pins[pin_id]
+        self.unpin_extents(pin.extents)
+        return pin
+
+    def take_reservation(self, reservation_id: int, prefix: bytes) -> Reservation | None:
+        res = self.reservations.get(reservation_id)
+        if res is None or res.prefix != prefix:
+            return None
+        del self.reservations[reservation_id]
+        return res
+
+    def expire(self, now: float) -> int:
+        """Reclaim reservations and pins whose lease ran out; how many."""
+        expired = 0
+        for res in [r for r in self.reservations.values() if r.expires <= now]:
+            del self.reservations[res.id]
+            self.allocator.free(res.extent, res.nbytes)
+            expired += 1
+        for pin in [p for p in self.pins.values() if p.expires <= now]:
+            del self.pins[pin.id]
+            self.unpin_extents(pin.extents)
+            expired += 1
+        if expired:
+            self.counters.leases_expired += expired
+            log.info("reclaimed %d expired memory-tier leases", expired)
+        return expired
+
+    # ---- reading
+    def block(self, placed: Placed) -> StoredBlock:
+        view = self.file.view
+        layers = []
+        for i, spec in enumerate(placed.meta.layers):
+            at = placed.layer_offset(i)
+            layers.append(view[at : at + spec.nbytes])
+        return StoredBlock(placed.meta, layers)
+
+    def stats(self) -> dict[str, int]:
+        pinned = sum(e.nbytes for e in self.extents.values() if e.pins)
+        return {
+            "memory_capacity_bytes": self.allocator.total,
+            "memory_used_bytes": self.allocator.total - self.allocator.free_bytes,
+            "memory_blocks": len(self.resident),
+            "memory_bytes": sum(p.meta.size for p in self.resident.values()),
+            "pinned_bytes": pinned,
+            "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
+            "write_behind_blocks": len(self.dirty),
+            "write_behind_bytes": self.dirty_bytes,
+            "memory_only_blocks": len(self.memory_only),
+            **vars(self.counters),
+        }
+
+
+def open_memory_tier(
+    memory_dir: Path,
+    data_dir: Path,
+    size: int,
+    store_id: str,
+    *,
+    lease_seconds: float,
+    write_behind_bytes: int,
+    group: int | None = None,
+) -> MemoryTier:
+    """The data directory's arena under `memory_dir`, recovered if it outlived a daemon."""
+    path = fmt.arena_file(memory_dir, data_dir)
+    file = ArenaFile(path, size, store_id, group=group)
+    try:
+        index = ArenaIndex(path.with_name(path.name + ".index"), file.header.arena_id)
+    except ArenaError:
+        file.close()
+        raise
+    return MemoryTier(file, index, lease_seconds, write_behind_bytes)
