@@ -72,13 +72,13 @@ class ArenaFile:
         size -= size % fmt.ALIGN
         self.path = path
         self.size = size
-        path.parent.mkdir(parents=True, exist_ok=True)
         old = self._existing_header(path, size)
         self.fresh = old is None
         arena_id = old.arena_id if old is not None else secrets.token_hex(16)
-        if self.fresh:
-            path.unlink(missing_ok=True)
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if self.fresh:
+                path.unlink(missing_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ArenaError(f"cannot create the memory tier's file {path}: {exc.strerror}") from exc

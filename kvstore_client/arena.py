@@ -1,0 +1,461 @@
+"""The same-host data plane: saves and loads through the daemon's memory arena.
+
+The daemon owns an arena file in shared memory (kvstore/arena_format.py). A client
+on its host maps the file once per process and moves KV bytes itself; gRPC carries
+only the control messages:
+
+    save:  Reserve -> write the blocks into the reserved extent -> Commit (checksums)
+    load:  Pin -> read the pinned extents (verify checksums) -> Release
+
+    res = kv.reserve(ns, hashes, layers)        # None: the daemon offers no arena here
+    res.layer("layer.0").copy_(t0[res.blocks])  # [len(res.blocks), *shape] views
+    res.commit()                                # xxh3 per block-layer, then visible
+    pin = kv.pin(ns, hashes)                    # pin.pieces(layer) -> [(first, view)]
+    ...copy out, pin.verify(), pin.release()
+
+Who may map the arena: a process that can open the file the daemon names (same
+host and the same /dev/shm: in containers, `ipc: service:kvstore` or a shared shm
+volume) with read-write access (file mode 0600: the daemon's user; 0660 with
+`memory_group`), and finds the daemon's run id in its header. Anything else uses
+the gRPC byte stream (Put/Get), as do all calls while the arena cannot be used.
+
+Trust: every process that maps the arena can write all of it. The checksums catch
+stray writes and torn reservations, not a malicious peer: give the arena only to
+processes you would give the KV itself (that is why `--token-file` turns it off
+for clients unless `memory_clients` says otherwise).
+
+With CUDA, the mapping is registered with the driver once per process
+(cudaHostRegister, in chunks: one registration of 512 GiB or more fails), so
+copies between the GPU and the arena run at pinned-memory speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import xxhash
+
+from kvstore import arena_format as fmt
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client import errors
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_checksum = xxhash.xxh3_64_intdigest
+# cudaHostRegister of 512 GiB or more at once fails on current drivers.
+_CUDA_REGISTER_CHUNK = 256 << 30
+# xxh3 releases the GIL above 64 KiB: threads pay off for pieces at least this big.
+_PARALLEL_PIECE = 64 << 10
+_HASH_THREADS = 4
+
+Call = Callable[[str, Any], Any]
+"""call(method, request) -> response: a unary KVStore RPC (raises KVStoreError)."""
+
+
+class ArenaUnavailable(Exception):
+    """The arena cannot be used now; the message says why (callers use gRPC)."""
+
+
+# ---- the mapping, once per process -----------------------------------------------------
+class Mapping:
+    """One arena file mapped into this process (shared by every client in it)."""
+
+    def __init__(self, path: Path, size: int, store_id: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise ArenaUnavailable(f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ArenaUnavailable(f"{path} is not the size the daemon reports")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise ArenaUnavailable(f"cannot map {path}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.store_id = store_id
+        self.view = memoryview(self._mmap)
+        self._tensor: torch.Tensor | None = None
+        self._cuda = False
+        self._lock = threading.Lock()
+        if not self.current():
+            raise ArenaUnavailable(
+                f"{path} belongs to another daemon run than the one at this address "
+                "(another host, or another /dev/shm)"
+            )
+
+    def current(self) -> bool:
+        """Whether the daemon run that offered this file still owns it."""
+        try:
+            return fmt.Header.unpack(self.view[: fmt.HEADER_BYTES]).store_id == self.store_id
+        except fmt.ArenaFormatError:
+            return False
+
+    def tensor(self) -> torch.Tensor:
+        """The whole arena as one uint8 tensor (made once)."""
+        with self._lock:
+            if self._tensor is None:
+                import torch
+
+                self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            return self._tensor
+
+    def register_cuda(self) -> None:
+        """Register the mapping with CUDA (once per process), so copies to and from the GPU
+        run at pinned-memory speed. A failure is logged; copies then still work, slower."""
+        with self._lock:
+            if self._cuda:
+                return
+            self._cuda = True
+        import torch
+
+        base = self.tensor().data_ptr()
+        cudart = torch.cuda.cudart()
+        started = time.perf_counter()
+        for offset in range(0, self.size, _CUDA_REGISTER_CHUNK):
+            size = min(_CUDA_REGISTER_CHUNK, self.size - offset)
+            err = cudart.cudaHostRegister(base + offset, size, 0)
+            if int(err) != 0:
+                log.warning("cudaHostRegister of the arena failed (%s); copies will be slower", err)
+                return
+        log.info(
+            "registered the %d MiB arena with CUDA in %.2fs", self.size >> 20, time.perf_counter() - started
+        )
+
+
+_MAPPINGS: dict[tuple[str, str], Mapping] = {}
+_MAPPINGS_LOCK = threading.Lock()
+
+
+def _mapping(path: Path, size: int, store_id: str) -> Mapping:
+    key = (str(path), store_id)
+    with _MAPPINGS_LOCK:
+        mapping = _MAPPINGS.get(key)
+        if mapping is None:
+            mapping = _MAPPINGS[key] = Mapping(path, size, store_id)
+        return mapping
+
+
+# ---- views over extents ------------------------------------------------------------------
+def _layer_sizes(layers: Sequence[Any]) -> list[int]:
+    return [wire.layer_block_bytes(spec.dtype, tuple(spec.shape)) for spec in layers]
+
+
+def _typed(mapping: Mapping, offset: int, count: int, spec: Any) -> torch.Tensor:
+    """`count` blocks of one layer at `offset` as a [count, *shape] tensor of its dtype."""
+    from kvstore_client.tensors import torch_dtype
+
+    nbytes = wire.layer_block_bytes(spec.dtype, tuple(spec.shape)) * count
+    raw = mapping.tensor()[offset : offset + nbytes]
+    return raw.view(torch_dtype(spec.dtype)).view(count, *spec.shape)
+
+
+def checksums(pieces: Sequence[memoryview]) -> list[int]:
+    """xxh3-64 of each piece; on threads when they are big enough to release the GIL."""
+    if len(pieces) > 1 and len(pieces[0]) >= _PARALLEL_PIECE:
+        return list(_hasher().map(_checksum, pieces))
+    return [_checksum(piece) for piece in pieces]
+
+
+_HASHER: ThreadPoolExecutor | None = None
+
+
+def _hasher() -> ThreadPoolExecutor:
+    global _HASHER
+    with _MAPPINGS_LOCK:
+        if _HASHER is None:
+            _HASHER = ThreadPoolExecutor(_HASH_THREADS, thread_name_prefix="kvstore-xxh3")
+        return _HASHER
+
+
+class Reservation:
+    """An extent reserved for a save: write each layer's blocks, then `commit()`.
+
+    `blocks` are the indexes (into the request's hashes) of the blocks to write:
+    the ones the store did not hold yet, in extent order. `layer(i)` is the
+    [len(blocks), *shape] view of layer i in the arena. Nothing is visible until
+    commit; `abort()` gives the space back (so does the lease running out).
+    """
+
+    def __init__(self, call: Call, mapping: Mapping, resp: pb.ReserveResponse, layers: Sequence[Any]) -> None:
+        self._call = call
+        self.mapping = mapping
+        self.reservation_id: int = resp.reservation_id
+        self.blocks: list[int] = list(resp.blocks)
+        self.offset: int = resp.offset
+        self.lease_seconds: float = resp.lease_seconds
+        self.layers = list(layers)
+        self._index = {spec.name: i for i, spec in enumerate(self.layers)}
+        self._sizes = _layer_sizes(self.layers)
+        self._starts = fmt.layer_offsets(self._sizes, len(self.blocks))
+        self.done = False
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def layer(self, layer: str | int) -> torch.Tensor:
+        i = self._index[layer] if isinstance(layer, str) else layer
+        return _typed(self.mapping, self.offset + self._starts[i], len(self.blocks), self.layers[i])
+
+    def _pieces(self) -> list[memoryview]:
+        """Every block-layer's bytes, block-major (the order Commit's checksums take)."""
+        view, n = self.mapping.view, len(self.blocks)
+        out = []
+        for block in range(n):
+            for start, size in zip(self._starts, self._sizes, strict=True):
+                at = self.offset + start + block * size
+                out.append(view[at : at + size])
+        return out
+
+    def commit(self, sums: Sequence[int] | None = None, *, timeout: float | None = None) -> Any:
+        """Checksum what was written (unless `sums` come precomputed) and commit."""
+        from kvstore_client.client import PutResult
+
+        self.done = True
+        if sums is None:
+            sums = checksums(self._pieces())
+        resp = self._call("Commit", pb.CommitRequest(reservation_id=self.reservation_id, checksums=sums))
+        return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
+
+    def abort(self) -> None:
+        """Give the extent back; safe to call twice. A failure is logged (the lease frees it)."""
+        if self.done:
+            return
+        self.done = True
+        try:
+            self._call("Abort", pb.AbortRequest(reservation_id=self.reservation_id))
+        except errors.KVStoreError as exc:
+            log.info("could not abort reservation %d (its lease will end it): %s", self.reservation_id, exc)
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    first: int  # index in the pinned prefix
+    count: int
+    offset: int  # extent
+    extent_blocks: int
+    position: int  # of `first` in the extent
+
+
+class Pinned:
+    """Blocks pinned in the arena for a lease: read them, `verify()`, then `release()`.
+
+    `pieces(layer)` gives [(first_block, view [count, *shape])] covering the prefix
+    in order: each view is one contiguous run in the arena.
+    """
+
+    def __init__(self, call: Call, mapping: Mapping, resp: pb.PinResponse, spec_type: Any) -> None:
+        self._call = call
+        self.mapping = mapping
+        self.pin_id: int = resp.pin_id
+        self.num_blocks: int = resp.num_blocks
+        self.layers = [spec_type(s.name, s.dtype, tuple(s.shape)) for s in resp.layers]
+        self.checksums = list(resp.checksums)
+        self._sizes = _layer_sizes(self.layers)
+        runs, first = [], 0
+        for r in resp.runs:
+            runs.append(Run(first, r.count, r.offset, r.extent_blocks, r.first))
+            first += r.count
+        if first != self.num_blocks or len(self.checksums) != self.num_blocks * len(self.layers):
+            raise errors.StoreInternalError("Pin answer does not cover its blocks")
+        self.runs = runs
+        self.released = False
+
+    def _at(self, run: Run, layer: int, block: int) -> int:
+        """Offset of block `block` (index within `run`) of `layer`."""
+        return run.offset + fmt.block_layer_offset(self._sizes, run.extent_blocks, layer, run.position + block)
+
+    def pieces(self, layer: int) -> list[tuple[int, torch.Tensor]]:
+        spec = self.layers[layer]
+        return [(run.first, _typed(self.mapping, self._at(run, layer, 0), run.count, spec)) for run in self.runs]
+
+    def views(self, layer: int) -> Iterator[tuple[int, memoryview]]:
+        """(first block, bytes) of each run of `layer`."""
+        size = self._sizes[layer]
+        for run in self.runs:
+            at = self._at(run, layer, 0)
+            yield run.first, self.mapping.view[at : at + size * run.count]
+
+    def block_view(self, block: int, layer: int) -> memoryview:
+        for run in self.runs:
+            if run.first <= block < run.first + run.count:
+                at = self._at(run, layer, block - run.first)
+                return self.mapping.view[at : at + self._sizes[layer]]
+        raise IndexError(block)
+
+    def verify(self, layers: Sequence[int] | None = None) -> int | None:
+        """Index of the first block whose bytes fail a checksum (of `layers`, default all),
+        or None when all match."""
+        width = len(self.layers)
+        which = list(range(width)) if layers is None else list(layers)
+        pieces = [self.block_view(b, layer) for b in range(self.num_blocks) for layer in which]
+        got = checksums(pieces)
+        for i, digest in enumerate(got):
+            block, layer = divmod(i, len(which))
+            if digest != self.checksums[block * width + which[layer]]:
+                return block
+        return None
+
+    def release(self, corrupt: Sequence[bytes] = ()) -> bool:
+        """End the pin; False if its lease had already run out (the bytes read may have
+        been reused: treat the load as failed). Safe to call twice."""
+        if self.released or not self.pin_id:
+            return True
+        self.released = True
+        try:
+            resp = self._call("Release", pb.ReleaseRequest(pin_id=self.pin_id, corrupt_block_hashes=corrupt))
+        except errors.KVStoreError as exc:
+            log.info("could not release pin %d (its lease will end it): %s", self.pin_id, exc)
+            return True  # the pin was alive when the copy ended, as far as we know
+        return bool(resp.was_pinned)
+
+
+class ArenaSource:
+    """A LayerStream source over pinned blocks: per layer, one verified view per run.
+
+    Each run's bytes are verified just before they are handed out; a mismatch is
+    reported (the daemon re-verifies and drops the block) and ends the stream with
+    LocalDataCorrupt. The pin is released when the stream ends; a lease that ran out
+    meanwhile ends it with StoreTimeout (the bytes may have been reused).
+    """
+
+    def __init__(self, pinned: Pinned, hashes: Sequence[bytes]) -> None:
+        self._pinned = pinned
+        self._hashes = list(hashes[: pinned.num_blocks])
+        self.num_blocks = pinned.num_blocks
+        self.layers = pinned.layers
+        self._cancelled = False
+
+    def chunks(self) -> Iterator[wire.Chunk]:
+        pinned = self._pinned
+        width = len(self.layers)
+        try:
+            for layer in range(width):
+                size = pinned._sizes[layer]
+                for first, view in pinned.views(layer):
+                    if self._cancelled:
+                        raise errors.StoreTimeout("arena read cancelled")
+                    for i in range(len(view) // size):
+                        block = first + i
+                        if _checksum(view[i * size : (i + 1) * size]) != pinned.checksums[block * width + layer]:
+                            self._corrupt(block, layer)
+                    yield wire.Chunk(layer, first, view)
+        finally:
+            if not pinned.released and not pinned.release():
+                raise errors.StoreTimeout("the pin's lease ran out during the read; read again")
+
+    def _corrupt(self, block: int, layer: int) -> NoReturn:
+        block_hash = self._hashes[block]
+        what = f"block {block_hash.hex()} layer {self.layers[layer].name!r} fails its checksum in the arena"
+        log.warning("%s: reported to the daemon", what)
+        self._pinned.release([block_hash])
+        raise errors.LocalDataCorrupt(what)
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+
+class Arena:
+    """A client's use of the daemon's arena: negotiated lazily, re-negotiated when the
+    daemon restarts (its run id changes). Never waits on another thread's negotiation."""
+
+    def __init__(self, call: Call, spec_type: Any, retry_interval: float = 30.0) -> None:
+        self._call = call
+        self._spec_type = spec_type
+        self._retry_interval = retry_interval
+        self._lock = threading.Lock()
+        self._mapping: Mapping | None = None
+        self._prefix = b""
+        self._negotiating = False
+        self._next_try = 0.0
+        self._reason: str | None = None
+        self.cuda = False  # register mappings with CUDA
+
+    def mapping(self) -> Mapping | None:
+        """The arena, mapped; None while it cannot be used (then use gRPC)."""
+        with self._lock:
+            mapping = self._mapping
+            if mapping is not None:
+                if mapping.current():
+                    return mapping
+                self._mapping = None  # the daemon restarted: ask again now
+                self._next_try = 0.0
+            if self._negotiating or time.monotonic() < self._next_try:
+                return None
+            self._negotiating = True
+            self._next_try = time.monotonic() + self._retry_interval
+        opened = None
+        try:
+            opened = self._open()
+        except ArenaUnavailable as exc:
+            if str(exc) != self._reason:
+                self._reason = str(exc)
+                log.info("arena off, using gRPC: %s", exc)
+        with self._lock:
+            self._negotiating = False
+            self._mapping = opened
+        if opened is not None:
+            self._reason = None
+            if self.cuda:
+                opened.register_cuda()
+        return opened
+
+    def _open(self) -> Mapping:
+        try:
+            resp = self._call("ArenaAccess", pb.ArenaAccessRequest())
+        except errors.KVStoreError as exc:
+            raise ArenaUnavailable(f"the daemon does not offer its arena: {exc}") from exc
+        return _mapping(Path(resp.path), resp.size_bytes, resp.store_id)
+
+    def reserve(
+        self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[Any], parent_hash: bytes
+    ) -> Reservation | None:
+        """A reservation; None when the arena is off (use Put). A reservation with no blocks
+        means every block is stored already."""
+        mapping = self.mapping()
+        if mapping is None:
+            return None
+        req = pb.ReserveRequest(
+            namespace=namespace,
+            block_hashes=hashes,
+            parent_hash=parent_hash,
+            layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
+        )
+        try:
+            resp = self._call("Reserve", req)
+        except errors.NotOffered:
+            self._off()
+            return None
+        return Reservation(self._call, mapping, resp, layers)
+
+    def pin(self, namespace: bytes, hashes: Sequence[bytes]) -> Pinned | None:
+        mapping = self.mapping()
+        if mapping is None:
+            return None
+        try:
+            resp = self._call("Pin", pb.PinRequest(namespace=namespace, block_hashes=hashes))
+        except errors.NotOffered:
+            self._off()
+            return None
+        return Pinned(self._call, mapping, resp, self._spec_type)
+
+    def _off(self) -> None:
+        with self._lock:
+            self._mapping = None
+            self._next_try = time.monotonic() + self._retry_interval

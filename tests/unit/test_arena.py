@@ -1,0 +1,204 @@
+"""The memory tier's parts: the allocator, the file, the committed-block index, leases."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore import arena_format as fmt
+from kvstore_server.tiers import BlockMeta, LayerSpec
+from kvstore_server.tiers.arena import (
+    Allocator,
+    ArenaError,
+    ArenaFile,
+    ArenaIndex,
+    MemoryTier,
+    Pin,
+    Placed,
+    Reservation,
+    open_memory_tier,
+)
+
+PAGE = fmt.ALIGN
+LAYERS = (LayerSpec("a", "uint8", (3000,), 3000), LayerSpec("b", "uint8", (1000,), 1000))
+
+
+def meta(i: int, ns: bytes = b"ns") -> BlockMeta:
+    return BlockMeta(ns, i.to_bytes(32, "big"), b"", LAYERS, (1, 2), 1.0)
+
+
+# ---- allocator
+def test_allocator_first_fit_and_coalescing() -> None:
+    alloc = Allocator(PAGE, 11 * PAGE)
+    a, b, c = (alloc.allocate(2 * PAGE) for _ in range(3))
+    assert (a, b, c) == (PAGE, 3 * PAGE, 5 * PAGE)
+    assert alloc.free_bytes == 4 * PAGE
+    alloc.free(b, 2 * PAGE)  # type: ignore[arg-type]
+    assert alloc.allocate(3 * PAGE) == 7 * PAGE  # the hole of 2 pages is too small
+    alloc.free(a, 2 * PAGE)  # type: ignore[arg-type]
+    assert alloc.largest == 4 * PAGE  # a and b merged
+    alloc.free(c, 2 * PAGE)  # type: ignore[arg-type]
+    alloc.free(7 * PAGE, 3 * PAGE)
+    assert alloc.free_bytes == alloc.total and alloc.largest == alloc.total
+
+
+def test_allocator_random_workload_never_overlaps() -> None:
+    rng = random.Random(7)
+    alloc = Allocator(PAGE, 257 * PAGE)
+    held: dict[int, int] = {}
+    for _ in range(3000):
+        if held and rng.random() < 0.45:
+            offset = rng.choice(list(held))
+            alloc.free(offset, held.pop(offset))
+        else:
+            size = rng.randint(1, 9) * PAGE
+            offset = alloc.allocate(size)
+            if offset is not None:
+                held[offset] = size
+        spans = sorted(held.items())
+        for (o1, s1), (o2, _) in zip(spans, spans[1:]):
+            assert o1 + s1 <= o2
+        assert alloc.free_bytes == alloc.total - sum(held.values())
+    for offset, size in held.items():
+        alloc.free(offset, size)
+    assert alloc.largest == alloc.total
+
+
+def test_allocator_claim_refuses_what_is_not_free() -> None:
+    alloc = Allocator(PAGE, 9 * PAGE)
+    assert alloc.claim(3 * PAGE, 2 * PAGE)
+    assert not alloc.claim(4 * PAGE, PAGE)  # inside the claimed range
+    assert not alloc.claim(8 * PAGE, 2 * PAGE)  # past the end
+    assert alloc.allocate(2 * PAGE) == PAGE
+    assert alloc.allocate(4 * PAGE) == 5 * PAGE
+
+
+# ---- file and index
+def test_file_is_private_sized_and_kept_across_opens(tmp_path: Path) -> None:
+    path = tmp_path / "a.arena"
+    first = ArenaFile(path, 1 << 20, "run-1")
+    assert first.fresh and path.stat().st_size == 1 << 20
+    assert path.stat().st_mode & 0o777 == 0o600
+    first.view[PAGE : PAGE + 5] = b"hello"
+    first.close()
+    again = ArenaFile(path, 1 << 20, "run-2")
+    assert not again.fresh and again.header.arena_id == first.header.arena_id
+    assert bytes(again.view[PAGE : PAGE + 5]) == b"hello"
+    assert fmt.Header.unpack(again.view[: fmt.HEADER_BYTES]).store_id == "run-2"
+    again.close()
+    resized = ArenaFile(path, 2 << 20, "run-3")  # another size: a new, empty arena
+    assert resized.fresh and resized.header.arena_id != first.header.arena_id
+    assert bytes(resized.view[PAGE : PAGE + 5]) == b"\0" * 5
+    resized.close()
+
+
+def test_file_too_small_or_unwritable(tmp_path: Path) -> None:
+    with pytest.raises(ArenaError, match="too small"):
+        ArenaFile(tmp_path / "a.arena", 100, "x")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ArenaError, match="cannot"):
+        ArenaFile(tmp_path / "file" / "a.arena", 1 << 20, "x")  # its directory is a file
+
+
+def test_no_room_in_the_shared_memory_filesystem_is_an_error_at_start(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(shm)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        with pytest.raises(ArenaError, match="no room for a memory tier"):
+            ArenaFile(shm / "a.arena", 4 << 20, "x")
+        assert not (shm / "a.arena").exists()  # nothing half-made is left
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=True)
+
+
+def test_index_keeps_committed_records_of_its_own_arena_only(tmp_path: Path) -> None:
+    index = ArenaIndex(tmp_path / "idx", "arena-1")
+    placed = [Placed(meta(i), PAGE, 2, i) for i in range(2)]
+    index.put(placed)
+    index.close()
+    again = ArenaIndex(tmp_path / "idx", "arena-1")
+    assert sorted(p.meta.block_hash for p in again.scan()) == [m.meta.block_hash for m in placed]
+    again.close()
+    other = ArenaIndex(tmp_path / "idx", "arena-2")  # the file was replaced: records are stale
+    assert list(other.scan()) == []
+    other.close()
+
+
+# ---- state: recovery, placement, leases
+@pytest.fixture
+def tier(tmp_path: Path) -> MemoryTier:
+    return open_memory_tier(
+        tmp_path / "shm", tmp_path / "data", 64 * PAGE, "run", lease_seconds=5.0, write_behind_bytes=1 << 20
+    )
+
+
+def test_recover_claims_extents_and_drops_overlaps(tier: MemoryTier) -> None:
+    nbytes = fmt.extent_bytes(4000, 2)
+    good = [Placed(meta(0), PAGE, 2, 0), Placed(meta(1), PAGE, 2, 1)]
+    overlapping = Placed(meta(2), PAGE + PAGE, 1, 0)  # starts inside the first extent
+    disagreeing = Placed(meta(3), PAGE, 3, 0)  # same extent, another block count
+    kept = tier.recover(iter([*good, overlapping, disagreeing]))
+    assert kept == good
+    assert tier.allocator.free_bytes == tier.allocator.total - nbytes
+
+
+def test_extent_is_freed_once_empty_and_unpinned(tier: MemoryTier) -> None:
+    offset = tier.allocate(fmt.extent_bytes(4000, 2))
+    assert offset is not None
+    blocks = [Placed(meta(i), offset, 2, i) for i in range(2)]
+    tier.place(blocks, time.time(), dirty=False)
+    tier.pin_extents([offset], time.time())
+    tier.unplace([blocks[0].meta.key, blocks[1].meta.key])
+    assert offset in tier.extents  # pinned: the bytes stay
+    tier.unpin_extents([offset])
+    assert offset not in tier.extents and tier.allocator.free_bytes == tier.allocator.total
+
+
+def test_dirty_blocks_hold_their_extent_and_the_queue_is_bounded(tier: MemoryTier) -> None:
+    tier.write_behind_limit = 4000  # one block
+    offset = tier.allocate(fmt.extent_bytes(4000, 2))
+    assert offset is not None
+    blocks = [Placed(meta(i), offset, 2, i) for i in range(2)]
+    tier.place(blocks, time.time(), dirty=True)
+    assert list(tier.dirty) == [blocks[0].meta.key]
+    assert tier.memory_only == {blocks[1].meta.key}
+    assert tier.counters.write_behind_dropped == 1
+    assert tier.evictable_extent(time.time()) is None  # block 0 waits for write-behind
+    tier.written_behind([blocks[0].meta.key])
+    assert tier.evictable_extent(time.time()) is tier.extents[offset]
+
+
+def test_expired_leases_give_their_space_back(tier: MemoryTier) -> None:
+    now = time.monotonic()
+    nbytes = fmt.extent_bytes(4000, 1)
+    offset = tier.allocate(nbytes)
+    assert offset is not None
+    tier.reservations[1] = Reservation(
+        1, b"", b"ns", b"", [b"h" * 32], [b""], [0], 0, LAYERS, offset, nbytes, now - 1
+    )
+    kept = tier.allocate(nbytes)
+    assert kept is not None
+    tier.place([Placed(meta(9), kept, 1, 0)], time.time(), dirty=False)
+    tier.pin_extents([kept], time.time())
+    tier.pins[2] = Pin(2, b"", b"ns", [kept], now - 1)
+    tier.reservations[3] = Reservation(3, b"", b"ns", b"", [b"i" * 32], [b""], [0], 0, LAYERS, 0, 0, now + 60)
+    assert tier.expire(now) == 2
+    assert set(tier.reservations) == {3} and not tier.pins
+    assert tier.extents[kept].pins == 0
+    assert tier.allocator.free_bytes == tier.allocator.total - nbytes
+    assert tier.counters.leases_expired == 2
+
+
+def test_leases_belong_to_their_tenant(tier: MemoryTier) -> None:
+    tier.reservations[5] = Reservation(5, b"t1/", b"ns", b"", [], [], [], 0, LAYERS, PAGE, PAGE, 1e18)
+    assert tier.take_reservation(5, b"t2/") is None
+    assert tier.take_reservation(5, b"t1/") is not None
