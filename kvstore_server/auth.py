@@ -7,8 +7,8 @@ The token file (TOML) maps tokens to a tenant and a role:
     tenant = "team-a"
     role = "writer"                 # reader | writer | admin
 
-Roles nest: a reader may Lookup, Get, Describe, List, Stats, Watch and LocalAccess; a
-writer also Put and DropSelect (which removes what it takes); an admin also
+Roles nest: a reader may Lookup, Get, Describe, List, Stats, Watch, LocalAccess, ArenaAccess, Pin and Release; a
+writer also Put, Reserve, Commit, Abort and DropSelect (which removes what it takes); an admin also
 Evict. The tenant is enforced by the server as part of every namespace (see
 Scope): one tenant can never hit, read, list, watch or evict another's blocks
 over gRPC. (Local reads, off by default with tokens, go around this: whoever can
@@ -53,7 +53,13 @@ METHOD_ROLES = {
     "Stats": "reader",
     "Watch": "reader",
     "LocalAccess": "reader",
+    "ArenaAccess": "reader",
+    "Pin": "reader",
+    "Release": "reader",
     "Put": "writer",
+    "Reserve": "writer",
+    "Commit": "writer",
+    "Abort": "writer",
     "DropSelect": "writer",
     "Evict": "admin",
 }

@@ -11,7 +11,8 @@
         "save_backlog_mib": 2048,    # async saves' host copies not yet in the store; beyond: dropped
         "retry_interval_s": 2.0,     # after a failure, how long lookups are skipped (store deemed down)
         "tune_malloc": true,         # keep large buffers in glibc's heap (see kvstore.memory)
-        "local_reads": true,         # on the daemon's host, load from its files (kvstore_client.local)
+        "arena": true,               # on the daemon's host, move KV through its shared-memory arena
+        "local_reads": true,         # without the arena: load from the daemon's files (kvstore_client.local)
         "local_data_dir": null,      # where this process sees the daemon's data dir, if elsewhere
         "token_env": "KVSTORE_TOKEN",  # environment variable holding the bearer token, if any
         "tls_ca": null,              # PEM CA bundle: connect with TLS
@@ -43,6 +44,7 @@ _KEYS = {
     "save_backlog_mib": "save_backlog_mib",
     "retry_interval_s": "retry_interval",
     "tune_malloc": "tune_malloc",
+    "arena": "arena",
     "local_reads": "local_reads",
     "local_data_dir": "local_data_dir",
     "token_env": "token_env",
@@ -82,6 +84,9 @@ class ConnectorConfig:
     tune_malloc: bool = True
     """Keep multi-MiB transfer buffers in glibc's heap instead of fresh mappings: page
     faults were most of a load's CPU time. Up to 1 GiB of freed memory stays resident."""
+    arena: bool = True
+    """Saves and loads move KV through the daemon's shared-memory arena when this process
+    can map it (same host and /dev/shm); else over gRPC. Consume (DropSelect) uses gRPC."""
     local_reads: bool = True
     """Loads read blocks straight from the daemon's files when this process can open them
     and the daemon offers it (same host); else, and for consume, they stream over gRPC."""
@@ -104,7 +109,7 @@ class ConnectorConfig:
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
             ):
                 raise ValueError(f"{f.name} must be a positive number of {unit}, not {value!r}")
-        for name in ("consume", "tune_malloc", "local_reads"):
+        for name in ("consume", "tune_malloc", "local_reads", "arena"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -117,6 +122,7 @@ class ConnectorConfig:
     def client_options(self) -> dict[str, Any]:
         """KVStoreClient keyword arguments for the security and local-read settings."""
         return {
+            "arena": self.arena,
             "local_reads": self.local_reads and not self.consume,
             "local_data_dir": self.local_data_dir,
             "token": os.environ.get(self.token_env) or None,

@@ -80,6 +80,23 @@ class BlockMover:
             event.record(stream)
         return PendingCopy(host, event, gathered)
 
+    def gather_into(self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor) -> PendingCopy:
+        """Copy blocks `ids` of `kv` into the host tensor `dest` ([len(ids), *kv.shape[1:]],
+        e.g. an arena reservation): on CPU one indexed copy; on CUDA the gather runs on the
+        compute stream (right after attention wrote the blocks, before anything can reuse
+        them: ~0.1 ms per 256 MB on an H200) and the device-to-host copy on the side stream."""
+        if not self.cuda:
+            torch.index_select(kv, 0, ids, out=dest)
+            return PendingCopy(dest)
+        gathered = kv.index_select(0, ids)
+        stream = cast(torch.cuda.Stream, self._stream)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            dest.copy_(gathered, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return PendingCopy(dest, event, gathered)
+
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Where a load lands before it is scattered: pinned on CUDA."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)

@@ -20,6 +20,7 @@ import torch
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
 from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import dtype_name, writable_view
+from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import StoreHealth
@@ -149,6 +150,10 @@ class WorkerSide:
         self._save_ids: torch.Tensor | None = None
         self._commits: list[Future[None]] = []
         self._loads_local = False  # last load read the daemon's files directly
+        # The transport, chosen once in register_kv_caches: the daemon's arena when this
+        # process can map it, else gRPC (with the same-host file reads where offered).
+        self._arena: ArenaTransport | None = None
+        self._arena_saves: list[ArenaSave] = []
 
     # ---- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -158,6 +163,8 @@ class WorkerSide:
             self._specs.append(LayerSpec(name, dtype_name(view.dtype), tuple(view.shape[1:])))
         first = next(iter(self._caches.values()))
         self._mover = BlockMover(first.device)
+        if self.client.arena_available(cuda=first.device.type == "cuda"):
+            self._arena = ArenaTransport(self.client, self.namespace, self._specs, self._caches, self._mover)
         if first.device.type == "cpu" and all(v.is_contiguous() for v in self._caches.values()):
             # loads copy blocks from the received messages straight into these
             self._raw = {name: memoryview(writable_view(view).data) for name, view in self._caches.items()}
@@ -168,6 +175,10 @@ class WorkerSide:
             list(self._specs[0].shape),
             sum(s.block_bytes for s in self._specs),
             self.namespace.decode(errors="replace"),
+        )
+        log.info(
+            "kvstore connector: KV moves %s",
+            f"through the daemon's arena {self.client.arena_path}" if self._arena is not None else "over gRPC",
         )
 
     def _add_stats(self, **values: float) -> None:
@@ -202,6 +213,10 @@ class WorkerSide:
             if mover is None:
                 raise RuntimeError("load before register_kv_caches")
             timeout = self.config.load_timeout
+            if self._arena is not None and not self.config.consume:
+                loaded_blocks = self._arena.load(spec, pending, gates.done, timeout)
+                self.health.ok()
+                return
             if self.config.consume:
                 stream = self.client.take_stream(
                     self.namespace,
@@ -335,9 +350,12 @@ class WorkerSide:
         if not self._saves_opened:  # the step's first layer: open its saves once
             self._saves_opened = True
             self._open_saves(meta.saves)
+        view = self._caches[layer]
+        if self._arena is not None:
+            for arena_save in self._arena_saves:
+                self._arena.save_layer(arena_save, layer, view)
         if not self._saves:
             return
-        view = self._caches[layer]
         if self._save_ids is None:
             self._save_ids = self._mover.index([b for s in self._saves for b in s.spec.block_ids])
         copy = self._mover.gather(view, self._save_ids)  # one indexed copy for every request
@@ -352,6 +370,8 @@ class WorkerSide:
             return
         block_bytes = sum(s.block_bytes for s in self._specs)
         for spec in specs:
+            if self._arena is not None and self._open_arena_save(spec):
+                continue
             reserved = 0
             if not self.save_sync:
                 reserved = len(spec.block_ids) * block_bytes
@@ -367,6 +387,41 @@ class WorkerSide:
             )
             self._saves.append(_Save(spec, stream, time.perf_counter(), reserved))
 
+    def _open_arena_save(self, spec: SaveSpec) -> bool:
+        """Reserve room in the arena for one request's save; False: save it over gRPC."""
+        arena = self._arena
+        if arena is None:
+            return False
+        try:
+            save = arena.open(spec, self.config.save_timeout)
+        except KVStoreError as exc:  # e.g. the arena is full of pinned blocks: gRPC may fit
+            log.debug("arena save not possible, saving over gRPC: %s", exc)
+            return False
+        if save is None:
+            return False
+        self._arena_saves.append(save)
+        return True
+
+    def _commit_arena(self, save: ArenaSave) -> None:
+        arena = self._arena
+        try:
+            if arena is None:
+                raise RuntimeError("arena save without the arena transport")
+            result = arena.commit(save)
+        except (KVStoreError, RuntimeError) as exc:
+            save.reservation.abort()
+            self._add_stats(save_errors=1)
+            self.health.failed("save", exc)
+            return
+        self.health.ok()
+        if result is not None:
+            self._add_stats(
+                saves=1,
+                blocks_saved=result.blocks_written,
+                bytes_saved=result.bytes_written,
+                save_seconds=time.perf_counter() - save.started,
+            )
+
     def _send_layer(self, save: _Save, layer: str, copy: PendingCopy, offset: int, n: int) -> None:
         host = copy.wait()
         part = host[offset : offset + n].contiguous()
@@ -376,8 +431,11 @@ class WorkerSide:
     def finish_step_saves(self) -> None:
         """Commit this step's saves; in sync mode, wait until the store has them."""
         saves, self._saves, self._save_ids = self._saves, [], None
+        arena_saves, self._arena_saves = self._arena_saves, []
         self._saves_opened = False
         self._commits = [f for f in self._commits if not f.done()]
+        for arena_save in arena_saves:
+            self._commits.append(self._sender.submit(self._commit_arena, arena_save))
         for save in saves:
             self._commits.append(self._sender.submit(self._commit, save))
         if self.save_sync:

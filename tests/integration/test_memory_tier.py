@@ -1,0 +1,305 @@
+"""The memory tier against a real daemon: reserve/commit/abort, leases, pins, write-behind,
+promotion, recovery after SIGKILL, corruption, tenancy. Clients map the real arena file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import NS, assert_same, chain, make_layers, rows
+
+from daemon import Daemon, eventually
+from kvstore import arena_format as fmt
+from kvstore_client import KVStoreClient, LayerSpec, errors
+
+
+def specs(layers: dict[str, torch.Tensor]) -> list[LayerSpec]:
+    return [LayerSpec.of(name, t) for name, t in layers.items()]
+
+
+def save(kv: KVStoreClient, hashes: list[bytes], layers: dict[str, torch.Tensor], parent: bytes = b"") -> int:
+    """Save through the arena (reserve, write, commit); the blocks written."""
+    res = kv.reserve(NS, hashes, specs(layers), parent_hash=parent)
+    assert res is not None, "the arena is not in use"
+    if not res.blocks:
+        return 0
+    for i, (name, tensor) in enumerate(layers.items()):
+        res.layer(i).copy_(tensor[res.blocks])
+        assert res.layer(name).shape == (len(res.blocks), *tensor.shape[1:])
+    return int(res.commit().blocks_written)
+
+
+@pytest.fixture
+def arena_kv(daemon: Daemon):
+    with KVStoreClient(daemon.address, timeout=20.0, arena=True) as client:
+        assert client.arena_available()
+        yield client
+
+
+@pytest.fixture
+def grpc_kv(daemon: Daemon):
+    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as client:
+        yield client
+
+
+def test_a_save_through_the_arena_is_visible_everywhere_bit_exact(
+    arena_kv: KVStoreClient, grpc_kv: KVStoreClient
+) -> None:
+    hashes, layers = chain("save", 6), make_layers(6)
+    assert save(arena_kv, hashes, layers) == 6
+    assert grpc_kv.lookup(NS, hashes) == 6
+    assert_same(grpc_kv.select(NS, hashes), layers)  # over gRPC: the daemon reads the arena
+    stream = arena_kv.get_stream(NS, hashes)
+    assert stream.via == "arena"
+    assert_same(stream.read_all(), layers)
+    stats = grpc_kv.stats()
+    assert stats["memory_blocks"] == 6 and stats["commits"] == 1 and stats["pinned_bytes"] == 0
+
+
+def test_reserve_skips_stored_blocks_and_commit_reports_them(arena_kv: KVStoreClient) -> None:
+    hashes, layers = chain("skip", 5), make_layers(5)
+    assert save(arena_kv, hashes[:2], rows(layers, 0, 2)) == 2
+    res = arena_kv.reserve(NS, hashes, specs(layers))
+    assert res is not None and res.blocks == [2, 3, 4]
+    for i, tensor in enumerate(layers.values()):
+        res.layer(i).copy_(tensor[res.blocks])
+    result = res.commit()
+    assert (result.blocks_written, result.blocks_skipped) == (3, 2)
+    assert_same(arena_kv.select(NS, hashes), layers)
+    everything = arena_kv.reserve(NS, hashes, specs(layers))
+    assert everything is not None and everything.blocks == []  # nothing to write, no lease
+
+
+def test_put_stream_and_insert_use_the_arena(arena_kv: KVStoreClient, grpc_kv: KVStoreClient) -> None:
+    hashes, layers = chain("stream", 4), make_layers(4, num_layers=3)
+    with arena_kv.put_stream(NS, hashes, specs(layers)) as stream:
+        for name, tensor in layers.items():
+            stream.write_layer(name, tensor)
+        assert stream.commit().blocks_written == 4
+    more, extra = chain("insert", 3), make_layers(3, num_layers=3, seed=1)
+    assert arena_kv.insert(NS, more, extra).result().blocks_written == 3
+    assert grpc_kv.stats()["commits"] == 2 and grpc_kv.stats()["puts"] == 2
+    assert_same(grpc_kv.select(NS, hashes), layers)
+    assert_same(grpc_kv.select(NS, more), extra)
+
+
+def test_abort_leaves_nothing_and_gives_the_space_back(arena_kv: KVStoreClient) -> None:
+    hashes, layers = chain("abort", 3), make_layers(3)
+    res = arena_kv.reserve(NS, hashes, specs(layers))
+    assert res is not None
+    assert arena_kv.stats()["reserved_bytes"] > 0
+    res.layer(0).copy_(layers["layer.0"])
+    res.abort()
+    stats = arena_kv.stats()
+    assert (stats["reserved_bytes"], stats["memory_used_bytes"], stats["aborts"]) == (0, 0, 1)
+    assert arena_kv.lookup(NS, hashes) == 0
+    with pytest.raises(errors.BlockNotFound, match="no reservation"):
+        res.commit()
+
+
+def test_a_commit_with_the_wrong_number_of_checksums_is_refused(arena_kv: KVStoreClient) -> None:
+    hashes, layers = chain("sums", 2), make_layers(2)
+    res = arena_kv.reserve(NS, hashes, specs(layers))
+    assert res is not None
+    with pytest.raises(errors.InvalidRequest, match="checksums"):
+        res.commit([1, 2, 3])
+    assert arena_kv.lookup(NS, hashes) == 0
+    assert res.commit() is not None  # the reservation is still there: a correct commit works
+
+
+def test_an_uncommitted_reservation_is_reclaimed_after_its_lease(make_daemon) -> None:
+    d = make_daemon(extra_args=["--lease-seconds", "0.5"])
+    with KVStoreClient(d.address, arena=True) as kv:
+        hashes, layers = chain("lease", 3), make_layers(3)
+        res = kv.reserve(NS, hashes, specs(layers))
+        assert res is not None and res.lease_seconds == 0.5
+        eventually(lambda: kv.stats()["leases_expired"] == 1)
+        stats = kv.stats()
+        assert (stats["reserved_bytes"], stats["memory_used_bytes"]) == (0, 0)
+        with pytest.raises(errors.BlockNotFound):
+            res.commit()
+        assert kv.lookup(NS, hashes) == 0
+
+
+def test_a_client_killed_mid_save_leaves_nothing_visible_and_no_space_lost(make_daemon) -> None:
+    d = make_daemon(extra_args=["--lease-seconds", "1"])
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from helpers import NS, chain, make_layers
+        from kvstore_client import KVStoreClient, LayerSpec
+        kv = KVStoreClient({d.address!r}, arena=True)
+        layers = make_layers(4)
+        res = kv.reserve(NS, chain("killed", 4), [LayerSpec.of(n, t) for n, t in layers.items()])
+        res.layer(0).copy_(layers["layer.0"])
+        print("reserved", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL and "reserved" in proc.stdout, proc.stderr
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert kv.lookup(NS, chain("killed", 4)) == 0
+        eventually(lambda: kv.stats()["memory_used_bytes"] == 0)
+        assert kv.stats()["leases_expired"] == 1
+
+
+def test_pins_hold_off_eviction_until_released_or_expired(make_daemon) -> None:
+    # an arena of 16 pages (one is the header): room for two extents of 7 pages
+    d = make_daemon(memory_size=str(16 * fmt.ALIGN), extra_args=["--lease-seconds", "1.5"])
+    layers = make_layers(7, num_layers=1, shape=(fmt.ALIGN,), dtype=torch.uint8)
+    with KVStoreClient(d.address, arena=True) as kv:
+        a, b, c = chain("pin-a", 7), chain("pin-b", 7), chain("pin-c", 7)
+        assert save(kv, a, layers) == 7
+        assert save(kv, b, make_layers(7, num_layers=1, shape=(fmt.ALIGN,), dtype=torch.uint8, seed=2)) == 7
+        eventually(lambda: kv.stats()["write_behind_blocks"] == 0)  # both may leave the arena now
+        pinned = kv.pin(NS, a)
+        assert pinned is not None and pinned.num_blocks == 7
+        other = kv.pin(NS, b)
+        assert other is not None
+        with pytest.raises(errors.CapacityExceeded, match="pinned"):
+            kv.reserve(NS, c, specs(layers))  # both extents are pinned: nothing may go
+        assert other.release()
+        assert save(kv, c, layers) == 7  # b's extent was evicted (b stays in the persistent tier)
+        assert torch.equal(pinned.pieces(0)[0][1], layers["layer.0"])  # a's bytes untouched
+        assert pinned.verify() is None
+        assert kv.stats()["pinned_bytes"] > 0
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)  # a's lease ran out
+        assert not pinned.release()  # too late: the bytes may have been reused
+        assert kv.lookup(NS, b) == 7  # evicted from memory, still stored
+
+
+def test_write_behind_reaches_the_persistent_tier_and_loads_promote(make_daemon, tmp_path: Path) -> None:
+    d = make_daemon()
+    hashes, layers = chain("behind", 5), make_layers(5)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 5
+        eventually(lambda: kv.stats()["written_behind"] == 5)
+        arena_path = kv.arena_path
+    assert arena_path is not None
+    d.kill()
+    arena_path.unlink()  # what a reboot does to /dev/shm
+    d.start()
+    with KVStoreClient(d.address, arena=True) as kv:
+        stats = kv.stats()
+        assert (stats["blocks"], stats["memory_blocks"]) == (5, 0)
+        stream = kv.get_stream(NS, hashes)
+        assert stream.via == "arena"
+        assert_same(stream.read_all(), layers)
+        stats = kv.stats()
+        assert (stats["promotions"], stats["promoted_blocks"], stats["memory_blocks"]) == (1, 5, 5)
+        assert stats["persistent_hit_blocks"] == 5
+
+
+def test_committed_blocks_survive_a_daemon_sigkill_before_write_behind(make_daemon) -> None:
+    # write_behind_bytes 1: nothing is queued behind, so the arena alone holds the blocks
+    d = make_daemon(extra_args=["--write-behind-bytes", "1"])
+    hashes, layers = chain("sigkill", 4), make_layers(4)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 4
+        assert kv.stats()["write_behind_dropped"] == 4
+    d.kill()
+    d.start()
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert kv.stats()["memory_blocks"] == 4 and kv.lookup(NS, hashes) == 4
+        assert_same(kv.select(NS, hashes), layers)
+    with KVStoreClient(d.address, arena=False) as kv:
+        assert_same(kv.select(NS, hashes), layers)
+
+
+def test_a_torn_reservation_is_not_recovered(make_daemon) -> None:
+    d = make_daemon()
+    hashes, layers = chain("torn", 3), make_layers(3)
+    with KVStoreClient(d.address, arena=True) as kv:
+        res = kv.reserve(NS, hashes, specs(layers))
+        assert res is not None
+        res.layer(0).copy_(layers["layer.0"])
+    d.kill()
+    d.start()
+    with KVStoreClient(d.address, arena=True) as kv:
+        stats = kv.stats()
+        assert (stats["blocks"], stats["memory_used_bytes"]) == (0, 0)
+
+
+def test_a_flipped_byte_fails_the_load_and_the_daemon_drops_the_block(
+    make_daemon, tmp_path: Path
+) -> None:
+    d = make_daemon(extra_args=["--write-behind-bytes", "1"])  # only the arena has them
+    hashes, layers = chain("flip", 4), make_layers(4)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 4
+        pinned = kv.pin(NS, hashes)
+        assert pinned is not None
+        view = pinned.block_view(2, 1)
+        view[5] ^= 0xFF  # any process that maps the arena can do this
+        assert pinned.verify() == 2
+        pinned.release()
+        with pytest.raises(errors.LocalDataCorrupt, match="fails its checksum"):
+            kv.get_stream(NS, hashes).read_all()
+        assert kv.lookup(NS, hashes) == 2  # dropped: block 2 is recomputed by the next load
+        assert kv.stats()["checksum_failures"] == 1
+        assert_same(kv.select(NS, hashes), rows(layers, 0, 2))
+
+
+def test_the_daemon_verifies_arena_bytes_before_serving_them_over_grpc(make_daemon) -> None:
+    d = make_daemon(extra_args=["--write-behind-bytes", "1"])
+    hashes, layers = chain("flip-grpc", 3), make_layers(3)
+    with KVStoreClient(d.address, arena=True) as kv, KVStoreClient(d.address, arena=False) as remote:
+        assert save(kv, hashes, layers) == 3
+        pinned = kv.pin(NS, hashes)
+        assert pinned is not None
+        pinned.block_view(1, 0)[0] ^= 1
+        pinned.release()
+        assert_same(remote.select(NS, hashes), rows(layers, 0, 1))
+        assert remote.lookup(NS, hashes) == 1
+
+
+def test_a_daemon_without_a_memory_tier_is_used_over_grpc(make_daemon) -> None:
+    d = make_daemon(memory_size="0")
+    hashes, layers = chain("nomem", 2), make_layers(2)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert not kv.arena_available()
+        assert kv.reserve(NS, hashes, specs(layers)) is None
+        kv.put(NS, hashes, layers)
+        stream = kv.get_stream(NS, hashes)
+        assert stream.via == "grpc"
+        assert_same(stream.read_all(), layers)
+        assert "memory_blocks" not in kv.stats() or kv.stats()["memory_blocks"] == 0
+
+
+def test_the_arena_file_is_private_to_the_daemons_user(arena_kv: KVStoreClient) -> None:
+    path = arena_kv.arena_path
+    assert path is not None and path.stat().st_mode & 0o777 == 0o600
+    assert fmt.Header.unpack(path.read_bytes()[: fmt.HEADER_BYTES]).size == path.stat().st_size
+
+
+def test_tenants_keep_the_arena_off_unless_asked(tmp_path: Path, backend: str) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text('[[tokens]]\ntoken = "secret-a-0123456789abcdef"\ntenant = "a"\nrole = "writer"\n')
+    os.chmod(tokens, 0o600)
+    off = Daemon(tmp_path / "off", backend=backend, extra_args=["--token-file", str(tokens)]).start()
+    try:
+        with KVStoreClient(off.address, token="secret-a-0123456789abcdef", arena=True) as kv:
+            assert not kv.arena_available()
+            with pytest.raises(errors.NotOffered, match="tenants"):
+                kv.arena_access()
+    finally:
+        off.stop()
+    on = Daemon(
+        tmp_path / "on", backend=backend, extra_args=["--token-file", str(tokens), "--memory-clients"]
+    ).start()
+    try:
+        with KVStoreClient(on.address, token="secret-a-0123456789abcdef", arena=True) as kv:
+            hashes, layers = chain("tenant", 2), make_layers(2)
+            assert save(kv, hashes, layers) == 2
+            assert_same(kv.select(NS, hashes), layers)
+            assert kv.arena_access().namespace_prefix == b"a/"
+    finally:
+        on.stop()
