@@ -7,6 +7,8 @@
 #   KVSTORE_DATA_DIR   data directory                 (default /data, the image's volume)
 #   KVSTORE_CAPACITY   byte budget, e.g. 64GiB        (default: the daemon's, 8GiB)
 #   KVSTORE_BACKEND    lmdb | disk                    (default: the daemon's, lmdb)
+#   KVSTORE_MEMORY     memory tier (arena) size, 0: off (default: the daemon's, 1GiB where it fits;
+#                      the container's /dev/shm must hold it: compose's shm_size)
 #   KVSTORE_SYNC       1: fsync every commit          (default 0)
 #   KVSTORE_LOG_LEVEL  DEBUG | INFO | WARNING | ERROR (default: the daemon's, INFO)
 #   KVSTORE_INSECURE   1: pass --insecure, allowing a non-loopback listen address
@@ -32,6 +34,9 @@ if [ -n "${KVSTORE_LOG_LEVEL:-}" ]; then
 fi
 if [ -n "${KVSTORE_BACKEND:-}" ]; then
     set -- --backend "$KVSTORE_BACKEND" "$@"
+fi
+if [ -n "${KVSTORE_MEMORY:-}" ]; then
+    set -- --memory "$KVSTORE_MEMORY" "$@"
 fi
 if [ -n "${KVSTORE_CAPACITY:-}" ]; then
     set -- --capacity "$KVSTORE_CAPACITY" "$@"
