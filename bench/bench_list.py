@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore_server.tiers import open_backend  # noqa: E402
 from kvstore_server.store import Store  # noqa: E402
+from kvstore_server.tiers import open_backend  # noqa: E402
 
 
 def main() -> None:

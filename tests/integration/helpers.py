@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 import torch
 
 from kvstore.v1 import kvstore_pb2 as pb
@@ -208,3 +209,9 @@ def drop_select_parked(
     thread = threading.Thread(target=run, name="drop-select", daemon=True)
     thread.start()
     return thread, outcome
+
+
+# ---- backends ---------------------------------------------------------------------
+# Tests run on the default backend (the `backend` fixture of tests/integration/conftest.py);
+# this marks one whose behaviour depends on the backend to run on each of them.
+both_backends = pytest.mark.parametrize("backend", ["lmdb", "disk"])

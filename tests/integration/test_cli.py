@@ -1,8 +1,8 @@
-"""kvstore-cli against a real daemon: every command, human and --json output, exit codes.
+"""kvstore-cli against a real server: every command, human and --json output, exit codes.
 
 Blocks are stored with KVStoreClient; the CLI is driven through
-kvstore_cli.main.main (stdout/stderr via capsys), and once as the installed
-`kvstore-cli` command.
+kvstore_cli.main.main (stdout/stderr via capsys) against the in-process server, and
+once as the installed `kvstore-cli` command against a daemon process.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import pytest
 import torch
 from daemon import Daemon
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from support.inproc import InProcServer
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_cli.main import main
@@ -67,9 +68,13 @@ def _put(address: str, namespace: str | bytes, num_blocks: int, seed: int = 0) -
     return hashes
 
 
+def _store(address: str) -> Stored:
+    return Stored(address, _put(address, NS, 8), _put(address, BIN_NS, 3, seed=1))
+
+
 @pytest.fixture
-def stored(daemon: Daemon) -> Stored:
-    return Stored(daemon.address, _put(daemon.address, NS, 8), _put(daemon.address, BIN_NS, 3, seed=1))
+def stored(server: InProcServer) -> Stored:
+    return _store(server.address)
 
 
 def run(capsys: pytest.CaptureFixture[str], address: str, *args: str) -> tuple[int, str, str]:
@@ -95,9 +100,9 @@ def _stored_prefix(address: str, namespace: str | bytes, hashes: list[bytes]) ->
 
 
 # ---- health ---------------------------------------------------------------------------
-def test_health_serving(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(capsys, daemon.address, "health") == (0, "SERVING\n", "")
-    assert run_json(capsys, daemon.address, "health") == {"address": daemon.address, "status": "SERVING"}
+def test_health_serving(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, server.address, "health") == (0, "SERVING\n", "")
+    assert run_json(capsys, server.address, "health") == {"address": server.address, "status": "SERVING"}
 
 
 @pytest.fixture
@@ -134,7 +139,7 @@ def test_stats_human(stored: Stored, capsys: pytest.CaptureFixture[str]) -> None
     assert re.fullmatch(r"\d+[smhd]( \d+[smhd])?", table["uptime"])
 
 
-def test_stats_json(daemon: Daemon, stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_json(server: InProcServer, stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
     stats = run_json(capsys, stored.address, "stats")
     assert isinstance(stats, dict)
     assert set(stats) == {f.name for f in pb.StatsResponse.DESCRIPTOR.fields}
@@ -144,7 +149,7 @@ def test_stats_json(daemon: Daemon, stored: Stored, capsys: pytest.CaptureFixtur
     for key in ("blocks", "bytes_used", "capacity_bytes", "namespaces", "puts", "evictions"):
         assert type(stats[key]) is int, key
     assert isinstance(stats["uptime_seconds"], float)
-    assert stats["backend"] == daemon.backend
+    assert stats["backend"] == server.backend
 
 
 def test_global_options_after_the_command(stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,9 +160,9 @@ def test_global_options_after_the_command(stored: Stored, capsys: pytest.Capture
 
 
 def test_address_from_environment(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    server: InProcServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVSTORE_ADDRESS", daemon.address)
+    monkeypatch.setenv("KVSTORE_ADDRESS", server.address)
     assert main(["health"]) == 0
     assert capsys.readouterr().out == "SERVING\n"
 
@@ -218,17 +223,17 @@ def test_ls_limit(stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
     assert len(run_json(capsys, stored.address, "ls", "--limit", "3")) == 3
 
 
-def test_ls_pages_through_the_store(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_pages_through_the_store(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
     # More blocks than one List page (1000): one put of small one-layer blocks.
     count = 1100
     hashes = block_hashes("many", list(range(count)), 1)
-    with KVStoreClient(daemon.address) as client:
+    with KVStoreClient(server.address) as client:
         client.put("many", hashes, {"x": torch.zeros((count, 1), dtype=torch.uint8)})
-    everything = run_json(capsys, daemon.address, "ls", "--limit", "0")
+    everything = run_json(capsys, server.address, "ls", "--limit", "0")
     assert [b["hash"] for b in everything] == sorted(h.hex() for h in hashes)
-    across = run_json(capsys, daemon.address, "ls", "--namespace", "many", "--limit", "1050")
+    across = run_json(capsys, server.address, "ls", "--namespace", "many", "--limit", "1050")
     assert [b["hash"] for b in across] == [b["hash"] for b in everything[:1050]]
-    code, out, err = run(capsys, daemon.address, "ls")
+    code, out, err = run(capsys, server.address, "ls")
     assert code == 0
     assert len(out.splitlines()) == 1 + 100  # the default limit
     assert "first 100 blocks shown" in err
@@ -368,7 +373,8 @@ def _installed_cli() -> str:
     return found
 
 
-def test_installed_command(stored: Stored) -> None:
+def test_installed_command(daemon: Daemon) -> None:
+    stored = _store(daemon.address)
     proc = subprocess.run(
         [_installed_cli(), "--address", stored.address, "stats", "--json"],
         capture_output=True,

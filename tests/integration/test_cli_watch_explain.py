@@ -1,5 +1,6 @@
-"""kvstore-cli watch and explain against a real daemon (both backends), through
-kvstore_cli.main.main, and `watch` once as the installed command interrupted by Ctrl-C."""
+"""kvstore-cli watch and explain against a real server, through kvstore_cli.main.main
+(the in-process server), and `watch` as the installed command against a daemon process:
+interrupted by Ctrl-C, and seeing the daemon shut down on SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from daemon import Daemon
+from support.inproc import InProcServer
 
 from kvstore_cli.main import main
 from kvstore_client import KVStoreClient
@@ -45,9 +47,9 @@ def _make_events(address: str) -> list[bytes]:
     return hashes
 
 
-def test_watch_json_replays_and_stops_after_count(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
-    hashes = _make_events(daemon.address)
-    code, out, err = run(capsys, daemon.address, "watch", "--json", "--from", "1", "--count", "3")
+def test_watch_json_replays_and_stops_after_count(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+    hashes = _make_events(server.address)
+    code, out, err = run(capsys, server.address, "watch", "--json", "--from", "1", "--count", "3")
     assert (code, err) == (0, "")
     lines = [json.loads(line) for line in out.splitlines()]
     assert [(e["sequence"], e["kind"], e["namespace"]) for e in lines] == [
@@ -60,11 +62,11 @@ def test_watch_json_replays_and_stops_after_count(daemon: Daemon, capsys: pytest
     assert all(isinstance(e["timestamp"], float) for e in lines)
 
 
-def test_watch_human_lines_and_namespace_filter(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
-    hashes = _make_events(daemon.address)
-    code, out, err = run(capsys, daemon.address, "watch", "--from", "1", "--namespace", NS, "--count", "2")
+def test_watch_human_lines_and_namespace_filter(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+    hashes = _make_events(server.address)
+    code, out, err = run(capsys, server.address, "watch", "--from", "1", "--namespace", NS, "--count", "2")
     assert code == 0
-    assert err.startswith(f"watching {daemon.address} (store ") and "from sequence 1" in err
+    assert err.startswith(f"watching {server.address} (store ") and "from sequence 1" in err
     first, second = out.splitlines()
     short = [h.hex()[:16] for h in hashes]
     assert first.split("  ")[0] == "1" and second.split("  ")[0] == "3"
@@ -72,8 +74,8 @@ def test_watch_human_lines_and_namespace_filter(daemon: Daemon, capsys: pytest.C
     assert f"removed  {NS}  1 block  {short[2]}" in second
 
 
-def test_watch_from_a_lost_sequence_exits_1(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run(capsys, daemon.address, "watch", "--from", "5")
+def test_watch_from_a_lost_sequence_exits_1(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, server.address, "watch", "--from", "5")
     assert (code, out) == (1, "")
     assert "OUT_OF_RANGE" in err and "resync" in err
 
@@ -126,10 +128,10 @@ def test_installed_watch_reports_the_daemon_shutting_down(daemon: Daemon) -> Non
 
 # ---- explain ----------------------------------------------------------------------------
 @pytest.fixture
-def broken_chain(daemon: Daemon) -> list[bytes]:
+def broken_chain(server: InProcServer) -> list[bytes]:
     """PROMPT's blocks 0, 1, 3 and 5 stored in NS: the chain breaks at block 2."""
     hashes = block_hashes(NS, PROMPT, BLOCK)
-    with KVStoreClient(daemon.address) as kv:
+    with KVStoreClient(server.address) as kv:
         kv.put(NS, hashes[:2], layers(2))
         kv.put(NS, [hashes[3]], layers(1), parent_hash=hashes[2])
         kv.put(NS, [hashes[5]], layers(1), parent_hash=hashes[4])
@@ -137,11 +139,11 @@ def broken_chain(daemon: Daemon) -> list[bytes]:
 
 
 def test_explain_shows_hits_the_break_and_what_lies_behind_it(
-    daemon: Daemon, broken_chain: list[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: InProcServer, broken_chain: list[bytes], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(" ".join(map(str, PROMPT)))
-    code, out, err = run(capsys, daemon.address, "explain", "--namespace", NS, "--block-size", str(BLOCK),
+    code, out, err = run(capsys, server.address, "explain", "--namespace", NS, "--block-size", str(BLOCK),
                          str(prompt))  # fmt: skip
     assert (code, err) == (0, "")
     rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
@@ -162,13 +164,13 @@ def test_explain_shows_hits_the_break_and_what_lies_behind_it(
 
 
 def test_explain_json_from_stdin(
-    daemon: Daemon,
+    server: InProcServer,
     broken_chain: list[bytes],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(PROMPT)))
-    code, out, err = run(capsys, daemon.address, "--json", "explain", "--namespace", NS, "--block-size", "4")
+    code, out, err = run(capsys, server.address, "--json", "explain", "--namespace", NS, "--block-size", "4")
     assert (code, err) == (0, "")
     doc = json.loads(out)
     assert {k: v for k, v in doc.items() if k != "blocks"} == {
@@ -192,13 +194,13 @@ def test_explain_json_from_stdin(
 
 
 def test_explain_a_fully_stored_prompt_leaves_one_token_to_compute(
-    daemon: Daemon, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    server: InProcServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt = PROMPT[: 3 * BLOCK]  # exactly three blocks, all stored
-    with KVStoreClient(daemon.address) as kv:
+    with KVStoreClient(server.address) as kv:
         kv.put(NS, block_hashes(NS, prompt, BLOCK), layers(3))
     monkeypatch.setattr(sys, "stdin", io.StringIO(",".join(map(str, prompt))))
-    code, out, _ = run(capsys, daemon.address, "explain", "--namespace", NS, "--block-size", "4", "-")
+    code, out, _ = run(capsys, server.address, "explain", "--namespace", NS, "--block-size", "4", "-")
     assert code == 0
     assert out.rstrip().endswith(
         "3 of 3 full blocks hit = 8 tokens reusable "
@@ -208,7 +210,7 @@ def test_explain_a_fully_stored_prompt_leaves_one_token_to_compute(
 
 
 def test_explain_derives_root_and_block_size_of_a_connector_namespace(
-    daemon: Daemon, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: InProcServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kvstore_connector.config import NamespaceInfo
 
@@ -217,19 +219,19 @@ def test_explain_derives_root_and_block_size_of_a_connector_namespace(
     prompt = list(range(3 * 8 + 1))
     # what the connector stores: hashed from the rank-free root, kept per rank
     hashes = block_hashes(info.hash_root, prompt, info.block_size)
-    with KVStoreClient(daemon.address) as kv:
+    with KVStoreClient(server.address) as kv:
         kv.put(rank1, hashes, layers(3))
     path = tmp_path / "prompt.json"
     path.write_text(json.dumps(prompt))
     args = ["--json", "explain", "--namespace", rank1.decode(), str(path)]
-    doc = json.loads(run(capsys, daemon.address, *args)[1])
+    doc = json.loads(run(capsys, server.address, *args)[1])
     assert (doc["hash_root"], doc["block_size"]) == (info.hash_root, 8)
     assert (doc["hit_blocks"], doc["reusable_tokens"]) == (3, 24)
-    code, out, _ = run(capsys, daemon.address, "explain", "--namespace", rank1.decode(), str(path))
+    code, out, _ = run(capsys, server.address, "explain", "--namespace", rank1.decode(), str(path))
     assert code == 0 and "rank suffix is not part of the root" in out
     # an explicit root wins: hashed from the rank namespace itself, nothing matches
     doc = json.loads(
-        run(capsys, daemon.address, "--json", "explain", "--namespace", rank1.decode(),
+        run(capsys, server.address, "--json", "explain", "--namespace", rank1.decode(),
             "--hash-root", rank1.decode(), str(path))[1]
     )  # fmt: skip
     assert (doc["hash_root"], doc["hit_blocks"], doc["break_at"]) == (rank1.decode(), 0, 0)
@@ -245,7 +247,7 @@ def test_explain_derives_root_and_block_size_of_a_connector_namespace(
     ],
 )
 def test_explain_usage_errors_exit_2(
-    daemon: Daemon,
+    server: InProcServer,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     stdin: str,
@@ -253,7 +255,7 @@ def test_explain_usage_errors_exit_2(
     message: str,
 ) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code, out, err = run(capsys, daemon.address, "explain", "--namespace", NS, *args)
+    code, out, err = run(capsys, server.address, "explain", "--namespace", NS, *args)
     assert (code, out) == (2, "")
     assert message in err
 

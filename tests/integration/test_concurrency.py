@@ -1,4 +1,7 @@
-"""Many clients and threads at once against one daemon."""
+"""Many clients and threads at once against one server (in-process: a real gRPC server on
+a real port; the clients are threads here as they were beside a daemon process). One backend:
+the Store serialises every change to the backend (`_commit_lock`), so the races are the
+Store's and the service's, not the backend's."""
 
 from __future__ import annotations
 
@@ -17,15 +20,13 @@ from .helpers import (
     drop_select_parked,
     make_layers,
     wait_until_parked,
-    write_config,
 )
 
 NUM_CLIENTS = 100
 
 
-def test_drop_select_is_handed_its_data_by_an_insert_from_another_thread(tmp_path, make_daemon) -> None:
-    config = write_config(tmp_path / "kvstore.toml", max_waiting_drop_selects=1)
-    d = make_daemon(extra_args=["--config", str(config)])
+def test_drop_select_is_handed_its_data_by_an_insert_from_another_thread(make_server) -> None:
+    d = make_server(max_waiting_drop_selects=1)
     hashes = chain("handoff", 4)
     layers = make_layers(4, seed=21)
     parked = threading.Event()
@@ -56,14 +57,14 @@ def test_drop_select_is_handed_its_data_by_an_insert_from_another_thread(tmp_pat
         assert kv.stats()["blocks"] == 0
 
 
-def test_racing_drop_selects_take_a_prefix_exactly_once(kv: KVStoreClient, daemon) -> None:
+def test_racing_drop_selects_take_a_prefix_exactly_once(kv: KVStoreClient, server) -> None:
     hashes = chain("race", 3)
     layers = make_layers(3, seed=22)
     kv.put(NS, hashes, layers)
     start = threading.Barrier(8)
 
     def take() -> dict[str, torch.Tensor] | None:
-        with KVStoreClient(daemon.address) as client:
+        with KVStoreClient(server.address) as client:
             start.wait(30)
             try:
                 return client.drop_select(NS, hashes, timeout=0.5)
@@ -78,13 +79,13 @@ def test_racing_drop_selects_take_a_prefix_exactly_once(kv: KVStoreClient, daemo
     assert kv.lookup(NS, hashes) == 0
 
 
-def test_concurrent_puts_of_the_same_blocks_store_each_once(kv: KVStoreClient, daemon) -> None:
+def test_concurrent_puts_of_the_same_blocks_store_each_once(kv: KVStoreClient, server) -> None:
     hashes = chain("same-blocks", 6)
     layers = make_layers(6, seed=23)
     start = threading.Barrier(10)
 
     def put() -> PutResult:
-        with KVStoreClient(daemon.address) as client:
+        with KVStoreClient(server.address) as client:
             start.wait(30)
             return client.put(NS, hashes, layers)
 
@@ -98,7 +99,7 @@ def test_concurrent_puts_of_the_same_blocks_store_each_once(kv: KVStoreClient, d
     assert_same(kv.select(NS, hashes), layers)
 
 
-def test_hundred_concurrent_clients(kv: KVStoreClient, daemon) -> None:
+def test_hundred_concurrent_clients(kv: KVStoreClient, server) -> None:
     blocks_each = 3
     start = threading.Barrier(NUM_CLIENTS)
 
@@ -106,7 +107,7 @@ def test_hundred_concurrent_clients(kv: KVStoreClient, daemon) -> None:
         namespace = f"client-{i % 7}"
         hashes = chain(f"client-{i}", blocks_each, namespace=namespace)
         layers = make_layers(blocks_each, seed=1000 + i)
-        with KVStoreClient(daemon.address, timeout=60) as client:
+        with KVStoreClient(server.address, timeout=60) as client:
             start.wait(60)
             if i % 2:
                 result = client.insert(namespace, hashes, layers).result(timeout=120)
@@ -134,9 +135,9 @@ def test_hundred_concurrent_clients(kv: KVStoreClient, daemon) -> None:
         assert_same(kv.select(f"client-{i % 7}", hashes), layers)
 
 
-def test_overload_is_refused_cleanly(make_daemon) -> None:
+def test_overload_is_refused_cleanly(make_server) -> None:
     """With a tiny in-flight budget, concurrent puts either succeed or get CapacityExceeded."""
-    d = make_daemon(extra_args=["--max-inflight-put-bytes", "2KiB"])
+    d = make_server(max_inflight_put_bytes="2KiB")
     layers = make_layers(8, seed=24)  # 8 * 256 bytes = the whole budget per put
     start = threading.Barrier(20)
 

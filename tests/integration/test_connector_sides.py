@@ -1,5 +1,10 @@
 """The connector's scheduler and worker halves against a real daemon.
 
+A daemon process, as beside vLLM: the connector reads the store's files on the same
+host (local_reads, its default), which needs the store in another process (LMDB may be
+opened once per process), and some tests kill or pause it. The loads that read the
+files (same-host path, corrupt bytes there) run on both backends.
+
 vLLM's own Request / SchedulerOutput / KVCacheBlocks are plain data here
 (SimpleNamespace with the fields the connector reads); the engine-level
 behaviour is proven on real vLLM in tests/e2e.
@@ -22,6 +27,7 @@ from kvstore_connector.worker import WorkerSide
 from kvstore_client import KVStoreClient
 from kvstore_client.hashing import block_hashes
 
+from .helpers import both_backends
 from .test_corruption import flip_payload_byte
 
 BS = 32
@@ -200,6 +206,7 @@ def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[st
     return worker.block_ids_with_load_errors()
 
 
+@both_backends
 @pytest.mark.parametrize("local_reads", [True, False], ids=["same-host", "grpc"])
 @pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
 def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(
@@ -267,6 +274,7 @@ def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
     worker.close()
 
 
+@both_backends
 def test_a_corrupt_block_on_the_same_host_path_is_recomputed_and_dropped(daemon, backend: str) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     layers = store_blocks(daemon.address, hashes)

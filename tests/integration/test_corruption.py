@@ -1,4 +1,6 @@
-"""Bytes flipped on disk under a running daemon are caught by the checksums, never served."""
+"""Bytes flipped on disk under a running server are caught by the checksums, never served.
+
+In-process servers (the files are flipped from outside the store either way), both backends."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 
 from kvstore_client import KVStoreClient
 
-from .helpers import NS, assert_same, chain, rows
+from .helpers import NS, assert_same, both_backends, chain, rows
 
 SHAPE = (4, 32)  # float16: 256 bytes per block per layer
 
@@ -29,14 +31,14 @@ def recognisable_layers(n: int, num_layers: int = 2) -> dict[str, torch.Tensor]:
 
 
 def stored_with_a_flipped_byte(
-    daemon, kv: KVStoreClient, backend: str, name: str, bad_block: int, bad_layer: int
+    server, kv: KVStoreClient, backend: str, name: str, bad_block: int, bad_layer: int
 ) -> tuple[list[bytes], dict[str, torch.Tensor]]:
     """Three recognisable blocks stored under `name`, one byte of (bad_block, bad_layer)
-    then flipped in the daemon's files. Returns the hashes and the layers as put."""
+    then flipped in the server's files (`server`: a Daemon or an InProcServer). Returns the hashes and the layers as put."""
     hashes = chain(name, 3)
     layers = recognisable_layers(3)
     kv.put(NS, hashes, layers)
-    flip_payload_byte(daemon.data_dir, backend, hashes[bad_block], marker(bad_block, bad_layer))
+    flip_payload_byte(server.data_dir, backend, hashes[bad_block], marker(bad_block, bad_layer))
     return hashes, layers
 
 
@@ -67,19 +69,20 @@ def flip_payload_byte(data_dir: Path, backend: str, block_hash: bytes, needle: b
     return hits
 
 
-def test_corrupt_block_ends_the_prefix(daemon, kv: KVStoreClient, backend: str) -> None:
+@both_backends
+def test_corrupt_block_ends_the_prefix(server, kv: KVStoreClient, backend: str) -> None:
     hashes = chain("corrupt-middle", 3)
     layers = recognisable_layers(3)
     kv.put(NS, hashes, layers)
     assert_same(kv.select(NS, hashes), layers)
     assert kv.stats()["checksum_failures"] == 0
 
-    flip_payload_byte(daemon.data_dir, backend, hashes[1], marker(1, 0))
+    flip_payload_byte(server.data_dir, backend, hashes[1], marker(1, 0))
 
     got = kv.select(NS, hashes)
     assert_same(got, rows(layers, 0, 1))  # the prefix before the bad block, never wrong bytes
     assert kv.stats()["checksum_failures"] == 1
-    log = daemon.log()
+    log = server.log()
     assert "checksum mismatch" in log
     assert hashes[1].hex() in log
     # the bad block is dropped: lookups no longer promise it
@@ -89,7 +92,8 @@ def test_corrupt_block_ends_the_prefix(daemon, kv: KVStoreClient, backend: str) 
     assert kv.health() == "SERVING"
 
 
-def test_corrupt_first_block_in_a_later_layer_is_a_miss(daemon, kv: KVStoreClient, backend: str) -> None:
+@both_backends
+def test_corrupt_first_block_in_a_later_layer_is_a_miss(server, kv: KVStoreClient, backend: str) -> None:
     hashes = chain("corrupt-first", 2)
     layers = recognisable_layers(2, num_layers=3)
     kv.put(NS, hashes, layers)
@@ -97,23 +101,24 @@ def test_corrupt_first_block_in_a_later_layer_is_a_miss(daemon, kv: KVStoreClien
     bystander = recognisable_layers(2, num_layers=1)
     kv.put(NS, other, bystander)
 
-    flip_payload_byte(daemon.data_dir, backend, hashes[0], marker(0, 2))
+    flip_payload_byte(server.data_dir, backend, hashes[0], marker(0, 2))
 
     stream = kv.get_stream(NS, hashes)
     assert stream.num_blocks == 0
     assert list(stream) == []
     assert kv.select(NS, hashes) == {}
     assert kv.stats()["checksum_failures"] == 1
-    assert "layer 'layer.2'" in daemon.log()
+    assert "layer 'layer.2'" in server.log()
     # other blocks are untouched
     assert_same(kv.select(NS, other), bystander)
 
 
-def test_drop_select_never_hands_out_corrupt_bytes(daemon, kv: KVStoreClient, backend: str) -> None:
-    hashes, layers = stored_with_a_flipped_byte(daemon, kv, backend, "corrupt-drop", 2, 1)
+@both_backends
+def test_drop_select_never_hands_out_corrupt_bytes(server, kv: KVStoreClient, backend: str) -> None:
+    hashes, layers = stored_with_a_flipped_byte(server, kv, backend, "corrupt-drop", 2, 1)
 
     got = kv.drop_select(NS, hashes, timeout=1.0)
     assert_same(got, rows(layers, 0, 2))
     assert kv.stats()["checksum_failures"] == 1
     assert kv.lookup(NS, hashes) == 0
-    assert "checksum mismatch" in daemon.log()
+    assert "checksum mismatch" in server.log()

@@ -1,4 +1,7 @@
-"""Restarts, crashes and shutdown: what was acknowledged survives, nothing half-written shows."""
+"""Restarts, crashes and shutdown: what was acknowledged survives, nothing half-written shows.
+
+Daemon processes throughout (SIGTERM, SIGKILL, restarts after them, start-up refusals).
+What the backend's files must survive runs on both backends; signal handling on one."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .helpers import (
     NS,
     all_blocks,
     assert_same,
+    both_backends,
     chain,
     drop_select_parked,
     make_layers,
@@ -38,6 +42,7 @@ def _state(data_dir: Path) -> dict:
 
 
 # ---- restart -------------------------------------------------------------------------
+@both_backends
 def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:
     d = make_daemon()
     kept = {
@@ -130,6 +135,7 @@ def _expected(block_hash: bytes, layer: int) -> bytes:
     return hashlib.shake_256(block_hash + bytes([layer])).digest(BLOCK_BYTES // 2)
 
 
+@both_backends
 def test_sigkill_during_puts_then_restart(tmp_path: Path, make_daemon, backend: str) -> None:
     d = make_daemon()
     total = 20000
@@ -195,6 +201,7 @@ def test_sigkill_during_puts_then_restart(tmp_path: Path, make_daemon, backend: 
         assert leftovers == []  # partial writes were cleared at start
 
 
+@both_backends
 @pytest.mark.parametrize("sync", [False, True], ids=["nosync", "sync"])
 def test_unclean_stop_before_a_reboot(make_daemon, sync: bool) -> None:
     """After a crash and an OS restart, unsynced data is set aside; fsynced data is kept."""
@@ -302,6 +309,7 @@ def test_sigterm_cannot_get_lost_on_another_thread(make_daemon) -> None:
     assert d.stop() == 0
 
 
+@both_backends
 def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Path, backend: str) -> None:
     first = make_daemon()
     with KVStoreClient(first.address) as kv:

@@ -1,5 +1,6 @@
-"""Watch against a real daemon: stored/removed events in commit order for every kind of
-change, replay after a disconnect, the event window, restarts and shutdown (both backends)."""
+"""Watch against a real server: stored/removed events in commit order for every kind of
+change, replay after a disconnect, the event window and restarts (in-process servers; the
+events come from the store, whatever its backend), and shutdown on SIGTERM (a daemon)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ def put(kv: KVStoreClient, hashes: list[bytes], namespace: str = NS, parent: byt
     kv.put(namespace, hashes, make_layers(len(hashes)), parent_hash=parent)
 
 
-def test_events_in_commit_order_for_every_change(make_daemon) -> None:
-    d = make_daemon(capacity=str(6 * ONE_BLOCK))
+def test_events_in_commit_order_for_every_change(make_server) -> None:
+    d = make_server(capacity=str(6 * ONE_BLOCK))
     a, b, c = chain("ev-a", 4), chain("ev-b", 3), chain("ev-c", 2)
     ns = NS.encode()
     with KVStoreClient(d.address) as kv:
-        # a fresh daemon: replaying from 1 sees everything, with no race against the puts
+        # a fresh server: replaying from 1 sees everything, with no race against the puts
         with kv.watch(from_sequence=1) as stream:
             assert stream.start_sequence == 1
             put(kv, a)  # 1 stored
@@ -105,8 +106,8 @@ def test_namespace_filter(kv: KVStoreClient) -> None:
     assert [(e.sequence, e.namespace) for e in events] == [(2, NS2.encode()), (4, NS2.encode())]
 
 
-def test_a_sequence_older_than_the_window_is_out_of_range(make_daemon) -> None:
-    d = make_daemon(extra_args=["--event-window", "3"])
+def test_a_sequence_older_than_the_window_is_out_of_range(make_server) -> None:
+    d = make_server(event_window=3)
     with KVStoreClient(d.address) as kv:
         for i in range(5):
             put(kv, chain(f"window-{i}", 1))  # sequences 1..5; the daemon holds 3..5
@@ -122,8 +123,8 @@ def test_a_sequence_older_than_the_window_is_out_of_range(make_daemon) -> None:
             kv.watch(from_sequence=7)
 
 
-def test_a_restart_changes_the_store_id_and_restarts_sequences(make_daemon) -> None:
-    d = make_daemon()
+def test_a_restart_changes_the_store_id_and_restarts_sequences(make_server) -> None:
+    d = make_server()
     with KVStoreClient(d.address) as kv:
         with kv.watch(from_sequence=1) as stream:
             put(kv, chain("restart", 3))
@@ -141,8 +142,8 @@ def test_a_restart_changes_the_store_id_and_restarts_sequences(make_daemon) -> N
     assert after.store_id == stream.store_id != before.store_id
 
 
-def test_watchers_are_capped(make_daemon) -> None:
-    d = make_daemon(extra_args=["--max-watchers", "2"])
+def test_watchers_are_capped(make_server) -> None:
+    d = make_server(max_watchers=2)
     with KVStoreClient(d.address) as kv:
         one, two = kv.watch(), kv.watch()
         with pytest.raises(errors.CapacityExceeded, match="max_watchers"):

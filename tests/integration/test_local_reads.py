@@ -1,4 +1,7 @@
-"""The same-host fast path: clients read a running daemon's files, gRPC stays the control plane."""
+"""The same-host fast path: clients read a running daemon's files, gRPC stays the control plane.
+
+Daemon processes throughout (the reader must be another process: LMDB may be opened only
+once per process), and every test on both backends: each has its own files and readers."""
 
 from __future__ import annotations
 
@@ -18,6 +21,18 @@ from .test_corruption import stored_with_a_flipped_byte
 from .test_security import token, token_file
 
 STORE_ID = "STORE_ID"
+
+
+@pytest.fixture(params=["lmdb", "disk"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every backend, for each test of this module that runs a daemon of the fixtures."""
+    return str(request.param)
+
+
+@pytest.fixture
+def kv(daemon_kv: KVStoreClient) -> KVStoreClient:
+    """Here `kv` is a client of the daemon process (over gRPC only)."""
+    return daemon_kv
 
 
 @pytest.fixture

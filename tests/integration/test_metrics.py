@@ -1,5 +1,6 @@
-"""The Prometheus endpoint of a real daemon (`--metrics-port 0`), scraped over HTTP after
-real traffic: every counter moves by exactly what the calls did, for both backends."""
+"""The Prometheus endpoint of a real server (metrics_port 0), scraped over HTTP after real
+traffic: every counter moves by exactly what the calls did (in-process servers; the store's
+counters on both backends). The ready line's endpoint, and none unless asked: a daemon."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors
 
-from .helpers import NS, block_bytes, chain, make_layers, raw_unary, rows, rpc_code
+from .helpers import NS, block_bytes, both_backends, chain, make_layers, raw_unary, rows, rpc_code
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-METRICS = ["--metrics-port", "0"]
+METRICS = {"metrics_port": 0}
 
 
 def scrape(url: str) -> Samples:
@@ -48,11 +49,11 @@ def latency_count(samples: Samples, method: str) -> float:
     return value(samples, "kvstore_rpc_duration_seconds_count", method=method)
 
 
-def test_counters_follow_real_traffic(make_daemon, backend: str) -> None:
+@both_backends
+def test_counters_follow_real_traffic(make_server, backend: str) -> None:
     capacity = 64 * block_bytes(make_layers(1))
-    d = make_daemon(capacity=str(capacity), extra_args=METRICS)
+    d = make_server(capacity=capacity, **METRICS)
     assert d.metrics_url.startswith("http://127.0.0.1:") and d.metrics_url.endswith("/metrics")
-    assert f"metrics={d.metrics_url})" in d.ready_line
     hashes = chain("metrics", 5)
     layers = make_layers(5, seed=7)
     size = block_bytes(layers)
@@ -115,12 +116,12 @@ def test_counters_follow_real_traffic(make_daemon, backend: str) -> None:
     assert value(after, "kvstore_inflight_put_bytes") == 0
     assert value(after, "kvstore_events_total") == 1  # one stored event
     assert 0 < value(after, "kvstore_start_time_seconds") <= time.time()
-    assert d.stop() == 0
+    d.stop()
 
 
-def test_evictions_and_health_calls(make_daemon) -> None:
+def test_evictions_and_health_calls(make_server) -> None:
     one = block_bytes(make_layers(1))
-    d = make_daemon(capacity=str(4 * one), extra_args=METRICS)
+    d = make_server(capacity=4 * one, **METRICS)
     with KVStoreClient(d.address) as kv:
         kv.put(NS, chain("a", 3), make_layers(3))
         kv.put(NS, chain("b", 3), make_layers(3))  # evicts 2 tails of a
@@ -136,8 +137,8 @@ def test_evictions_and_health_calls(make_daemon) -> None:
     )
 
 
-def test_cancelled_stream_and_watchers(make_daemon) -> None:
-    d = make_daemon(extra_args=METRICS)
+def test_cancelled_stream_and_watchers(make_server) -> None:
+    d = make_server(**METRICS)
     with KVStoreClient(d.address) as kv:
         watch = kv.watch()  # returns once the daemon holds the subscription
         samples = scrape(d.metrics_url)
@@ -150,6 +151,14 @@ def test_cancelled_stream_and_watchers(make_daemon) -> None:
         samples = scrape(d.metrics_url)
         assert errors_of(samples, "Watch", "CANCELLED") == 1
         assert latency_count(samples, "Watch") == 1
+
+
+def test_the_ready_line_names_the_endpoint(make_daemon) -> None:
+    d = make_daemon(extra_args=["--metrics-port", "0"])
+    assert d.metrics_url.startswith("http://127.0.0.1:") and d.metrics_url.endswith("/metrics")
+    assert f"metrics={d.metrics_url})" in d.ready_line
+    assert value(scrape(d.metrics_url), "kvstore_blocks") == 0
+    assert d.stop() == 0
 
 
 def test_no_endpoint_unless_asked(daemon) -> None:

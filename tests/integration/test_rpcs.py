@@ -1,4 +1,5 @@
-"""Every RPC through KVStoreClient against the real daemon, for both backends."""
+"""Every RPC through KVStoreClient against a real server (in-process; a subprocess daemon
+where the test pauses it). What reads back from the backend runs on both backends."""
 
 from __future__ import annotations
 
@@ -14,7 +15,18 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from kvstore_client import KVStoreClient, LayerSpec, PutResult, errors
 
-from .helpers import NS, as_bytes, assert_same, block_bytes, chain, make_layers, raw_unary, rows, rpc_code
+from .helpers import (
+    NS,
+    as_bytes,
+    assert_same,
+    block_bytes,
+    both_backends,
+    chain,
+    make_layers,
+    raw_unary,
+    rows,
+    rpc_code,
+)
 
 
 # ---- lookup ----------------------------------------------------------------------
@@ -31,7 +43,7 @@ def test_lookup_full_partial_and_unknown_namespace(kv: KVStoreClient) -> None:
     assert kv.lookup(NS, []) == 0
 
 
-def test_lookup_across_namespaces_is_the_common_prefix(daemon, kv: KVStoreClient) -> None:
+def test_lookup_across_namespaces_is_the_common_prefix(server, kv: KVStoreClient) -> None:
     hashes = chain("ranks", 5)
     layers = make_layers(5, seed=23)
     kv.put("rank-0", hashes, layers)
@@ -47,7 +59,7 @@ def test_lookup_across_namespaces_is_the_common_prefix(daemon, kv: KVStoreClient
         kv.lookup(["rank-0", ""], hashes)
     # both forms at once is refused; only a raw request can say that
     both = pb.LookupRequest(namespace=b"rank-0", namespaces=[b"rank-1"], block_hashes=hashes)
-    assert rpc_code(lambda: raw_unary(daemon.address, "Lookup", both, pb.LookupResponse)) == (
+    assert rpc_code(lambda: raw_unary(server.address, "Lookup", both, pb.LookupResponse)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
 
@@ -71,20 +83,20 @@ def test_put_waits_for_commit_and_insert_returns_a_future(kv: KVStoreClient) -> 
     assert_same(kv.select(NS, more), more_layers)
 
 
-def test_a_put_stream_timeout_counts_the_store_not_the_writer(daemon, kv: KVStoreClient) -> None:
+def test_a_put_stream_timeout_counts_the_store_not_the_writer(daemon, daemon_kv: KVStoreClient) -> None:
     """The writer may take several timeouts between layers (a long forward pass);
     a store that stops taking data fails the stream with StoreTimeout, then stores nothing."""
     hashes = chain("slow-writer", 2)
     layers = make_layers(2, num_layers=2)
     specs = [LayerSpec.of(name, t) for name, t in layers.items()]
-    stream = kv.put_stream(NS, hashes, specs, timeout=0.2)
+    stream = daemon_kv.put_stream(NS, hashes, specs, timeout=0.2)
     for name, tensor in layers.items():
         time.sleep(0.5)  # the writer's own work, 2.5x the timeout each time
         stream.write_layer(name, tensor)
     assert stream.commit().blocks_written == 2
 
     big = make_layers(4, num_layers=4, shape=(256, 1024))  # 2 MiB a layer: more than gRPC's windows
-    stalled = kv.put_stream(
+    stalled = daemon_kv.put_stream(
         NS, chain("stalled", 4), [LayerSpec.of(n, t) for n, t in big.items()], timeout=0.5
     )
     daemon.pause()  # connected, taking nothing
@@ -95,8 +107,8 @@ def test_a_put_stream_timeout_counts_the_store_not_the_writer(daemon, kv: KVStor
             stalled.commit()
     finally:
         daemon.resume()
-    assert kv.lookup(NS, chain("stalled", 4)) == 0
-    assert_same(kv.select(NS, hashes), layers)
+    assert daemon_kv.lookup(NS, chain("stalled", 4)) == 0
+    assert_same(daemon_kv.select(NS, hashes), layers)
 
 
 def test_reput_reports_skipped_blocks_and_keeps_the_first_data(kv: KVStoreClient) -> None:
@@ -142,7 +154,7 @@ def test_select_stops_where_the_layer_layout_changes(kv: KVStoreClient) -> None:
     assert_same(kv.select(NS, hashes[2:]), tail)
 
 
-def test_get_stream_delivers_layer_by_layer(daemon, kv: KVStoreClient) -> None:
+def test_get_stream_delivers_layer_by_layer(server, kv: KVStoreClient) -> None:
     n = 5
     g = torch.Generator().manual_seed(5)
     layers = {
@@ -154,7 +166,7 @@ def test_get_stream_delivers_layer_by_layer(daemon, kv: KVStoreClient) -> None:
     kv.put(NS, hashes, layers)
 
     # chunks smaller than one block: the daemon sends one block per message
-    with KVStoreClient(daemon.address, chunk_bytes=40) as small:
+    with KVStoreClient(server.address, chunk_bytes=40) as small:
         events: list[str] = []
 
         def allocate(spec: LayerSpec, num_blocks: int) -> torch.Tensor:
@@ -344,10 +356,11 @@ def test_evict_target_bytes_trims_least_recent_tails(kv: KVStoreClient) -> None:
 
 
 # ---- stats / list / describe / health ----------------------------------------------
-def test_stats_counters(daemon, kv: KVStoreClient, backend: str) -> None:
+@both_backends
+def test_stats_counters(server, kv: KVStoreClient, backend: str) -> None:
     before = kv.stats()
     assert before["backend"] == backend
-    assert before["capacity_bytes"] == 1 << 30  # the Daemon helper's --capacity 1GiB
+    assert before["capacity_bytes"] == 1 << 30  # the servers' default capacity in tests, 1GiB
     assert before["version"]
     assert before["uptime_seconds"] > 0
 
@@ -359,7 +372,7 @@ def test_stats_counters(daemon, kv: KVStoreClient, backend: str) -> None:
     assert kv.lookup(NS, [*hashes, *chain("stats-miss", 2)]) == 3
     # Read the whole Get stream, to its closing status: the daemon counts the bytes
     # read when its stream generator finishes, just before that status is sent.
-    with grpc.insecure_channel(daemon.address) as channel:
+    with grpc.insecure_channel(server.address) as channel:
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         assert len(list(stub.Get(pb.GetRequest(namespace=NS.encode(), block_hashes=hashes)))) == 3
 
@@ -434,6 +447,7 @@ def test_list_blocks_pages_with_a_token(kv: KVStoreClient) -> None:
     assert len(list(kv.iter_blocks(page_size=4))) == 28
 
 
+@both_backends
 def test_describe(kv: KVStoreClient) -> None:
     hashes = chain("describe", 2)
     layers = {
@@ -473,6 +487,7 @@ def test_health(kv: KVStoreClient) -> None:
 
 
 # ---- data types and keys -----------------------------------------------------------
+@both_backends
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])
 def test_dtypes_round_trip_bit_exactly(kv: KVStoreClient, dtype: torch.dtype) -> None:
     hashes = chain(f"dtype-{dtype}", 4)
@@ -503,13 +518,13 @@ def test_namespace_str_and_bytes_are_the_same_key(kv: KVStoreClient) -> None:
 
 
 # ---- the generated stubs interoperate with the daemon ------------------------------
-def test_generated_stub_get_matches_the_fast_client_path(daemon, kv: KVStoreClient) -> None:
+def test_generated_stub_get_matches_the_fast_client_path(server, kv: KVStoreClient) -> None:
     hashes = chain("stub", 3)
     layers = make_layers(3, num_layers=2, shape=(4, 16), dtype=torch.bfloat16, seed=18)
     kv.put(NS, hashes, layers)
     fast = kv.select(NS, hashes)
 
-    with grpc.insecure_channel(daemon.address) as channel:
+    with grpc.insecure_channel(server.address) as channel:
         stub = kvstore_pb2_grpc.KVStoreStub(channel)
         assert stub.Lookup(pb.LookupRequest(namespace=NS.encode(), block_hashes=hashes)).num_blocks == 3
         responses = list(
@@ -536,7 +551,7 @@ def test_generated_stub_get_matches_the_fast_client_path(daemon, kv: KVStoreClie
     assert [bytes(data[i]) for i in range(len(layers))] == [as_bytes(t) for t in layers.values()]
 
 
-def test_generated_stub_put_is_readable_by_the_client(daemon, kv: KVStoreClient) -> None:
+def test_generated_stub_put_is_readable_by_the_client(server, kv: KVStoreClient) -> None:
     hashes = chain("stub-put", 2)
     layers = make_layers(2, num_layers=2, shape=(2, 8), dtype=torch.float16, seed=19)
     requests = [
@@ -557,7 +572,7 @@ def test_generated_stub_put_is_readable_by_the_client(daemon, kv: KVStoreClient)
             )
     requests.append(pb.PutRequest(commit=pb.PutCommit()))
 
-    with grpc.insecure_channel(daemon.address) as channel:
+    with grpc.insecure_channel(server.address) as channel:
         response = kvstore_pb2_grpc.KVStoreStub(channel).Put(iter(requests), timeout=30)
     assert (response.blocks_written, response.blocks_skipped) == (2, 0)
     assert response.bytes_written == 2 * block_bytes(layers)

@@ -1,4 +1,6 @@
-"""Auth (tokens, roles, tenants), TLS and the safe-default bind check, on the real daemon."""
+"""Auth (tokens, roles, tenants) and TLS on a real server (in-process, with the token file
+and certificates of its config), and what the daemon refuses at start or allows by flag
+(the safe-default bind check, --insecure, a bad token file: daemon processes)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from daemon import Daemon
+from support.inproc import InProcServer
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors
@@ -46,11 +49,8 @@ def token_file(path: Path) -> Path:
 
 
 @pytest.fixture
-def secured(tmp_path: Path, backend: str):
-    path = token_file(tmp_path / "tokens.toml")
-    d = Daemon(tmp_path / "data", backend=backend, extra_args=["--token-file", str(path)]).start()
-    yield d
-    d.stop()
+def secured(tmp_path: Path, make_server) -> InProcServer:
+    return make_server(token_file=token_file(tmp_path / "tokens.toml"))
 
 
 def layers(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -90,7 +90,7 @@ def raw_call(address: str, method: str, metadata: list[tuple[str, str]]) -> grpc
 
 
 @pytest.mark.parametrize("method", sorted(CALLS))
-def test_every_rpc_needs_a_valid_token(secured: Daemon, method: str) -> None:
+def test_every_rpc_needs_a_valid_token(secured: InProcServer, method: str) -> None:
     assert raw_call(secured.address, method, []) == grpc.StatusCode.UNAUTHENTICATED
     wrong = [("authorization", "Bearer not-a-known-token-at-all")]
     assert raw_call(secured.address, method, wrong) == grpc.StatusCode.UNAUTHENTICATED
@@ -107,13 +107,13 @@ def test_every_rpc_needs_a_valid_token(secured: Daemon, method: str) -> None:
         ("a-reader", "Lookup", True),
     ],
 )
-def test_roles_limit_what_a_token_may_call(secured: Daemon, name: str, method: str, allowed: bool) -> None:
+def test_roles_limit_what_a_token_may_call(secured: InProcServer, name: str, method: str, allowed: bool) -> None:
     code = raw_call(secured.address, method, [("authorization", f"Bearer {token(name)}")])
     assert (code != grpc.StatusCode.PERMISSION_DENIED) == allowed
     assert code != grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_health_stays_open_for_load_balancers(secured: Daemon) -> None:
+def test_health_stays_open_for_load_balancers(secured: InProcServer) -> None:
     with KVStoreClient(secured.address) as kv:
         assert kv.health() == "SERVING"
 
@@ -137,7 +137,7 @@ def test_a_token_file_with_a_tenant_name_outside_the_rule_is_refused_at_start(tm
     assert proc.stdout == "" and not (tmp_path / "d").exists()
 
 
-def test_tenants_never_see_each_others_blocks(secured: Daemon) -> None:
+def test_tenants_never_see_each_others_blocks(secured: InProcServer) -> None:
     data = layers(3)
     with (
         KVStoreClient(secured.address, token=token("a-writer")) as a,
@@ -226,8 +226,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_tls_handshake_with_generated_certificates(tmp_path: Path, pki: dict[str, Path]) -> None:
-    args = ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server.key"])]
-    d = Daemon(tmp_path / "data", extra_args=args).start()
+    tls = {"tls_cert": pki["server"], "tls_key": pki["server.key"]}
+    d = InProcServer(tmp_path / "data", settings=tls).start()
     try:
         with KVStoreClient(d.address, tls_ca=pki["ca"]) as kv:
             kv.put("ns", HASHES[:1], layers(1))
@@ -244,9 +244,8 @@ def test_tls_handshake_with_generated_certificates(tmp_path: Path, pki: dict[str
 
 
 def test_mutual_tls_requires_a_client_certificate(tmp_path: Path, pki: dict[str, Path]) -> None:
-    args = ["--tls-cert", str(pki["server"]), "--tls-key", str(pki["server.key"]),
-            "--tls-client-ca", str(pki["ca"])]  # fmt: skip
-    d = Daemon(tmp_path / "data", extra_args=args).start()
+    tls = {"tls_cert": pki["server"], "tls_key": pki["server.key"], "tls_client_ca": pki["ca"]}
+    d = InProcServer(tmp_path / "data", settings=tls).start()
     try:
         with KVStoreClient(
             d.address, tls_ca=pki["ca"], tls_cert=pki["client"], tls_key=pki["client.key"]
@@ -285,7 +284,7 @@ def test_insecure_flag_allows_a_non_loopback_bind(tmp_path: Path) -> None:
         d.stop()
 
 
-def test_cli_sends_its_token_from_the_flag_or_the_environment(secured: Daemon, monkeypatch, capsys) -> None:
+def test_cli_sends_its_token_from_the_flag_or_the_environment(secured: InProcServer, monkeypatch, capsys) -> None:
     from kvstore_cli.main import main as cli
 
     assert cli(["--address", secured.address, "stats", "--json"]) == 1  # no token

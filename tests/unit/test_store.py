@@ -24,8 +24,6 @@ from kvunit import (
 )
 
 from kvstore_server import eviction
-from kvstore_server.tiers import LayerSpec, StorageFullError
-from kvstore_server.tiers import lmdb as lmdb_backend
 from kvstore_server.store import (
     CapacityError,
     InvalidChain,
@@ -34,6 +32,8 @@ from kvstore_server.store import (
     Store,
     WaitTimeout,
 )
+from kvstore_server.tiers import LayerSpec, StorageFullError
+from kvstore_server.tiers import lmdb as lmdb_backend
 
 MakeStore = Callable[..., Store]
 
