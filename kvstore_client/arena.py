@@ -228,6 +228,8 @@ class Reservation:
         from kvstore_client.client import PutResult
 
         self.done = True
+        if not self.blocks:  # every block was stored already: nothing was reserved
+            return PutResult(0, 0, 0, 0)
         if sums is None:
             sums = checksums(self._pieces())
         resp = self._call("Commit", pb.CommitRequest(reservation_id=self.reservation_id, checksums=sums))
@@ -235,7 +237,8 @@ class Reservation:
 
     def abort(self) -> None:
         """Give the extent back; safe to call twice. A failure is logged (the lease frees it)."""
-        if self.done:
+        if self.done or not self.blocks:
+            self.done = True
             return
         self.done = True
         try:
@@ -279,11 +282,15 @@ class Pinned:
 
     def _at(self, run: Run, layer: int, block: int) -> int:
         """Offset of block `block` (index within `run`) of `layer`."""
-        return run.offset + fmt.block_layer_offset(self._sizes, run.extent_blocks, layer, run.position + block)
+        return run.offset + fmt.block_layer_offset(
+            self._sizes, run.extent_blocks, layer, run.position + block
+        )
 
     def pieces(self, layer: int) -> list[tuple[int, torch.Tensor]]:
         spec = self.layers[layer]
-        return [(run.first, _typed(self.mapping, self._at(run, layer, 0), run.count, spec)) for run in self.runs]
+        return [
+            (run.first, _typed(self.mapping, self._at(run, layer, 0), run.count, spec)) for run in self.runs
+        ]
 
     def views(self, layer: int) -> Iterator[tuple[int, memoryview]]:
         """(first block, bytes) of each run of `layer`."""
@@ -353,7 +360,10 @@ class ArenaSource:
                         raise errors.StoreTimeout("arena read cancelled")
                     for i in range(len(view) // size):
                         block = first + i
-                        if _checksum(view[i * size : (i + 1) * size]) != pinned.checksums[block * width + layer]:
+                        if (
+                            _checksum(view[i * size : (i + 1) * size])
+                            != pinned.checksums[block * width + layer]
+                        ):
                             self._corrupt(block, layer)
                     yield wire.Chunk(layer, first, view)
         finally:
@@ -459,3 +469,69 @@ class Arena:
         with self._lock:
             self._mapping = None
             self._next_try = time.monotonic() + self._retry_interval
+
+
+class ArenaPutStream:
+    """PutStream's interface over a reservation: each write_layer copies the layer's
+    blocks straight into the arena (the blocks the store lacks), commit checksums and
+    commits. The tensors may be reused as soon as write_layer returns."""
+
+    def __init__(self, reservation: Reservation, num_blocks: int, timeout: float) -> None:
+        self.reservation = reservation
+        self.layers = reservation.layers
+        self.num_blocks = num_blocks
+        self.timeout = timeout
+        self._index = {spec.name: i for i, spec in enumerate(self.layers)}
+        self._written: set[int] = set()
+        self._ids: torch.Tensor | None = None
+        self._done = False
+
+    def write_layer(self, layer: str | int, tensor: torch.Tensor) -> None:
+        import torch
+
+        from kvstore_client.tensors import dtype_name
+
+        index = self._index[layer] if isinstance(layer, str) else layer
+        spec = self.layers[index]
+        if index in self._written:
+            raise ValueError(f"layer {spec.name!r} was already written")
+        if tuple(tensor.shape) != (self.num_blocks, *spec.shape) or dtype_name(tensor.dtype) != spec.dtype:
+            raise ValueError(
+                f"layer {spec.name!r}: expected {spec.dtype} {[self.num_blocks, *spec.shape]}, "
+                f"got {dtype_name(tensor.dtype)} {list(tensor.shape)}"
+            )
+        blocks = self.reservation.blocks
+        if blocks:
+            dest = self.reservation.layer(index)
+            if len(blocks) == self.num_blocks:
+                dest.copy_(tensor)
+            else:
+                if self._ids is None:
+                    self._ids = torch.tensor(blocks, dtype=torch.long, device=tensor.device)
+                torch.index_select(tensor, 0, self._ids, out=dest)
+        self._written.add(index)
+
+    def commit(self) -> Any:
+        from kvstore_client.client import PutResult
+
+        missing = [s.name for i, s in enumerate(self.layers) if i not in self._written]
+        if missing:
+            self.abort()
+            raise ValueError(f"commit without layers {missing[:4]}")
+        self._done = True
+        if not self.reservation.blocks:
+            return PutResult(0, self.num_blocks, 0, 0)
+        return self.reservation.commit()
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            if self.reservation.blocks:
+                self.reservation.abort()
+
+    def __enter__(self) -> ArenaPutStream:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None or not self._done:
+            self.abort()

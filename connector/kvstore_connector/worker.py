@@ -178,7 +178,9 @@ class WorkerSide:
         )
         log.info(
             "kvstore connector: KV moves %s",
-            f"through the daemon's arena {self.client.arena_path}" if self._arena is not None else "over gRPC",
+            f"through the daemon's arena {self.client.arena_path}"
+            if self._arena is not None
+            else "over gRPC",
         )
 
     def _add_stats(self, **values: float) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from daemon import Daemon, eventually
 from helpers import NS, assert_same, chain, make_layers, rows
 
-from daemon import Daemon, eventually
 from kvstore import arena_format as fmt
 from kvstore_client import KVStoreClient, LayerSpec, errors
 

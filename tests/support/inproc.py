@@ -33,10 +33,8 @@ from typing import Any
 
 from kvstore_server.config import ServerConfig
 from kvstore_server.datadir import DataDir
-from kvstore_server.main import Running, create_server
+from kvstore_server.main import Running, create_server, open_store
 from kvstore_server.metrics import MetricsServer
-from kvstore_server.store import Store
-from kvstore_server.tiers import open_backend
 
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _LOGGERS = ("kvstore_server", "grpc")
@@ -81,12 +79,19 @@ class InProcServer:
     def start(self) -> InProcServer:
         if self.running is not None:
             raise RuntimeError("the server is already running")
+        settings = {
+            # the memory tier: small, and in the test's own directory (never the host's
+            # /dev/shm, where arena files outlive their daemons)
+            "memory": "64MiB",
+            "memory_dir": self.data_dir.parent / f"{self.data_dir.name}-shm",
+            **self.settings,
+        }
         config = ServerConfig(
             listen="127.0.0.1:0",
             data_dir=self.data_dir,
             backend=self.backend,
             capacity=self.capacity,  # type: ignore[arg-type]  # parsed by ServerConfig
-            **self.settings,
+            **settings,
         )
         problem = config.exposure_problem()
         if problem is not None:
@@ -96,10 +101,7 @@ class InProcServer:
         _raise_open_files_limit()
         datadir = DataDir(config.data_dir, sync=config.sync)
         try:
-            store = Store(
-                open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync),
-                config.capacity,
-            )
+            store = open_store(config)
         except BaseException:
             datadir.close(sync=config.sync, clean=False)
             self._release_log()

@@ -60,7 +60,7 @@ def test_allocator_random_workload_never_overlaps() -> None:
             if offset is not None:
                 held[offset] = size
         spans = sorted(held.items())
-        for (o1, s1), (o2, _) in zip(spans, spans[1:]):
+        for (o1, s1), (o2, _) in zip(spans, spans[1:], strict=False):
             assert o1 + s1 <= o2
         assert alloc.free_bytes == alloc.total - sum(held.values())
     for offset, size in held.items():
