@@ -10,9 +10,10 @@ The token file (TOML) maps tokens to a tenant and a role:
 Roles nest: a reader may Lookup, Get, Describe, List, Stats, Watch, LocalAccess,
 ArenaAccess, Pin and Release; a writer also Put, Reserve, Commit, Abort and DropSelect
 (which removes what it takes); an admin also Evict. The tenant is enforced by the
-server as part of every namespace (see Scope): one tenant can never hit, read, list, watch or evict another's blocks
-over gRPC. (Local reads, off by default with tokens, go around this: whoever can
-read the data directory can read every tenant.)
+server as part of every namespace (see Scope): one tenant can never hit, read, list,
+watch or evict another's blocks over gRPC. (Local reads and the arena, off by default
+with tokens, go around this: whoever can read the data directory or map the arena can
+read every tenant.)
 Health checks and server reflection stay open (load balancers need them).
 
 Clients send `authorization: Bearer <token>`. Tokens are compared in constant
