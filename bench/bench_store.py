@@ -330,7 +330,7 @@ def lookup_latency(client, prefix: list[bytes], n: int) -> tuple[float, float]:
 
 
 def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[PathResult]:
-    from kvstore_client.client import KVStoreClient
+    from kvstore_client import KVStoreClient
 
     res = PathResult(f"daemon ({args.backend})")
     out = [res]

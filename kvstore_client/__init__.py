@@ -5,23 +5,19 @@ from kvstore_client.hashing import block_hashes
 """
 
 from kvstore.memory import tune_malloc
-from kvstore_client.client import (
-    Event,
-    EvictResult,
-    KVStoreClient,
-    LayerSpec,
-    LayerStream,
-    PutResult,
-    PutStream,
-    WatchStream,
-)
+from kvstore_client.client import KVStoreClient
 from kvstore_client.errors import KVStoreError
+from kvstore_client.streams import LayerSource, LayerStream, PutStream, WatchStream
+from kvstore_client.types import EVENT_REMOVED, EVENT_STORED, Event, EvictResult, LayerSpec, PutResult
 
 __all__ = [
+    "EVENT_REMOVED",
+    "EVENT_STORED",
     "Event",
     "EvictResult",
     "KVStoreClient",
     "KVStoreError",
+    "LayerSource",
     "LayerSpec",
     "LayerStream",
     "PutResult",

@@ -32,7 +32,7 @@ recomputes; tools (the CLI) print the message and exit non-zero.
 
 from __future__ import annotations
 
-import grpc
+from typing import Any
 
 
 class KVStoreError(Exception):
@@ -89,25 +89,27 @@ class StoreInternalError(KVStoreError):
     pass
 
 
-_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
-    grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: StoreTimeout,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExceeded,
-    grpc.StatusCode.NOT_FOUND: BlockNotFound,
-    grpc.StatusCode.ABORTED: PutAborted,
-    grpc.StatusCode.CANCELLED: PutAborted,
-    grpc.StatusCode.OUT_OF_RANGE: EventsOutOfRange,
-    grpc.StatusCode.UNAUTHENTICATED: AuthError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthError,
-    grpc.StatusCode.FAILED_PRECONDITION: NotOffered,
+# gRPC status code names (grpc.StatusCode.*.name): this module imports no grpc, so
+# code that only catches these errors does not load it.
+_BY_CODE: dict[str, type[KVStoreError]] = {
+    "UNAVAILABLE": StoreUnavailable,
+    "DEADLINE_EXCEEDED": StoreTimeout,
+    "INVALID_ARGUMENT": InvalidRequest,
+    "RESOURCE_EXHAUSTED": CapacityExceeded,
+    "NOT_FOUND": BlockNotFound,
+    "ABORTED": PutAborted,
+    "CANCELLED": PutAborted,
+    "OUT_OF_RANGE": EventsOutOfRange,
+    "UNAUTHENTICATED": AuthError,
+    "PERMISSION_DENIED": AuthError,
+    "FAILED_PRECONDITION": NotOffered,
 }
 
 
-def from_rpc_error(exc: grpc.RpcError) -> KVStoreError:
-    """The client exception for a gRPC error; raise it `from exc`."""
+def from_rpc_error(exc: Any) -> KVStoreError:
+    """The client exception for a grpc.RpcError (or a failed call); raise it `from exc`."""
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else None
-    kind = _BY_CODE.get(code, StoreInternalError) if code is not None else StoreInternalError
     name = code.name if code is not None else None
+    kind = _BY_CODE.get(name, StoreInternalError) if name is not None else StoreInternalError
     return kind(f"{name}: {details}" if details else str(name or exc), name)

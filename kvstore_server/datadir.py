@@ -23,14 +23,13 @@ import os
 import time
 from pathlib import Path
 
-from kvstore_server.tiers import BACKEND_DIRS, NO_SPACE
+from kvstore.layouts import BACKEND_DIRS, STORE_ID_FILE
+from kvstore_server.tiers import NO_SPACE
 
 log = logging.getLogger(__name__)
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
-
-STORE_ID_FILE = "STORE_ID"
 # STATE records are padded to this length, so one can overwrite another in place.
 _STATE_BYTES = 256
 

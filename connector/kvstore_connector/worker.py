@@ -284,20 +284,14 @@ class WorkerSide:
         raw = self._raw
         if raw is None:
             raise RuntimeError("raw placement needs contiguous CPU caches")
-        layer = -1
-        name, size, dest = "", 0, raw[self._specs[0].name]
-        for layer_index, first_block, data in stream.chunks():
-            if layer_index != layer:
-                layer = layer_index
-                spec = stream.layers[layer]
-                name, size, dest = spec.name, spec.block_bytes, raw[spec.name]
-            count = len(data) // size
-            for i in range(count):
+        for spec, (_, first_block, data), last in stream.layer_chunks():
+            size, dest = spec.nbytes, raw[spec.name]
+            for i in range(len(data) // size):
                 block = block_ids[first_block + i]
                 dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
-            if first_block + count == len(block_ids):
-                pending.remove(name)
-                gates.done(name)
+            if last:
+                pending.remove(spec.name)
+                gates.done(spec.name)
 
     def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
         mover = self._mover

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvstore.layouts import BACKEND_DIRS, BACKENDS, backend_dir
 from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
@@ -36,17 +37,6 @@ __all__ = [
 ]
 
 
-# Each backend's directory under the data dir.
-BACKEND_DIRS = {"lmdb": "lmdb", "disk": "blocks"}
-BACKENDS = tuple(BACKEND_DIRS)
-
-
-def backend_dir(kind: str, data_dir: Path) -> Path:
-    if kind not in BACKEND_DIRS:
-        raise ValueError(f"unknown backend {kind!r}; expected one of {', '.join(BACKENDS)}")
-    return data_dir / BACKEND_DIRS[kind]
-
-
 def open_backend(kind: str, data_dir: Path, *, capacity_bytes: int, sync: bool) -> Backend:
     """Open the backend `kind` under `data_dir` (created if missing)."""
     root = backend_dir(kind, data_dir)
@@ -60,8 +50,9 @@ def open_backend(kind: str, data_dir: Path, *, capacity_bytes: int, sync: bool) 
 
 
 def open_reader(kind: str, data_dir: Path) -> Backend:
-    """Open a running daemon's backend under `data_dir` for reading only (the same-host
-    fast path, see kvstore_client.local): `read` works, writes raise StorageError.
+    """Open a running daemon's backend under `data_dir` for reading only (tools and tests;
+    same-host clients have their own readers, kvstore_client.local): `read` works, writes
+    raise StorageError.
     Raises StorageError when the files cannot be opened."""
     root = backend_dir(kind, data_dir)
     if kind == "lmdb":

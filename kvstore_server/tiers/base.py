@@ -19,107 +19,33 @@ threads, never from an event loop.
 from __future__ import annotations
 
 import errno
-import json
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import orjson
-import xxhash
+# The block records are shared with the client (kvstore.blocks); re-exported here.
+from kvstore.blocks import BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock, checksum
 
-BlockKey = tuple[bytes, bytes]
-"""(namespace, 32-byte block hash)."""
-
+__all__ = [
+    "NO_SPACE",
+    "Backend",
+    "BlockKey",
+    "BlockMeta",
+    "BlockWrite",
+    "LayerSpec",
+    "StorageError",
+    "StorageFullError",
+    "StoredBlock",
+    "checksum",
+]
 
 # What a filesystem says when it has no room (quota included).
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-class StorageError(Exception):
-    """A backend failed in a way the caller cannot fix by retrying the same call."""
-
-
 class StorageFullError(StorageError):
     """The backend has no room for a write even though the byte budget allows it."""
-
-
-# A layer's checksum: xxh3-64 of its bytes (~13-20 GB/s, so verifying every read is
-# cheap). Bound directly, no wrapper: reads call it once per block and layer.
-checksum: Callable[[memoryview | bytes], int] = xxhash.xxh3_64_intdigest
-
-
-@dataclass(frozen=True, slots=True)
-class LayerSpec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-# Blocks of one model share their layer layout: parse it once (every read parses metadata).
-_LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...], int], ...], tuple[LayerSpec, ...]] = {}
-_MAX_LAYOUTS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    namespace: bytes
-    block_hash: bytes
-    parent_hash: bytes
-    layers: tuple[LayerSpec, ...]
-    checksums: tuple[int, ...]
-    created_at: float = field(default_factory=time.time)
-
-    @property
-    def key(self) -> BlockKey:
-        return (self.namespace, self.block_hash)
-
-    @property
-    def size(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
-
-    def to_json(self) -> bytes:
-        """Canonical metadata record (JSON; no pickle on disk)."""
-        return json.dumps(
-            {
-                "v": 1,
-                "ns": self.namespace.hex(),
-                "hash": self.block_hash.hex(),
-                "parent": self.parent_hash.hex(),
-                "created": self.created_at,
-                "layers": [
-                    [layer.name, layer.dtype, list(layer.shape), layer.nbytes, f"{crc:016x}"]
-                    for layer, crc in zip(self.layers, self.checksums, strict=True)
-                ],
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes | memoryview | str) -> BlockMeta:
-        # orjson: every read parses a block's record (2 us instead of 6 with json);
-        # bad JSON raises orjson.JSONDecodeError, a ValueError
-        doc = orjson.loads(raw)
-        version = doc.get("v") if isinstance(doc, dict) else None
-        if version != 1:
-            raise StorageError(f"unknown block metadata version {version!r}")
-        entries = doc["layers"]
-        key = tuple([(n, d, tuple(s), b) for n, d, s, b, _ in entries])
-        layers = _LAYOUTS.get(key)
-        if layers is None:
-            if len(_LAYOUTS) >= _MAX_LAYOUTS:
-                _LAYOUTS.clear()
-            layers = _LAYOUTS[key] = tuple(LayerSpec(*spec) for spec in key)
-        return cls(
-            bytes.fromhex(doc["ns"]),
-            bytes.fromhex(doc["hash"]),
-            bytes.fromhex(doc["parent"]),
-            layers,
-            tuple([int(entry[4], 16) for entry in entries]),
-            float(doc["created"]),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,21 +56,6 @@ class BlockWrite:
     meta: BlockMeta
     layers: Sequence[memoryview | bytes]
     joined: memoryview | bytes | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StoredBlock:
-    """A block read back; `layers` views are valid only inside `Backend.read`'s block."""
-
-    meta: BlockMeta
-    layers: list[memoryview]
-
-    def corrupt_layer(self) -> int | None:
-        """Index of the first layer whose bytes fail the checksum, or None."""
-        for i, (view, want) in enumerate(zip(self.layers, self.meta.checksums, strict=True)):
-            if len(view) != self.meta.layers[i].nbytes or checksum(view) != want:
-                return i
-        return None
 
 
 class Backend(ABC):

@@ -7,23 +7,26 @@ optionally fsynced, and renamed into place, so a reader sees a whole block or
 none; leftovers of a crash are removed by `scan`.
 
 Paths are derived from hex digests only; the namespace itself lives in the
-metadata record.
+metadata record. The file layout is defined in kvstore.layouts (same-host clients
+read it too).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import mmap
 import os
 import secrets
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from io import BufferedReader
 from pathlib import Path
 
-from kvstore.wire import DTYPES
+from kvstore.layouts import BLOCK_SUFFIX as _SUFFIX
+from kvstore.layouts import TMP_SUFFIX as _TMP_SUFFIX
+from kvstore.layouts import block_file_header as _header
+from kvstore.layouts import block_path
+from kvstore.layouts import map_file as _map_file
+from kvstore.layouts import parse_block_file as _parse
 from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
@@ -37,53 +40,7 @@ from kvstore_server.tiers.base import (
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = ".safetensors"
-_TMP_SUFFIX = ".tmp"
 _IOV_MAX = 512
-
-
-def _header(meta: BlockMeta) -> bytes:
-    doc: dict[str, object] = {"__metadata__": {"kvstore": meta.to_json().decode()}}
-    offset = 0
-    for layer in meta.layers:
-        doc[layer.name] = {
-            "dtype": DTYPES[layer.dtype][1],
-            "shape": list(layer.shape),
-            "data_offsets": [offset, offset + layer.nbytes],
-        }
-        offset += layer.nbytes
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def _map_file(f: BufferedReader) -> mmap.mmap | bytearray:
-    """A block file's bytes: mapped read-only (page cache, which the kernel may reclaim;
-    a Get of many blocks does not copy them all into the daemon's memory), or read into
-    memory where it cannot be mapped (no address space or map slots left)."""
-    try:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:  # ValueError: an empty file
-        log.debug("cannot map %s (%s); reading it", f.name, exc)
-    buf = bytearray(os.fstat(f.fileno()).st_size)
-    f.readinto(buf)
-    return buf
-
-
-def _parse(buf: mmap.mmap | bytearray) -> tuple[BlockMeta, list[memoryview]]:
-    size = int.from_bytes(buf[:8], "little")
-    if size > len(buf) - 8:
-        raise ValueError("header longer than the file")
-    header = json.loads(bytes(buf[8 : 8 + size]))
-    meta = BlockMeta.from_json(header["__metadata__"]["kvstore"])
-    data = memoryview(buf)[8 + size :]
-    views = []
-    for layer in meta.layers:
-        start, end = header[layer.name]["data_offsets"]
-        if end - start != layer.nbytes or end > len(data):
-            raise ValueError(f"layer {layer.name!r} does not match its metadata")
-        views.append(data[start:end])
-    return meta, views
 
 
 class DiskBackend(Backend):
@@ -97,9 +54,7 @@ class DiskBackend(Backend):
             root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, namespace: bytes, block_hash: bytes) -> Path:
-        ns_dir = hashlib.sha256(namespace).hexdigest()[:32]
-        name = block_hash.hex()
-        return self._root / ns_dir / name[:2] / (name + _SUFFIX)
+        return block_path(self._root, namespace, block_hash)
 
     def scan(self) -> Iterator[BlockMeta]:
         for dirpath, _dirs, files in os.walk(self._root):

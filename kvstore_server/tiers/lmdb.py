@@ -2,7 +2,7 @@
 
 Two named databases share one environment so a block's metadata and bytes are
 written in the same transaction: a block is either wholly visible or absent,
-after any crash. Keys are `len(ns) (2 bytes) || ns || hash`.
+after any crash. Keys and database names: kvstore.layouts.
 
 NOTE: writemap stays off. With MDB_WRITEMAP a full filesystem turns into a
 SIGBUS inside the daemon instead of an error we can answer with.
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import lmdb
 
+from kvstore.layouts import DATA_DB, LMDB_MAX_DBS, LMDB_MAX_READERS, META_DB, split_layers
+from kvstore.layouts import lmdb_key as _key
 from kvstore.memory import drop_mapped_pages
 from kvstore_server.tiers.base import (
     NO_SPACE,
@@ -52,8 +54,7 @@ _MAP_MIN_BYTES = 1 << 30
 
 # Never a block key: those hold a 32-byte hash after the namespace.
 _BUMP_KEY = b"\x00\x00"
-# Same-host clients (kvstore_client.local) take reader slots too: one per read in flight.
-_MAX_READERS = 1024
+_MAX_READERS = LMDB_MAX_READERS
 # Reserved space for deletions on a full filesystem: each deleted page costs 8 bytes of
 # free list, so a batch of _DELETE_BATCH blocks of up to 8 MiB needs well under this.
 _HEADROOM_BYTES = 8 << 20
@@ -75,19 +76,6 @@ def _reading() -> Iterator[None]:
         raise StorageError(f"LMDB read failed: {exc}") from exc
 
 
-def _key(namespace: bytes, block_hash: bytes) -> bytes:
-    return len(namespace).to_bytes(2, "big") + namespace + block_hash
-
-
-def _split(data: memoryview, meta: BlockMeta) -> list[memoryview] | None:
-    views = []
-    offset = 0
-    for layer in meta.layers:
-        views.append(data[offset : offset + layer.nbytes])
-        offset += layer.nbytes
-    return views if offset == len(data) else None
-
-
 class LmdbBackend(Backend):
     name = "lmdb"
 
@@ -99,15 +87,15 @@ class LmdbBackend(Backend):
             self._env = lmdb.open(
                 str(path),
                 map_size=map_size,
-                max_dbs=2,
+                max_dbs=LMDB_MAX_DBS,
                 sync=sync,
                 metasync=sync,
                 readahead=False,
                 max_readers=_MAX_READERS,
             )
             self._clear_stale_readers()
-            self._meta = self._env.open_db(b"meta")
-            self._data = self._env.open_db(b"data")
+            self._meta = self._env.open_db(META_DB)
+            self._data = self._env.open_db(DATA_DB)
         except lmdb.Error as exc:
             raise StorageError(f"cannot open {path}: {type(exc).__name__}: {exc}") from exc
         self._path = path
@@ -128,13 +116,18 @@ class LmdbBackend(Backend):
         self._readonly = True
         try:
             self._env = lmdb.open(
-                str(path), readonly=True, create=False, max_dbs=2, readahead=False, max_readers=_MAX_READERS
+                str(path),
+                readonly=True,
+                create=False,
+                max_dbs=LMDB_MAX_DBS,
+                readahead=False,
+                max_readers=_MAX_READERS,
             )
             # Map as much as the daemon does (its size is in the file), so its growth
             # never needs a remap here while reads are running.
             self._env.set_mapsize(0)
-            self._meta = self._env.open_db(b"meta", create=False)
-            self._data = self._env.open_db(b"data", create=False)
+            self._meta = self._env.open_db(META_DB, create=False)
+            self._data = self._env.open_db(DATA_DB, create=False)
         except lmdb.Error as exc:
             raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
         return self
@@ -281,7 +274,7 @@ class LmdbBackend(Backend):
                     log.warning("unreadable metadata for block %s: %s", block_hash.hex(), exc)
                     blocks.append(None)
                     continue
-                views = _split(data, meta)
+                views = split_layers(data, meta)
                 blocks.append(StoredBlock(meta, views) if views is not None else None)
                 if views is None:
                     log.warning("block %s: stored size does not match its metadata", block_hash.hex())

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvstore_client import Event, KVStoreClient, WatchStream, errors
-from kvstore_client.client import EVENT_REMOVED, EVENT_STORED
+from kvstore_client.types import EVENT_REMOVED, EVENT_STORED
 
 from .helpers import NS, block_bytes, chain, make_layers
 

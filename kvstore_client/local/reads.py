@@ -1,34 +1,5 @@
-"""The same-host fast path: read blocks straight from a co-located daemon's files.
-
-gRPC moves about 1.5 GB/s in Python, and on a small host the daemon competes
-with the engine for cores. A client on the daemon's host (or with its data
-volume mounted) can instead open the backend read-only and copy blocks from the
-page cache: one copy, no daemon CPU, no round trip. gRPC stays the control
-plane: Put, DropSelect, Evict and the rest go to the daemon, and every lookup
-answered from the files is also sent to the daemon, without waiting for it, so
-the blocks' recency and the hit counters stay right.
-
-    KVStoreClient(address, local_reads=True)   # lookup, get_stream, select use it when they can
-
-How a client earns it: the LocalAccess RPC names the daemon's data directory,
-backend, tenant prefix and a random per-run store_id, which the daemon also
-writes to `<data_dir>/STORE_ID`. Only a client that reads that same id from
-that directory (same files, so the same host) opens the backend. Each read
-re-checks the id, so a restarted daemon is noticed and re-negotiated.
-
-Every layer's checksum is verified before its bytes are handed out, as the
-daemon does. A mismatch is reported to the daemon (it re-reads the block,
-counts the failure and removes it) and ends that stream with LocalDataCorrupt;
-`select` then asks the daemon for the good prefix. Files that cannot be opened
-or read turn the fast path off (calls use gRPC) until the next negotiation: it
-is an optimisation, never a second source of truth.
-
-LMDB gives readers a consistent snapshot while the daemon commits; the
-snapshot (a read transaction) is held only while one stream is read, so it
-pins old pages for milliseconds. Readers need write access to the
-environment's lock.mdb, and the daemon and its clients must share a PID
-namespace (LMDB tracks readers by PID).
-"""
+"""LocalReads: the same-host fast path's negotiation and its shared open files (see
+kvstore_client.local), and LocalSource, the LayerSource over a snapshot of them."""
 
 from __future__ import annotations
 
@@ -39,20 +10,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 from kvstore import wire
+from kvstore.blocks import LayerSpec, StorageError, StoredBlock, checksum, leading_blocks
 from kvstore.host import pid_namespace
+from kvstore.layouts import STORE_ID_FILE
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
-from kvstore_server.tiers import StorageError, checksum, open_reader
-
-if TYPE_CHECKING:
-    from kvstore_server.tiers import Backend, StoredBlock
+from kvstore_client.local.readers import Reader, open_reader
 
 log = logging.getLogger(__name__)
-
-STORE_ID_FILE = "STORE_ID"  # kvstore_server.datadir writes it
 
 
 class LocalUnavailable(Exception):
@@ -67,9 +35,9 @@ class _Files:
     holds it and no read is in flight.
     """
 
-    def __init__(self, key: tuple[str, str, str], backend: Backend, data_dir: Path, store_id: str) -> None:
+    def __init__(self, key: tuple[str, str, str], reader: Reader, data_dir: Path, store_id: str) -> None:
         self.key = key
-        self.backend = backend
+        self.reader = reader
         self.data_dir = data_dir
         self.store_id = store_id
         self.holders = 0  # LocalReads using it; guarded by _SHARED_LOCK
@@ -89,7 +57,7 @@ class _Files:
             self._active -= 1
             close = self.retired and self._active == 0
         if close:
-            self.backend.close()
+            self.reader.close()
 
     def retire(self) -> None:
         """No new reads; the files close when the last one ends."""
@@ -99,7 +67,7 @@ class _Files:
             self.retired = True
             close = self._active == 0
         if close:
-            self.backend.close()
+            self.reader.close()
 
     def current(self) -> bool:
         """Whether the daemon that published store_id still runs on this directory."""
@@ -135,8 +103,8 @@ def _let_go(files: _Files, *, broken: bool = False) -> None:
         files.retire()
 
 
-class _LocalSource:
-    """A LayerStream source over blocks read in one backend snapshot.
+class LocalSource:
+    """A LayerSource (kvstore_client.streams) over blocks read in one snapshot of the files.
 
     Chunks are views into the snapshot (an LMDB map), one per block and layer,
     each verified against its checksum just before it is handed out (while the
@@ -154,15 +122,13 @@ class _LocalSource:
         blocks: list[StoredBlock],
         report: Callable[[bytes], None],
     ) -> None:
-        from kvstore_client.client import LayerSpec
-
         self._files = files
         self._stack: ExitStack | None = stack
         self._blocks = blocks
         self._report = report
         self._cancelled = False
         self.num_blocks = len(blocks)
-        self.layers = [LayerSpec(s.name, s.dtype, s.shape) for s in blocks[0].meta.layers] if blocks else []
+        self.layers: list[LayerSpec] = list(blocks[0].meta.layers) if blocks else []
 
     def chunks(self) -> Iterator[wire.Chunk]:
         """Every (layer, block) view in stream order, each verified just before it is yielded."""
@@ -249,7 +215,7 @@ class LocalReads:
         try:
             n = len(hashes)
             for namespace in namespaces:
-                n = files.backend.stored_prefix([(self._prefix + namespace, h) for h in hashes[:n]])
+                n = files.reader.stored_prefix([(self._prefix + namespace, h) for h in hashes[:n]])
         except StorageError as exc:
             files.release()
             self._broken(files, f"local lookup failed: {exc}")
@@ -257,7 +223,7 @@ class LocalReads:
         files.release()
         return n
 
-    def stream_source(self, namespace: bytes, hashes: Sequence[bytes]) -> _LocalSource | None:
+    def stream_source(self, namespace: bytes, hashes: Sequence[bytes]) -> LocalSource | None:
         """A verified snapshot of the stored prefix of `hashes`, or None: use Get."""
         files = self._acquire([namespace], hashes)
         if files is None:
@@ -265,13 +231,15 @@ class LocalReads:
         stack = ExitStack()
         try:
             keys = [(self._prefix + namespace, h) for h in hashes]
-            good = _present_prefix(stack.enter_context(files.backend.read(keys)))
+            # NOTE: checksums are verified per chunk, just before the caller copies it
+            # (LocalSource.chunks), so the bytes are read from memory once, not twice.
+            good = leading_blocks(stack.enter_context(files.reader.read(keys)), verify=False).blocks
         except StorageError as exc:
             stack.close()
             files.release()
             self._broken(files, f"local read failed: {exc}")
             return None
-        return _LocalSource(files, stack, good, functools.partial(self._report, namespace))
+        return LocalSource(files, stack, good, functools.partial(self._report, namespace))
 
     def _acquire(self, namespaces: Sequence[bytes], hashes: Sequence[bytes]) -> _Files | None:
         """The files, held for one read; None: use gRPC (which also answers bad input)."""
@@ -361,13 +329,3 @@ class LocalReads:
             files, self._files = self._files, None
         if files is not None:
             _let_go(files)
-
-
-def _present_prefix(blocks: Sequence[StoredBlock | None]) -> list[StoredBlock]:
-    """The leading present blocks of one layer layout (checksums are verified as they are read)."""
-    good: list[StoredBlock] = []
-    for block in blocks:
-        if block is None or (good and block.meta.layers != good[0].meta.layers):
-            break
-        good.append(block)
-    return good

@@ -1,0 +1,205 @@
+"""Block records shared by the daemon, the client and the connector, defined once.
+
+    BlockKey        (namespace, 32-byte hash)
+    checksum        a layer's xxh3-64, verified before its bytes are used
+    LayerSpec       one layer's per-block slice: name, dtype, shape (nbytes derived)
+    BlockMeta       a stored block's metadata record (JSON, never pickle)
+    StoredBlock     a block read back: its record and one view per layer
+    leading_blocks  the usable prefix of a read (present, one layout, verified)
+    PutResult       what a committed put did
+    StorageError    stored files that cannot be opened or read
+
+No torch, no grpc; the on-disk layouts of the backends are in kvstore.layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+import xxhash
+
+from kvstore.wire import DTYPES, layer_block_bytes
+
+BlockKey = tuple[bytes, bytes]
+"""(namespace, 32-byte block hash)."""
+
+
+class StorageError(Exception):
+    """Stored blocks cannot be read or written in a way that retrying the same call fixes."""
+
+
+# A layer's checksum: xxh3-64 of its bytes (~13-20 GB/s, so verifying every read is
+# cheap). Bound directly, no wrapper: reads call it once per block and layer.
+checksum: Callable[[memoryview | bytes], int] = xxhash.xxh3_64_intdigest
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One layer's per-block slice: a layer tensor of N blocks is [N, *shape].
+
+    `nbytes` (also `block_bytes`) is one block's bytes of this layer; left out, it is
+    derived from dtype and shape, given, it must agree (ValueError otherwise, as for an
+    unknown dtype). Frozen and hashable: specs are compared with == to match layouts.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if type(self.shape) is not tuple:
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"layer {self.name!r}: dtype {self.dtype!r} is not supported; supported: {', '.join(DTYPES)}"
+            )
+        size = layer_block_bytes(self.dtype, self.shape)
+        if self.nbytes == -1:
+            object.__setattr__(self, "nbytes", size)
+        elif self.nbytes != size:
+            raise ValueError(
+                f"layer {self.name!r}: {self.nbytes} bytes per block, but its dtype and shape make {size}"
+            )
+
+    @property
+    def block_bytes(self) -> int:
+        """The same as nbytes (the client's name for it)."""
+        return self.nbytes
+
+    @classmethod
+    def of(cls, name: str, tensor: Any) -> LayerSpec:
+        """The spec of a [num_blocks, *shape] tensor (torch or anything with dtype and shape)."""
+        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape[1:]))
+
+
+# Blocks of one model share their layer layout: parse it once (every read parses metadata).
+_LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...], int], ...], tuple[LayerSpec, ...]] = {}
+_MAX_LAYOUTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    namespace: bytes
+    block_hash: bytes
+    parent_hash: bytes
+    layers: tuple[LayerSpec, ...]
+    checksums: tuple[int, ...]
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> BlockKey:
+        return (self.namespace, self.block_hash)
+
+    @property
+    def size(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def to_json(self) -> bytes:
+        """Canonical metadata record (JSON; no pickle on disk)."""
+        return json.dumps(
+            {
+                "v": 1,
+                "ns": self.namespace.hex(),
+                "hash": self.block_hash.hex(),
+                "parent": self.parent_hash.hex(),
+                "created": self.created_at,
+                "layers": [
+                    [layer.name, layer.dtype, list(layer.shape), layer.nbytes, f"{crc:016x}"]
+                    for layer, crc in zip(self.layers, self.checksums, strict=True)
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | memoryview | str) -> BlockMeta:
+        """Parse a record. Raises StorageError (unknown version), ValueError, KeyError, TypeError."""
+        # orjson: every read parses a block's record (2 us instead of 6 with json);
+        # bad JSON raises orjson.JSONDecodeError, a ValueError
+        doc = orjson.loads(raw)
+        version = doc.get("v") if isinstance(doc, dict) else None
+        if version != 1:
+            raise StorageError(f"unknown block metadata version {version!r}")
+        entries = doc["layers"]
+        key = tuple([(n, d, tuple(s), b) for n, d, s, b, _ in entries])
+        layers = _LAYOUTS.get(key)
+        if layers is None:
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:
+                _LAYOUTS.clear()
+            layers = _LAYOUTS[key] = tuple(LayerSpec(*spec) for spec in key)
+        return cls(
+            bytes.fromhex(doc["ns"]),
+            bytes.fromhex(doc["hash"]),
+            bytes.fromhex(doc["parent"]),
+            layers,
+            tuple([int(entry[4], 16) for entry in entries]),
+            float(doc["created"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """A block read back; `layers` views are valid only while its read lasts."""
+
+    meta: BlockMeta
+    layers: list[memoryview]
+
+    def corrupt_layer(self) -> int | None:
+        """Index of the first layer whose bytes fail the checksum, or None."""
+        for i, (view, want) in enumerate(zip(self.layers, self.meta.checksums, strict=True)):
+            if len(view) != self.meta.layers[i].nbytes or checksum(view) != want:
+                return i
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPrefix:
+    """The leading usable blocks of a read, and why the block after them is not usable."""
+
+    blocks: list[StoredBlock]
+    stop: Literal["missing", "corrupt", "layout"] | None = None
+    """None: every block was used; "missing": absent or unreadable; "corrupt": fails its
+    checksum (at `bad_layer`); "layout": another layer layout than the first block's."""
+    bad_layer: int | None = None
+
+    @property
+    def layers(self) -> tuple[LayerSpec, ...]:
+        return self.blocks[0].meta.layers if self.blocks else ()
+
+
+def leading_blocks(blocks: Iterable[StoredBlock | None], *, verify: bool = True) -> BlockPrefix:
+    """The leading present blocks of `blocks` (a read, in key order) that share the first
+    one's layer layout, each verified against its checksums.
+
+    verify=False leaves the checksums to the caller, which must check every layer just
+    before it uses the bytes (the same-host reader does, so the copy finds them in cache).
+    """
+    good: list[StoredBlock] = []
+    for block in blocks:
+        if block is None:
+            return BlockPrefix(good, "missing")
+        if verify:
+            bad = block.corrupt_layer()
+            if bad is not None:
+                return BlockPrefix(good, "corrupt", bad)
+        if good and block.meta.layers != good[0].meta.layers:
+            return BlockPrefix(good, "layout")
+        good.append(block)
+    return BlockPrefix(good)
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a committed put did: blocks stored, blocks already stored, bytes stored, and
+    blocks evicted to make room."""
+
+    blocks_written: int
+    blocks_skipped: int
+    bytes_written: int
+    blocks_evicted: int

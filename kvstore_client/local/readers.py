@@ -1,0 +1,180 @@
+"""Read-only views of a running daemon's backend files, from another process.
+
+    open_reader(kind, data_dir)   a Reader of the daemon's "lmdb" or "disk" backend
+    Reader.read(keys)             context manager: blocks in key order (None: missing)
+    Reader.stored_prefix(keys)    how many leading keys are stored, without their data
+    Reader.close()                once, after the last read has ended
+
+Built on the layouts of kvstore.layouts alone (never the daemon's code): the
+daemon may change how it writes, not what it writes. Checksums are the caller's
+(kvstore.blocks.StoredBlock.corrupt_layer or checksum per layer). Raises
+kvstore.blocks.StorageError when the files cannot be opened or read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Protocol
+
+import lmdb
+
+from kvstore.blocks import BlockKey, BlockMeta, StorageError, StoredBlock
+from kvstore.layouts import (
+    DATA_DB,
+    LMDB_MAX_DBS,
+    LMDB_MAX_READERS,
+    META_DB,
+    backend_dir,
+    block_path,
+    lmdb_key,
+    map_file,
+    parse_block_file,
+    split_layers,
+)
+
+log = logging.getLogger(__name__)
+
+# What a stored record that is not one raises (see BlockMeta.from_json).
+_BAD_RECORD = (ValueError, KeyError, TypeError, StorageError)
+
+
+class Reader(Protocol):
+    def read(self, keys: Sequence[BlockKey]) -> AbstractContextManager[list[StoredBlock | None]]: ...
+
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def open_reader(kind: str, data_dir: Path) -> Reader:
+    """Open the backend `kind` of the daemon whose data directory is `data_dir`.
+    Raises StorageError (files cannot be opened) or ValueError (an unknown kind)."""
+    root = backend_dir(kind, data_dir)
+    if kind == "lmdb":
+        return LmdbReader(root)
+    return DiskReader(root)
+
+
+@contextmanager
+def _lmdb_errors() -> Iterator[None]:
+    """LMDB errors of a read as StorageError (never around a caller's code)."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise StorageError(f"LMDB read failed: {exc}") from exc
+
+
+class LmdbReader:
+    """The daemon's LMDB environment, opened read-only.
+
+    LMDB is built for this: readers register in the shared lock file (so this
+    process needs write access to lock.mdb, and must share the daemon's PID
+    namespace) and see consistent snapshots while the daemon commits. LMDB forbids
+    opening one environment twice in a process: open it once and share it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self._env = lmdb.open(
+                str(path),
+                readonly=True,
+                create=False,
+                max_dbs=LMDB_MAX_DBS,
+                readahead=False,
+                max_readers=LMDB_MAX_READERS,
+            )
+        except lmdb.Error as exc:
+            raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
+        try:
+            # Map as much as the daemon does (its size is in the file), so its growth
+            # never needs a remap here while reads are running.
+            self._env.set_mapsize(0)
+            self._meta = self._env.open_db(META_DB, create=False)
+            self._data = self._env.open_db(DATA_DB, create=False)
+        except lmdb.Error as exc:
+            self._env.close()
+            raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
+
+    @contextmanager
+    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
+        """One read transaction: a consistent snapshot; the views point into the map until it ends."""
+        with _lmdb_errors():  # e.g. MapResizedError after a daemon restart
+            txn = self._env.begin(buffers=True)
+        with txn:
+            blocks: list[StoredBlock | None] = []
+            for namespace, block_hash in keys:
+                key = lmdb_key(namespace, block_hash)
+                with _lmdb_errors():
+                    raw_meta = txn.get(key, db=self._meta)
+                    data = txn.get(key, db=self._data)
+                if raw_meta is None or data is None:
+                    blocks.append(None)
+                    continue
+                try:
+                    meta = BlockMeta.from_json(raw_meta)
+                except _BAD_RECORD as exc:
+                    log.warning("unreadable metadata for block %s: %s", block_hash.hex(), exc)
+                    blocks.append(None)
+                    continue
+                views = split_layers(data, meta)
+                if views is None:
+                    log.warning("block %s: stored size does not match its metadata", block_hash.hex())
+                    blocks.append(None)
+                    continue
+                blocks.append(StoredBlock(meta, views))
+            yield blocks
+
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        with _lmdb_errors(), self._env.begin(db=self._meta) as txn:
+            for n, (namespace, block_hash) in enumerate(keys):
+                if txn.get(lmdb_key(namespace, block_hash)) is None:
+                    return n
+        return len(keys)
+
+    def close(self) -> None:
+        self._env.close()
+
+
+class DiskReader:
+    """The daemon's directory of block files, each mapped read-only while it is read
+    (a whole file or none: the daemon renames finished files into place)."""
+
+    def __init__(self, root: Path) -> None:
+        if not root.is_dir():
+            raise StorageError(f"{root} is not a directory")
+        self._root = root
+
+    @contextmanager
+    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
+        blocks: list[StoredBlock | None] = []
+        for namespace, block_hash in keys:
+            path = block_path(self._root, namespace, block_hash)
+            try:
+                with open(path, "rb") as f:
+                    buf = map_file(f)
+                meta, views = parse_block_file(buf)
+            except FileNotFoundError:
+                blocks.append(None)
+                continue
+            except (OSError, *_BAD_RECORD) as exc:
+                log.warning("unreadable block file %s: %s", path, exc)
+                blocks.append(None)
+                continue
+            if meta.key != (namespace, block_hash):
+                log.warning("block file %s holds another block", path)
+                blocks.append(None)
+                continue
+            blocks.append(StoredBlock(meta, views))
+        yield blocks
+
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        for n, (namespace, block_hash) in enumerate(keys):
+            if not block_path(self._root, namespace, block_hash).is_file():
+                return n
+        return len(keys)
+
+    def close(self) -> None:
+        """Nothing to release: every file is closed after it is mapped."""

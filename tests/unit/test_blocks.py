@@ -1,0 +1,63 @@
+"""kvstore.blocks: the one LayerSpec, and the usable prefix of a read (leading_blocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.blocks import BlockMeta, LayerSpec, StoredBlock, checksum, leading_blocks
+
+
+def test_layer_spec_derives_its_size_and_compares_with_a_given_one() -> None:
+    derived = LayerSpec("k", "float16", [8, 8])  # type: ignore[arg-type]  # a list becomes a tuple
+    assert derived.shape == (8, 8)
+    assert derived.nbytes == derived.block_bytes == 128
+    assert derived == LayerSpec("k", "float16", (8, 8), 128)
+    assert hash(derived) == hash(LayerSpec("k", "float16", (8, 8), 128))
+
+
+def test_layer_spec_refuses_a_size_its_dtype_and_shape_do_not_make() -> None:
+    with pytest.raises(ValueError, match="make 128"):
+        LayerSpec("k", "float16", (8, 8), 127)
+    with pytest.raises(ValueError, match="not supported"):
+        LayerSpec("k", "complex64", (8,))
+
+
+def test_layer_spec_of_a_tensor() -> None:
+    torch = pytest.importorskip("torch")
+    spec = LayerSpec.of("v", torch.zeros(3, 2, 4, dtype=torch.bfloat16))
+    assert spec == LayerSpec("v", "bfloat16", (2, 4), 16)
+
+
+def _block(name: bytes, layers: tuple[LayerSpec, ...], *, corrupt: bool = False) -> StoredBlock:
+    data = [memoryview(bytes([i + 1]) * spec.nbytes) for i, spec in enumerate(layers)]
+    sums = tuple(checksum(view) ^ (1 if corrupt else 0) for view in data)
+    return StoredBlock(BlockMeta(b"ns", name.ljust(32, b"\0"), b"", layers, sums), data)
+
+
+A = (LayerSpec("k", "uint8", (4,)), LayerSpec("v", "uint8", (2,)))
+B = (LayerSpec("k", "uint8", (2, 2)), LayerSpec("v", "uint8", (2,)))
+
+
+def test_leading_blocks_stops_at_a_missing_block() -> None:
+    blocks = [_block(b"a", A), _block(b"b", A), None, _block(b"d", A)]
+    prefix = leading_blocks(blocks)
+    assert prefix.blocks == blocks[:2] and prefix.stop == "missing" and prefix.layers == A
+
+
+def test_leading_blocks_stops_at_another_layout() -> None:
+    blocks = [_block(b"a", A), _block(b"b", B)]
+    prefix = leading_blocks(blocks)
+    assert prefix.blocks == blocks[:1] and prefix.stop == "layout"
+
+
+def test_leading_blocks_verifies_unless_told_not_to() -> None:
+    blocks = [_block(b"a", A), _block(b"b", A, corrupt=True)]
+    prefix = leading_blocks(blocks)
+    assert prefix.blocks == blocks[:1] and prefix.stop == "corrupt" and prefix.bad_layer == 0
+    unverified = leading_blocks(blocks, verify=False)
+    assert unverified.blocks == blocks and unverified.stop is None
+
+
+def test_leading_blocks_of_nothing() -> None:
+    prefix = leading_blocks([])
+    assert prefix.blocks == [] and prefix.stop is None and prefix.layers == ()
