@@ -198,6 +198,19 @@ class Channel:
             pb.LocalAccessResponse.FromString,
         )
 
+        # the memory tier's control plane (kvstore_client.arena), by method name
+        self.arena = {
+            name: unary(_SERVICE + name, request.SerializeToString, response.FromString)
+            for name, request, response in (
+                ("ArenaAccess", pb.ArenaAccessRequest, pb.ArenaAccessResponse),
+                ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
+                ("Commit", pb.CommitRequest, pb.PutResponse),
+                ("Abort", pb.AbortRequest, pb.AbortResponse),
+                ("Pin", pb.PinRequest, pb.PinResponse),
+                ("Release", pb.ReleaseRequest, pb.ReleaseResponse),
+            )
+        }
+
     @staticmethod
     def unary(method: Any, request: Any, timeout: float) -> Any:
         """Call one of the unary stubs above (lookup, evict, ...). Raises KVStoreError."""

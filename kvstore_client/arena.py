@@ -61,8 +61,8 @@ _CUDA_REGISTER_CHUNK = 256 << 30
 _PARALLEL_PIECE = 64 << 10
 _HASH_THREADS = 4
 
-Call = Callable[[str, Any], Any]
-"""call(method, request) -> response: a unary KVStore RPC (raises KVStoreError)."""
+Call = Callable[..., Any]
+"""call(method, request, timeout=None) -> response: a unary KVStore RPC (raises KVStoreError)."""
 
 
 class ArenaUnavailable(Exception):
@@ -225,7 +225,7 @@ class Reservation:
 
     def commit(self, sums: Sequence[int] | None = None, *, timeout: float | None = None) -> Any:
         """Checksum what was written (unless `sums` come precomputed) and commit."""
-        from kvstore_client.client import PutResult
+        from kvstore_client.types import PutResult
 
         self.done = True
         if not self.blocks:  # every block was stored already: nothing was reserved
@@ -434,7 +434,12 @@ class Arena:
         return _mapping(Path(resp.path), resp.size_bytes, resp.store_id)
 
     def reserve(
-        self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[Any], parent_hash: bytes
+        self,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        layers: Sequence[Any],
+        parent_hash: bytes,
+        timeout: float | None = None,
     ) -> Reservation | None:
         """A reservation; None when the arena is off (use Put). A reservation with no blocks
         means every block is stored already."""
@@ -448,18 +453,18 @@ class Arena:
             layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
         )
         try:
-            resp = self._call("Reserve", req)
+            resp = self._call("Reserve", req, timeout)
         except errors.NotOffered:
             self._off()
             return None
         return Reservation(self._call, mapping, resp, layers)
 
-    def pin(self, namespace: bytes, hashes: Sequence[bytes]) -> Pinned | None:
+    def pin(self, namespace: bytes, hashes: Sequence[bytes], timeout: float | None = None) -> Pinned | None:
         mapping = self.mapping()
         if mapping is None:
             return None
         try:
-            resp = self._call("Pin", pb.PinRequest(namespace=namespace, block_hashes=hashes))
+            resp = self._call("Pin", pb.PinRequest(namespace=namespace, block_hashes=hashes), timeout)
         except errors.NotOffered:
             self._off()
             return None
@@ -512,7 +517,7 @@ class ArenaPutStream:
         self._written.add(index)
 
     def commit(self) -> Any:
-        from kvstore_client.client import PutResult
+        from kvstore_client.types import PutResult
 
         missing = [s.name for i, s in enumerate(self.layers) if i not in self._written]
         if missing:

@@ -36,6 +36,7 @@ from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client._rpc import Channel
+from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Reservation
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
 from kvstore_client.types import EvictResult, LayerSpec, PutResult
@@ -70,13 +71,17 @@ class KVStoreClient:
         tls_key: str | Path | bytes | None = None,
         local_reads: bool = False,
         local_data_dir: str | Path | None = None,
+        arena: bool = True,
     ) -> None:
         """`token`: bearer token sent with every call (daemons run with --token-file).
         TLS when `tls` is true or a CA is given: `tls_ca` (PEM path or bytes; default: the
         system roots), `tls_cert` + `tls_key` for a client certificate (mutual TLS).
         `local_reads`: on the daemon's host, get_stream/select read blocks straight from its
         files when the daemon offers it (see kvstore_client.local); `local_data_dir` is where
-        this process sees the daemon's data directory, if not at the daemon's own path."""
+        this process sees the daemon's data directory, if not at the daemon's own path.
+        `arena`: on the daemon's host, put_stream/put/insert and get_stream/select move the
+        bytes through the daemon's shared-memory arena when it offers one and this process
+        can map it (see kvstore_client.arena); else, and for drop_select, over gRPC."""
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         if not 0 < chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -113,6 +118,12 @@ class KVStoreClient:
             self._toucher.start()
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
+        self._arena = Arena(self._arena_call, LayerSpec) if arena else None
+
+    def _arena_call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        if method == "ArenaAccess":
+            timeout = min(self.timeout, 2.0)
+        return self._rpc.unary(self._rpc.arena[method], request, timeout or self.timeout)
 
     # ---- lifecycle
     def close(self) -> None:
@@ -191,27 +202,29 @@ class KVStoreClient:
         *,
         parent_hash: bytes = b"",
         timeout: float | None = None,
-    ) -> PutStream:
+    ) -> PutStream | ArenaPutStream:
         """Open a Put for `block_hashes`; write each layer with write_layer, then commit.
 
         `timeout` (default: the client's, at least 60 s) is how long the store may go
         without taking this put's data or answering its commit; see PutStream."""
         if not layers:
             raise ValueError("a put needs at least one layer")
+        stream_timeout = timeout or max(self.timeout, 60.0)
+        if self._arena is not None:
+            try:
+                res = self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout)
+            except errors.CapacityExceeded as exc:  # the arena is full of pins: the backend may fit
+                log.debug("no room in the arena, putting over gRPC: %s", exc)
+                res = None
+            if res is not None:
+                return ArenaPutStream(res, len(block_hashes), stream_timeout)
         header = pb.PutHeader(
             namespace=_ns(namespace),
             block_hashes=block_hashes,
             parent_hash=parent_hash,
             layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
         )
-        return PutStream(
-            self._rpc.put,
-            header,
-            layers,
-            len(block_hashes),
-            timeout or max(self.timeout, 60.0),
-            self.chunk_bytes,
-        )
+        return PutStream(self._rpc.put, header, layers, len(block_hashes), stream_timeout, self.chunk_bytes)
 
     def put(
         self,
@@ -263,12 +276,16 @@ class KVStoreClient:
     ) -> LayerStream:
         """Start reading the stored prefix of `block_hashes`, one layer at a time.
 
-        With local reads the stream may end in errors.LocalDataCorrupt (the daemon
-        was told and drops the bad block; read again for the good prefix)."""
+        Through the arena or with local reads the stream may end in errors.LocalDataCorrupt
+        (the daemon was told and drops the bad block; read again for the good prefix)."""
+        if self._arena is not None:
+            pinned = self._arena.pin(_ns(namespace), block_hashes, timeout)
+            if pinned is not None:
+                return LayerStream(ArenaSource(pinned, block_hashes), allocate, via="arena")
         if self._local is not None:
             source = self._local.stream_source(_ns(namespace), block_hashes)
             if source is not None:
-                return LayerStream(source, allocate, local=True)
+                return LayerStream(source, allocate, via="files")
         return self._get_call(namespace, block_hashes, timeout, allocate)
 
     def _get_call(
@@ -429,6 +446,55 @@ class KVStoreClient:
         """Where a client on the daemon's host may read blocks itself (see kvstore_client.local).
         Raises errors.NotOffered when the daemon does not offer it."""
         return self._unary(self._rpc.local_access, pb.LocalAccessRequest(), timeout)
+
+    # ---- the memory tier (same-host data plane)
+    def arena_available(self, *, cuda: bool = False) -> bool:
+        """Whether saves and loads go through the daemon's arena now (mapping it if not yet).
+        `cuda`: also register the mapping with CUDA (once per process)."""
+        if self._arena is None:
+            return False
+        self._arena.cuda = self._arena.cuda or cuda
+        mapping = self._arena.mapping()
+        if mapping is not None and cuda:
+            mapping.register_cuda()
+        return mapping is not None
+
+    @property
+    def arena_path(self) -> Path | None:
+        """The daemon's arena file this client maps, or None while it uses gRPC."""
+        mapping = self._arena.mapping() if self._arena is not None else None
+        return mapping.path if mapping is not None else None
+
+    def arena_access(self, *, timeout: float | None = None) -> pb.ArenaAccessResponse:
+        """Where the daemon's arena is (see kvstore_client.arena). Raises errors.NotOffered
+        when the daemon has none or does not offer it to clients."""
+        return self._rpc.unary(
+            self._rpc.arena["ArenaAccess"], pb.ArenaAccessRequest(), timeout or self.timeout
+        )
+
+    def reserve(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+    ) -> Reservation | None:
+        """Reserve arena space for the blocks of `block_hashes` the store lacks; write them
+        (`reservation.layer(i)`), then `commit()`. None: no arena here (use put_stream)."""
+        if self._arena is None:
+            return None
+        return self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout)
+
+    def pin(
+        self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None
+    ) -> Pinned | None:
+        """Pin the stored prefix of `block_hashes` in the arena for its lease (read it with
+        `pieces(layer)`, `verify()`, then `release()`). None: no arena here (use get_stream)."""
+        if self._arena is None:
+            return None
+        return self._arena.pin(_ns(namespace), block_hashes, timeout)
 
     @property
     def local_data_dir(self) -> Path | None:

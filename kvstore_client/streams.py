@@ -143,9 +143,10 @@ class LayerStream:
 
     Layer i is yielded as soon as its bytes arrived, while later layers are
     still in flight. `allocate(spec, num_blocks)` may supply each destination
-    tensor (e.g. pinned memory); by default a new CPU tensor is made. `local`
-    tells whether the blocks come straight from the daemon's files (the
-    same-host fast path, see kvstore_client.local) instead of over gRPC.
+    tensor (e.g. pinned memory); by default a new CPU tensor is made. `via`
+    says where the bytes come from: "arena" (the daemon's memory tier, mapped
+    here: kvstore_client.arena), "files" (the daemon's backend files, read here:
+    kvstore_client.local) or "grpc"; `local` is true for the first two.
     Iterate it once, in one of its three ways.
     """
 
@@ -154,11 +155,12 @@ class LayerStream:
         source: LayerSource,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
         *,
-        local: bool = False,
+        via: str = "grpc",
     ) -> None:
         self._source = source
         self._allocate = allocate
-        self.local = local
+        self.via = via
+        self.local = via != "grpc"
         self.num_blocks: int = source.num_blocks
         self.layers: list[LayerSpec] = list(source.layers)
 

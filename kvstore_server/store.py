@@ -532,7 +532,7 @@ class Store:
         with self._lock:
             if self._closed:
                 raise ShuttingDown("the store is closed")
-            memory.expire(now)
+            memory.expire(time.monotonic())
             todo = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
         if not todo:
             return None
@@ -688,7 +688,7 @@ class Store:
         if self.memory is None:
             return 0
         with self._lock:
-            return self.memory.expire(time.time())
+            return self.memory.expire(time.monotonic())
 
     def pin(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
         """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
@@ -696,7 +696,7 @@ class Store:
         memory = self._tier()
         now = time.time()
         with self._lock:
-            memory.expire(now)
+            memory.expire(time.monotonic())
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n], now)
             keys = [(namespace, h) for h in hashes[:n]]

@@ -497,7 +497,7 @@ class MemoryTier:
         del self.reservations[reservation_id]
         return res
 
-    def expire(self, now: float) -> int:
+    def expire(self, now: float) -> int:  # time.monotonic()
         """Reclaim reservations and pins whose lease ran out; how many."""
         expired = 0
         for res in [r for r in self.reservations.values() if r.expires <= now]:

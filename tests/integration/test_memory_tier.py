@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon, eventually
-from helpers import NS, assert_same, chain, make_layers, rows
+from daemon import eventually
+from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt
 from kvstore_client import KVStoreClient, LayerSpec, errors
+from kvstore_server.auth import tenant_prefix
+
+from .helpers import NS, assert_same, both_backends, chain, make_layers, rows
 
 
 def specs(layers: dict[str, torch.Tensor]) -> list[LayerSpec]:
@@ -36,15 +39,15 @@ def save(kv: KVStoreClient, hashes: list[bytes], layers: dict[str, torch.Tensor]
 
 
 @pytest.fixture
-def arena_kv(daemon: Daemon):
-    with KVStoreClient(daemon.address, timeout=20.0, arena=True) as client:
+def arena_kv(server: InProcServer):
+    with KVStoreClient(server.address, timeout=20.0, arena=True) as client:
         assert client.arena_available()
         yield client
 
 
 @pytest.fixture
-def grpc_kv(daemon: Daemon):
-    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as client:
+def grpc_kv(server: InProcServer):
+    with KVStoreClient(server.address, timeout=20.0, arena=False) as client:
         yield client
 
 
@@ -113,8 +116,8 @@ def test_a_commit_with_the_wrong_number_of_checksums_is_refused(arena_kv: KVStor
     assert res.commit() is not None  # the reservation is still there: a correct commit works
 
 
-def test_an_uncommitted_reservation_is_reclaimed_after_its_lease(make_daemon) -> None:
-    d = make_daemon(extra_args=["--lease-seconds", "0.5"])
+def test_an_uncommitted_reservation_is_reclaimed_after_its_lease(make_server) -> None:
+    d = make_server(lease_seconds=0.5)
     with KVStoreClient(d.address, arena=True) as kv:
         hashes, layers = chain("lease", 3), make_layers(3)
         res = kv.reserve(NS, hashes, specs(layers))
@@ -127,8 +130,8 @@ def test_an_uncommitted_reservation_is_reclaimed_after_its_lease(make_daemon) ->
         assert kv.lookup(NS, hashes) == 0
 
 
-def test_a_client_killed_mid_save_leaves_nothing_visible_and_no_space_lost(make_daemon) -> None:
-    d = make_daemon(extra_args=["--lease-seconds", "1"])
+def test_a_client_killed_mid_save_leaves_nothing_visible_and_no_space_lost(make_server) -> None:
+    d = make_server(lease_seconds=1.0)
     script = textwrap.dedent(
         f"""
         import os, signal, sys, torch
@@ -151,9 +154,9 @@ def test_a_client_killed_mid_save_leaves_nothing_visible_and_no_space_lost(make_
         assert kv.stats()["leases_expired"] == 1
 
 
-def test_pins_hold_off_eviction_until_released_or_expired(make_daemon) -> None:
+def test_pins_hold_off_eviction_until_released_or_expired(make_server) -> None:
     # an arena of 16 pages (one is the header): room for two extents of 7 pages
-    d = make_daemon(memory_size=str(16 * fmt.ALIGN), extra_args=["--lease-seconds", "1.5"])
+    d = make_server(memory=16 * fmt.ALIGN, lease_seconds=1.5)
     layers = make_layers(7, num_layers=1, shape=(fmt.ALIGN,), dtype=torch.uint8)
     with KVStoreClient(d.address, arena=True) as kv:
         a, b, c = chain("pin-a", 7), chain("pin-b", 7), chain("pin-c", 7)
@@ -176,6 +179,7 @@ def test_pins_hold_off_eviction_until_released_or_expired(make_daemon) -> None:
         assert kv.lookup(NS, b) == 7  # evicted from memory, still stored
 
 
+@both_backends
 def test_write_behind_reaches_the_persistent_tier_and_loads_promote(make_daemon, tmp_path: Path) -> None:
     d = make_daemon()
     hashes, layers = chain("behind", 5), make_layers(5)
@@ -198,6 +202,7 @@ def test_write_behind_reaches_the_persistent_tier_and_loads_promote(make_daemon,
         assert stats["persistent_hit_blocks"] == 5
 
 
+@both_backends
 def test_committed_blocks_survive_a_daemon_sigkill_before_write_behind(make_daemon) -> None:
     # write_behind_bytes 1: nothing is queued behind, so the arena alone holds the blocks
     d = make_daemon(extra_args=["--write-behind-bytes", "1"])
@@ -214,6 +219,7 @@ def test_committed_blocks_survive_a_daemon_sigkill_before_write_behind(make_daem
         assert_same(kv.select(NS, hashes), layers)
 
 
+@both_backends
 def test_a_torn_reservation_is_not_recovered(make_daemon) -> None:
     d = make_daemon()
     hashes, layers = chain("torn", 3), make_layers(3)
@@ -228,10 +234,8 @@ def test_a_torn_reservation_is_not_recovered(make_daemon) -> None:
         assert (stats["blocks"], stats["memory_used_bytes"]) == (0, 0)
 
 
-def test_a_flipped_byte_fails_the_load_and_the_daemon_drops_the_block(
-    make_daemon, tmp_path: Path
-) -> None:
-    d = make_daemon(extra_args=["--write-behind-bytes", "1"])  # only the arena has them
+def test_a_flipped_byte_fails_the_load_and_the_daemon_drops_the_block(make_server) -> None:
+    d = make_server(write_behind_bytes=1)  # only the arena has them
     hashes, layers = chain("flip", 4), make_layers(4)
     with KVStoreClient(d.address, arena=True) as kv:
         assert save(kv, hashes, layers) == 4
@@ -248,8 +252,8 @@ def test_a_flipped_byte_fails_the_load_and_the_daemon_drops_the_block(
         assert_same(kv.select(NS, hashes), rows(layers, 0, 2))
 
 
-def test_the_daemon_verifies_arena_bytes_before_serving_them_over_grpc(make_daemon) -> None:
-    d = make_daemon(extra_args=["--write-behind-bytes", "1"])
+def test_the_daemon_verifies_arena_bytes_before_serving_them_over_grpc(make_server) -> None:
+    d = make_server(write_behind_bytes=1)
     hashes, layers = chain("flip-grpc", 3), make_layers(3)
     with KVStoreClient(d.address, arena=True) as kv, KVStoreClient(d.address, arena=False) as remote:
         assert save(kv, hashes, layers) == 3
@@ -261,8 +265,8 @@ def test_the_daemon_verifies_arena_bytes_before_serving_them_over_grpc(make_daem
         assert remote.lookup(NS, hashes) == 1
 
 
-def test_a_daemon_without_a_memory_tier_is_used_over_grpc(make_daemon) -> None:
-    d = make_daemon(memory_size="0")
+def test_a_daemon_without_a_memory_tier_is_used_over_grpc(make_server) -> None:
+    d = make_server(memory=0)
     hashes, layers = chain("nomem", 2), make_layers(2)
     with KVStoreClient(d.address, arena=True) as kv:
         assert not kv.arena_available()
@@ -280,26 +284,18 @@ def test_the_arena_file_is_private_to_the_daemons_user(arena_kv: KVStoreClient) 
     assert fmt.Header.unpack(path.read_bytes()[: fmt.HEADER_BYTES]).size == path.stat().st_size
 
 
-def test_tenants_keep_the_arena_off_unless_asked(tmp_path: Path, backend: str) -> None:
+def test_tenants_keep_the_arena_off_unless_asked(make_server, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[[tokens]]\ntoken = "secret-a-0123456789abcdef"\ntenant = "a"\nrole = "writer"\n')
     os.chmod(tokens, 0o600)
-    off = Daemon(tmp_path / "off", backend=backend, extra_args=["--token-file", str(tokens)]).start()
-    try:
-        with KVStoreClient(off.address, token="secret-a-0123456789abcdef", arena=True) as kv:
-            assert not kv.arena_available()
-            with pytest.raises(errors.NotOffered, match="tenants"):
-                kv.arena_access()
-    finally:
-        off.stop()
-    on = Daemon(
-        tmp_path / "on", backend=backend, extra_args=["--token-file", str(tokens), "--memory-clients"]
-    ).start()
-    try:
-        with KVStoreClient(on.address, token="secret-a-0123456789abcdef", arena=True) as kv:
-            hashes, layers = chain("tenant", 2), make_layers(2)
-            assert save(kv, hashes, layers) == 2
-            assert_same(kv.select(NS, hashes), layers)
-            assert kv.arena_access().namespace_prefix == b"a/"
-    finally:
-        on.stop()
+    off = make_server("off", token_file=tokens)
+    with KVStoreClient(off.address, token="secret-a-0123456789abcdef", arena=True) as kv:
+        assert not kv.arena_available()
+        with pytest.raises(errors.NotOffered, match="tenants"):
+            kv.arena_access()
+    on = make_server("on", token_file=tokens, memory_clients=True)
+    with KVStoreClient(on.address, token="secret-a-0123456789abcdef", arena=True) as kv:
+        hashes, layers = chain("tenant", 2), make_layers(2)
+        assert save(kv, hashes, layers) == 2
+        assert_same(kv.select(NS, hashes), layers)
+        assert kv.arena_access().namespace_prefix == tenant_prefix("a")
