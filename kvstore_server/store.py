@@ -536,6 +536,11 @@ class Store:
             todo = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
         if not todo:
             return None
+        if block_bytes * len(todo) > self.capacity_bytes:
+            raise CapacityError(
+                f"save of {block_bytes * len(todo)} bytes exceeds the store's capacity of "
+                f"{self.capacity_bytes} bytes"
+            )
         nbytes = fmt.extent_bytes(block_bytes, len(todo))
         if nbytes > memory.allocator.total:
             raise CapacityError(
@@ -617,6 +622,11 @@ class Store:
                     raise
                 block_bytes = sum(layer.nbytes for layer in res.layers)
                 incoming = block_bytes * len(fresh)
+                if incoming > self.capacity_bytes:  # (capacity is checked at reserve too)
+                    memory.allocator.free(res.extent, res.nbytes)
+                    raise CapacityError(
+                        f"commit of {incoming} bytes exceeds the store's capacity of {self.capacity_bytes} bytes"
+                    )
                 chain = {(ns, h) for h in res.hashes} | (
                     {(ns, res.parent_hash)} if res.parent_hash else set()
                 )
@@ -734,8 +744,9 @@ class Store:
             )
             memory.counters.pins += 1
             got = sum(run.count for run in runs)
-            memory.counters.memory_hit_blocks += got - len(cold)
-            memory.counters.persistent_hit_blocks += min(len(cold), got)
+            promoted = len(set(cold).intersection(keys[:got]))
+            memory.counters.memory_hit_blocks += got - promoted
+            memory.counters.persistent_hit_blocks += promoted
             self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
         return PinResult(pin_id, layers, runs, sums, got, memory.lease_seconds)
 
@@ -757,12 +768,13 @@ class Store:
     def _promote_blocks(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> None:
         with self.backend.read(cold) as blocks:
             good = self._verified_prefix(blocks, cold, remove_bad=False)
-            if not good.blocks:
-                bad = cold[0] if blocks and blocks[0] is not None else None
+            n = good.num_blocks
+            after = blocks[n] if n < len(blocks) else None
+            bad = cold[n] if after is not None and after.corrupt_layer() is not None else None
+            if not n:
                 if bad is not None:
                     self._remove_corrupt_locked(bad)
                 return
-            n = good.num_blocks
             sizes = [layer.nbytes for layer in good.layers]
             nbytes = fmt.extent_bytes(sum(sizes), n)
             if nbytes > memory.allocator.total:
@@ -779,8 +791,8 @@ class Store:
                     at = offset + fmt.block_layer_offset(sizes, n, layer, position)
                     view[at : at + sizes[layer]] = data
                 placed.append(Placed(block.meta, offset, n, position))
-        if n < len(cold) and blocks[n] is not None:
-            self._remove_corrupt_locked(cold[n])
+        if bad is not None:
+            self._remove_corrupt_locked(bad)
         try:
             memory.index.put(placed)
         except ArenaError as exc:

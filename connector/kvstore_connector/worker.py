@@ -23,7 +23,7 @@ from kvstore_client.tensors import dtype_name, writable_view
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore_connector.outage import StoreHealth
+from kvstore_connector.outage import OUTAGES, StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.transfer import BlockMover, PendingCopy, find_block_dim
 
@@ -389,7 +389,12 @@ class WorkerSide:
         if arena is None:
             return False
         try:
-            save = arena.open(spec, self.config.save_timeout)
+            # a control-plane call on the forward thread: the short deadline of a Lookup
+            save = arena.open(spec, self.config.lookup_timeout)
+        except OUTAGES as exc:  # the store is down or stalled: skip saves for a while
+            self._add_stats(save_errors=1)
+            self.health.failed("save", exc)
+            return True
         except KVStoreError as exc:  # e.g. the arena is full of pinned blocks: gRPC may fit
             log.debug("arena save not possible, saving over gRPC: %s", exc)
             return False

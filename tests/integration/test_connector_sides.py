@@ -1,9 +1,9 @@
 """The connector's scheduler and worker halves against a real daemon.
 
-A daemon process, as beside vLLM: the connector reads the store's files on the same
-host (local_reads, its default), which needs the store in another process (LMDB may be
-opened once per process), and some tests kill or pause it. The loads that read the
-files (same-host path, corrupt bytes there) run on both backends.
+A daemon process, as beside vLLM: the connector moves KV through the daemon's arena
+(its default) or reads the store's files on the same host (local_reads), which needs
+the store in another process (LMDB may be opened once per process), and some tests
+kill or pause it. What touches the backend's files runs on both backends.
 
 vLLM's own Request / SchedulerOutput / KVCacheBlocks are plain data here
 (SimpleNamespace with the fields the connector reads); the engine-level
@@ -78,7 +78,7 @@ def config(address: str, **kw: object) -> ConnectorConfig:
 def store_blocks(address: str, hashes: list[bytes], seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     layers = {name: torch.randn((len(hashes), 2, BS, 128), generator=g).to(torch.bfloat16) for name in LAYERS}
-    with KVStoreClient(address) as kv:
+    with KVStoreClient(address, arena=False) as kv:  # a Put: in the persistent tier at once
         kv.put(NS, hashes, layers)
     return layers
 
@@ -206,30 +206,42 @@ def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[st
     return worker.block_ids_with_load_errors()
 
 
+TRANSPORTS = {
+    "arena": {},  # the default: KV moves through the daemon's shared-memory arena
+    "same-host": {"arena": False},  # loads read the daemon's files
+    "grpc": {"arena": False, "local_reads": False},
+}
+
+
 @both_backends
-@pytest.mark.parametrize("local_reads", [True, False], ids=["same-host", "grpc"])
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
 @pytest.mark.parametrize("kv_first", [False, True], ids=["blocks-first", "kv-first"])
 def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(
-    daemon, kv_first: bool, local_reads: bool
+    daemon, kv_first: bool, transport: str
 ) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
-    saver, src = make_worker(daemon.address, kv_first)
+    saver, src = make_worker(daemon.address, kv_first, **TRANSPORTS[transport])
     for name in LAYERS:
         src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16))
     run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [3, 4, 5, 6], b"")]), src)
-    with KVStoreClient(daemon.address) as kv:
+    saver.wait_for_commits()
+    with KVStoreClient(daemon.address, arena=False) as kv:
         assert kv.lookup(NS, hashes) == 4
         assert kv.select(NS, hashes)[LAYERS[1]].view(torch.uint8).equal(src[LAYERS[1]][3:7].view(torch.uint8))
+        assert kv.stats()["commits"] == (1 if transport == "arena" else 0)
 
-    loader, dst = make_worker(daemon.address, kv_first, local_reads=local_reads)
-    with KVStoreClient(daemon.address) as kv:
-        served = kv.stats()["bytes_read"]
+    loader, dst = make_worker(daemon.address, kv_first, **TRANSPORTS[transport])
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        before = kv.stats()
     errors = run_step(loader, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [10, 20, 11, 12])]), dst)
     assert errors == set()
-    with KVStoreClient(daemon.address) as kv:
-        # on the same-host path the bytes came from the daemon's files, not from the daemon
-        assert (kv.stats()["bytes_read"] == served) == local_reads
-    assert (loader.client.local_data_dir is not None) == local_reads
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        after = kv.stats()
+    # arena: one pin; same host: the bytes came from the daemon's files; gRPC: from the daemon
+    assert after["pins"] - before["pins"] == (1 if transport == "arena" else 0)
+    files = transport == "same-host"
+    assert (after["bytes_read"] == before["bytes_read"]) == files
+    assert (loader.client.local_data_dir is not None) == files
     for name in LAYERS:
         for s, d in zip([3, 4, 5, 6], [10, 20, 11, 12], strict=True):
             assert dst[name][d].view(torch.uint8).equal(src[name][s].view(torch.uint8))
@@ -275,12 +287,55 @@ def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
 
 
 @both_backends
+def test_a_corrupt_block_in_the_arena_is_recomputed_and_dropped(daemon, backend: str) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    saver, src = make_worker(daemon.address)
+    for name in LAYERS:
+        src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16))
+    run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [1, 2, 3], b"")]), src)
+    with KVStoreClient(daemon.address) as kv:
+        pinned = kv.pin(NS, hashes)
+        assert pinned is not None and pinned.num_blocks == 3
+        pinned.block_view(1, 1)[100] ^= 0x40  # a stray write into the arena
+        pinned.release()
+    worker, caches = make_worker(daemon.address)
+    errors = run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [4, 5, 6])]), caches)
+    assert errors == {4, 5, 6}  # layer 1 failed: the request is recomputed from its first block
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.stats()["checksum_failures"] == 1  # reported and verified by the daemon
+        assert kv.lookup(NS, hashes) == 1
+    assert (
+        run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r2", hashes[:1], [7])]), caches) == set()
+    )
+    assert caches[LAYERS[0]][7].view(torch.uint8).equal(src[LAYERS[0]][1].view(torch.uint8))
+    saver.close()
+    worker.close()
+
+
+@both_backends
+def test_a_corrupt_block_in_the_persistent_tier_is_never_promoted(daemon, backend: str) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    layers = store_blocks(daemon.address, hashes)  # over gRPC: the persistent tier only
+    needle = layers[LAYERS[1]][1].view(torch.uint8).numpy().tobytes()[:64]
+    flip_payload_byte(daemon.data_dir, backend, hashes[1], needle)
+    worker, caches = make_worker(daemon.address)
+    errors = run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])]), caches)
+    assert errors == {2, 3}  # block 0 was promoted and loaded; the bad one stopped the promotion
+    assert caches[LAYERS[1]][1].view(torch.uint8).equal(layers[LAYERS[1]][0].view(torch.uint8))
+    with KVStoreClient(daemon.address) as kv:
+        stats = kv.stats()
+        assert (stats["checksum_failures"], stats["promoted_blocks"]) == (1, 1)
+        assert kv.lookup(NS, hashes) == 1
+    worker.close()
+
+
+@both_backends
 def test_a_corrupt_block_on_the_same_host_path_is_recomputed_and_dropped(daemon, backend: str) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     layers = store_blocks(daemon.address, hashes)
     needle = layers[LAYERS[1]][1].view(torch.uint8).numpy().tobytes()[:64]
     flip_payload_byte(daemon.data_dir, backend, hashes[1], needle)
-    worker, caches = make_worker(daemon.address)
+    worker, caches = make_worker(daemon.address, arena=False)
     # the stream stops at the bad layer: the request is recomputed from its first block
     assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])]), caches) == {
         1,
@@ -380,7 +435,11 @@ def test_a_stalled_store_bounds_the_async_save_backlog(daemon, caplog: pytest.Lo
     hashes = block_hashes(INFO.hash_root, list(range(2000, 2000 + 10 * BS)), BS)
     block_bytes = len(LAYERS) * 2 * BS * 128 * 2
     worker, caches = make_worker(
-        daemon.address, save_sync=False, save_timeout=120.0, save_backlog_mib=4.5 * block_bytes / 2**20
+        daemon.address,
+        save_sync=False,
+        save_timeout=120.0,
+        save_backlog_mib=4.5 * block_bytes / 2**20,
+        arena=False,  # saves through the arena hold no host memory of their own
     )  # room for two saves of two blocks, not three
     for name in LAYERS:
         caches[name].copy_(torch.randn(caches[name].shape).to(torch.bfloat16))
