@@ -1,29 +1,54 @@
 """The connector's GPU data path for one request shaped like Llama-3.1-8B (run on a GPU host).
 
-    python bench/bench_gpu_datapath.py [--tokens 2048] [--block-size 16] [--repeat 5] [--no-daemon]
+    python bench/bench_gpu_datapath.py [--tokens 2048,8192] [--block-sizes 16,32] [--repeat 5]
+        [--memory 40GiB] [--cold-repeat 3] [--disk-repeat 2] [--no-daemon] [--no-legacy] [--no-recompute]
 
-(a) gather + device->host and host->device + scatter, exactly as the connector
-    does them (kvstore_connector.transfer.BlockMover, one indexed copy per layer,
-    pinned host buffers, a side stream), next to a plain pinned copy of the same
-    bytes in the same run;
-(b) the full save and load through KVStoreClient and a kvstore daemon on this
-    host over loopback: gather -> put_stream -> commit, and get_stream -> scatter,
-    the load both over gRPC and on the same-host fast path (the client reads the
-    daemon's LMDB map, see kvstore_client.local).
-Shape: 32 layers, 8 KV heads, head dim 128, bf16: 2048 tokens = 268 MB of KV.
-Prints medians; never pass/fail.
+Shape: 32 layers, 8 KV heads, head dim 128, bf16, the paged view per layer
+[num_blocks, 8, block_size, 256]: 2048 tokens = 268 MB of KV, 8192 = 1074 MB.
+For each token count and block size, in one run:
+
+(a) ceilings: one plain pinned D2H / H2D copy of the same bytes; one indexed copy
+    per layer into / out of a cudaHostRegister'd mapping of a /dev/shm file (what
+    the arena is): `index_select` + D2H (gather ceiling), H2D + `index_copy_`
+    (scatter ceiling); and BlockMover.gather / scatter over pinned buffers;
+(arena) saves and loads through the connector's ArenaTransport and a daemon this
+    bench starts (--memory arena under a private /dev/shm folder): save = reserve,
+    32 x save_layer, commit (checksums + Commit RPC); hot load = pin, per layer
+    verify + H2D + scatter, events done, release; cold load = the same after the
+    daemon was killed (-9), its arena file deleted and restarted, so the Pin RPC
+    promotes the blocks from LMDB: first with LMDB's file in the page cache, then
+    (where /proc/sys/vm/drop_caches can be written) read from the disk;
+(b) the older paths: put_stream over gRPC, get_stream over gRPC and the same-host
+    LMDB reads (first block size only);
+(recompute) one prefill (use_cache=True, logits of the last token) of a random-weight
+    Llama-3.1-8B in transformers (sdpa, bf16, batch 1) at each token count.
+
+Each timed daemon operation starts with the daemon's write-behind idle (the bench
+waits for it; the time it takes is printed as a write-behind rate). Medians of
+--repeat runs after a warm-up; the split rows are medians of each part on its
+own, so they need not add up to the median total exactly. The hot part and the
+cold part run in child processes (each maps the arena once), the recompute in
+this process once the daemon is gone. Prints figures only; never pass/fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import json
+import mmap
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,152 +59,789 @@ for sub in ("", "connector"):
 from kvstore_connector.transfer import BlockMover  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+NAMESPACE = b"bench"
+now = time.perf_counter
 
 
-def timed(fn, repeat: int) -> float:
-    fn()  # warm-up: allocator caches, pinned pools, kernels
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
+@dataclass
+class Spec:
+    """Stand-in for kvstore_connector.metadata's SaveSpec/LoadSpec (that module imports vLLM)."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    parent_hash: bytes = b""
+
+
+try:
+    from kvstore_connector.metadata import LoadSpec, SaveSpec
+except ImportError:  # no vLLM here: same fields
+    LoadSpec = SaveSpec = Spec  # type: ignore[misc,assignment]
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Device:
+    def __init__(self, name: str) -> None:
+        self.dev = torch.device(name)
+        self.cuda = self.dev.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def timed(self, fn: Callable[[], Any], repeat: int) -> float:
+        fn()  # warm-up: allocator caches, pinned pools, kernels
+        self.sync()
+        runs = []
+        for _ in range(repeat):
+            start = now()
+            fn()
+            self.sync()
+            runs.append(now() - start)
+        return med(runs)
+
+
+def seed_tokens(kind: str, bs: int, tokens: int, i: int) -> list[int]:
+    """Distinct, reproducible prompts: the cold child re-derives the hashes the hot child saved."""
+    kinds = {"hot": 1, "cold": 2, "legacy": 3}
+    return [(kinds[kind] * 1000 + bs) * 10**6 + tokens * 100 + i] * tokens
+
+
+def hashes_for(kind: str, bs: int, tokens: int, i: int) -> list[bytes]:
+    from kvstore_client.hashing import block_hashes
+
+    return block_hashes(NAMESPACE, seed_tokens(kind, bs, tokens, i), bs)
+
+
+def kv_bytes(tokens: int, bs: int) -> int:
+    return LAYERS * (tokens // bs) * KV_HEADS * bs * 2 * HEAD_DIM * 2
+
+
+class Row:
+    """Prints `name  ms  GB/s  note` lines."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.gb = nbytes / 1e9
+
+    def __call__(
+        self, name: str, seconds: float, note: str = "", *, indent: int = 2, rate: bool = True
+    ) -> None:
+        speed = f"{self.gb / seconds:7.2f} GB/s" if rate and seconds > 0 else " " * 12
+        print(f"{' ' * indent}{name:<{60 - indent}}{seconds * 1e3:9.2f} ms {speed}  {note}".rstrip())
+
+
+def part(name: str, seconds: float, total: float) -> None:
+    print(f"      {name:<54}{seconds * 1e3:9.2f} ms {seconds / total * 100:5.0f}% of the total")
+
+
+# ---- instrumentation of the client (bench only) ---------------------------------------
+class Probe:
+    """Times each arena RPC and each checksum batch (xxh3 on the client's threads)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, float]] = []
+
+    def add(self, what: str, start: float) -> None:
+        self.events.append((what, start, now()))
+
+    def reset(self) -> None:
+        self.events = []
+
+    def total(self, what: str) -> float:
+        return sum(end - start for w, start, end in self.events if w == what)
+
+    def span(self, what: str) -> tuple[float, float]:
+        got = [(s, e) for w, s, e in self.events if w == what]
+        return (got[0][0], got[-1][1]) if got else (float("nan"), float("nan"))
+
+
+def instrument(client: Any, probe: Probe) -> None:
+    import kvstore_client.arena as arena_mod
+
+    arena = client._arena
+    call = arena._call
+
+    def timed_call(method: str, request: Any, timeout: float | None = None) -> Any:
+        start = now()
+        try:
+            return call(method, request, timeout)
+        finally:
+            probe.add(method, start)
+
+    arena._call = timed_call  # Reservation / Pinned take the arena's call when made
+    if not getattr(arena_mod.checksums, "_bench", False):
+        plain = arena_mod.checksums
+
+        def timed_checksums(pieces: Any) -> list[int]:
+            start = now()
+            try:
+                return plain(pieces)
+            finally:
+                probe.add("xxh3", start)
+
+        timed_checksums._bench = True  # type: ignore[attr-defined]
+        arena_mod.checksums = timed_checksums
+
+
+# ---- a registered /dev/shm mapping (what the arena is), for the ceilings ----------------
+@contextlib.contextmanager
+def shm_mapping(nbytes: int, cuda: bool) -> Iterator[torch.Tensor]:
+    path = Path("/dev/shm") / f"kvstore-bench-ceiling-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    tensor = torch.frombuffer(mm, dtype=torch.uint8)
+    tensor.fill_(0)  # fault the pages in, as the daemon pre-faults its arena
+    registered = False
+    if cuda:
+        start = now()
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        registered = int(err) == 0
+        print(f"  ceiling buffer: {nbytes / 1e9:.2f} GB in {path}, cudaHostRegister "
+              f"{'ok' if registered else f'FAILED ({err})'} in {now() - start:.2f}s")  # fmt: skip
+    try:
+        yield tensor
+    finally:
+        if registered:
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        del tensor
+        gc.collect()
+        with contextlib.suppress(BufferError):
+            mm.close()
+        path.unlink(missing_ok=True)
+
+
+def layer_views(buf: torch.Tensor, n: int, per_block: tuple[int, ...]) -> list[torch.Tensor]:
+    size = n * KV_HEADS * per_block[1] * per_block[2] * 2
+    return [buf[i * size : (i + 1) * size].view(torch.bfloat16).view(n, *per_block) for i in range(LAYERS)]
+
+
+# ---- the hot child: ceilings, arena saves and hot loads, legacy paths ------------------
+def make_caches(d: Device, bs: int, pool_tokens: int) -> dict[str, torch.Tensor]:
+    pool = pool_tokens // bs
+    gen = torch.Generator(device=d.dev).manual_seed(bs)
+    return {
+        n: torch.randn((pool, KV_HEADS, bs, 2 * HEAD_DIM), dtype=torch.bfloat16, device=d.dev, generator=gen)
+        for n in NAMES
+    }
+
+
+def block_ids_for(pool: int, n: int, seed: int) -> list[int]:
+    return torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:n].tolist()
+
+
+class Daemonside:
+    """The parent's view of the daemon (stats over gRPC, no arena)."""
+
+    def __init__(self, address: str) -> None:
+        from kvstore_client import KVStoreClient
+
+        self.kv = KVStoreClient(address, timeout=30, arena=False)
+
+    def quiesce(self, limit: float = 120.0) -> float:
+        """Wait until nothing waits for write-behind; the seconds it took."""
+        start = now()
+        while now() - start < limit:
+            if not self.kv.stats()["write_behind_blocks"]:
+                return now() - start
+            time.sleep(0.005)
+        print(f"  NOTE: write-behind still busy after {limit:.0f}s")
+        return now() - start
+
+    def close(self) -> None:
+        self.kv.close()
+
+
+def arena_save(transport: Any, probe: Probe, d: Device, caches: dict, hashes: list, block_ids: list) -> dict:
+    spec = SaveSpec("bench", hashes, block_ids, b"")
+    d.sync()
+    probe.reset()
+    t0 = now()
+    save = transport.open(spec, timeout=30)
+    if save is None:
+        raise RuntimeError("ArenaTransport.open returned None: the arena is off")
+    t1 = now()
+    for name in NAMES:
+        transport.save_layer(save, name, caches[name])
+    t2 = now()
+    save.wait()
+    t3 = now()
+    result = transport.commit(save)
+    t4 = now()
+    if result is None or result.blocks_written != len(hashes):
+        raise RuntimeError(f"arena save wrote {result} of {len(hashes)} blocks")
+    return {
+        "total": t4 - t0,
+        "reserve_rpc": probe.total("Reserve"),
+        "open_other": (t1 - t0) - probe.total("Reserve"),
+        "issue": t2 - t1,
+        "copies": t3 - t2,
+        "xxh3": probe.total("xxh3"),
+        "commit_rpc": probe.total("Commit"),
+        "commit_other": (t4 - t3) - probe.total("xxh3") - probe.total("Commit"),
+    }
+
+
+def arena_load(transport: Any, probe: Probe, d: Device, hashes: list, block_ids: list) -> dict:
+    spec = LoadSpec("bench", hashes, block_ids)
+    pending = list(NAMES)
+    issued: list[float] = []
+
+    def done(name: str, event: Any) -> None:
+        issued.append(now())
+        transport.mover.wait_on_compute_stream(event)  # as the layer gates do
+
+    d.sync()
+    probe.reset()
+    t0 = now()
+    n = transport.load(spec, pending, done, timeout=60)
+    t1 = now()
+    d.sync()
+    if n != len(hashes):
+        raise RuntimeError(f"arena load got {n} of {len(hashes)} blocks")
+    pin_end = probe.span("Pin")[1]
+    release_start = probe.span("Release")[0]
+    verify = probe.total("xxh3")
+    return {
+        "total": t1 - t0,
+        "pin_rpc": probe.total("Pin"),
+        "verify": verify,
+        "issue": (issued[-1] - pin_end) - verify,
+        "copies": release_start - issued[-1],
+        "release_rpc": probe.total("Release"),
+        "other": (t1 - t0) - (probe.total("Pin") + (issued[-1] - pin_end) + (release_start - issued[-1])
+                              + probe.total("Release")),
+    }  # fmt: skip
+
+
+def medians(runs: list[dict]) -> dict:
+    return {k: med([r[k] for r in runs]) for k in runs[0]} if runs else {}
+
+
+SAVE_PARTS = [
+    ("reserve RPC", "reserve_rpc"),
+    ("open: rest (block ids to the GPU, views)", "open_other"),
+    ("issue 32 x gather_into (index_select + D2H enqueue)", "issue"),
+    ("wait for the gathers and D2H copies", "copies"),
+    ("checksums (xxh3, 4 threads, over the arena bytes)", "xxh3"),
+    ("commit RPC", "commit_rpc"),
+    ("commit: rest", "commit_other"),
+]
+LOAD_PARTS = [
+    ("pin RPC", "pin_rpc"),
+    ("verify (xxh3, 4 threads, per layer before its copy)", "verify"),
+    ("issue 32 x (H2D + scatter) (Python, enqueue)", "issue"),
+    ("wait for the copies after the last layer was issued", "copies"),
+    ("release RPC", "release_rpc"),
+    ("rest", "other"),
+]
+
+
+def print_split(row: Row, title: str, m: dict, parts: list, ceiling: float, ceiling_name: str) -> None:
+    row(title, m["total"], f"{ceiling / m['total'] * 100:3.0f}% of the {ceiling_name}")
+    for name, key in parts:
+        part(name, m[key], m["total"])
+
+
+def hot_child(args: argparse.Namespace) -> None:
+    from kvstore_connector.arena_transport import ArenaTransport
+
+    from kvstore_client import KVStoreClient, LayerSpec, tune_malloc
+
+    tune_malloc()  # as the connector does in vLLM's worker process
+    d = Device(args.device)
+    mover = BlockMover(d.dev)
+    side = Daemonside(args.address) if args.address else None
+    results: dict[str, dict] = {}
+    name = torch.cuda.get_device_name() if d.cuda else "cpu"
+    print(
+        f"{name}; torch {torch.__version__}; {LAYERS} layers x {KV_HEADS} KV heads x head dim {HEAD_DIM}, bf16"
+    )
+    kv = probe = transport = None
+    if side is not None:
+        kv = KVStoreClient(args.address, timeout=60)
+        start = now()
+        if not kv.arena_available(cuda=d.cuda):
+            raise SystemExit("the daemon offers no arena to this process")
+        print(
+            f"  mapped the daemon's arena {kv.arena_path} and registered it with CUDA in {now() - start:.2f}s"
+        )
+        probe = Probe()
+        instrument(kv, probe)
+    max_bytes = max(kv_bytes(t, bs) for t in args.tokens for bs in args.block_sizes)
+    with shm_mapping(max_bytes, d.cuda) as shm:
+        for bi, bs in enumerate(args.block_sizes):
+            caches = make_caches(d, bs, args.pool_tokens)
+            pool = args.pool_tokens // bs
+            per_block = (KV_HEADS, bs, 2 * HEAD_DIM)
+            specs = [LayerSpec(n, "bfloat16", per_block) for n in NAMES]
+            if kv is not None:
+                transport = ArenaTransport(kv, NAMESPACE, specs, caches, mover)
+            for tokens in args.tokens:
+                key = f"{tokens}/{bs}"
+                res: dict[str, Any] = {"tokens": tokens, "bs": bs}
+                results[key] = res
+                nblk = tokens // bs
+                nbytes = kv_bytes(tokens, bs)
+                res["nbytes"] = nbytes
+                block_ids = block_ids_for(pool, nblk, tokens + bs)
+                ids = mover.index(block_ids)
+                row = Row(nbytes)
+                print(f"\n=== {tokens} tokens, block size {bs}: {nblk} blocks x {LAYERS} layers = "
+                      f"{nbytes / 1e6:.0f} MB of KV; paged pool {pool} blocks/layer ===")  # fmt: skip
+                ceilings(args, d, mover, caches, ids, shm, nblk, per_block, row, res)
+                if transport is not None:
+                    arena_part(args, d, transport, probe, side, caches, block_ids, ids, bs, tokens, row, res)
+                if kv is not None and args.legacy and bi == 0:
+                    legacy_part(args, d, mover, caches, ids, specs, side, bs, tokens, row, res)
+            del caches, transport
+            gc.collect()
+            if d.cuda:
+                torch.cuda.empty_cache()
+    if kv is not None:
+        kv.close()
+    if side is not None:
+        side.close()
+    Path(args.results).write_text(json.dumps(results))
+
+
+def ceilings(args, d: Device, mover, caches, ids, shm, nblk, per_block, row: Row, res: dict) -> None:
+    nbytes = res["nbytes"]
+    layers = [caches[n] for n in NAMES]
+    flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=d.dev)
+    pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=d.cuda)
+    shm_flat = shm[:nbytes].view(torch.bfloat16)
+    shm_layers = layer_views(shm, nblk, per_block)
+
+    def gather_ceiling() -> None:
+        for kv, dst in zip(layers, shm_layers, strict=True):
+            dst.copy_(kv.index_select(0, ids), non_blocking=True)
+
+    def scatter_ceiling() -> None:
+        for kv, src in zip(layers, shm_layers, strict=True):
+            kv.index_copy_(0, ids, src.to(d.dev, non_blocking=True))
+
+    saved: list = []
+
+    def connector_gather() -> None:
+        saved[:] = [mover.gather(kv, ids) for kv in layers]
+        for copy in saved:
+            copy.wait()
+
+    def connector_scatter() -> None:
+        events = [mover.scatter(kv, ids, copy.host) for kv, copy in zip(layers, saved, strict=True)]
+        for event in events:
+            mover.wait_on_compute_stream(event)
+
+    r = args.repeat
+    t = {
+        "d2h": d.timed(lambda: pinned.copy_(flat, non_blocking=True), r),
+        "h2d": d.timed(lambda: flat.copy_(pinned, non_blocking=True), r),
+        "d2h_shm": d.timed(lambda: shm_flat.copy_(flat, non_blocking=True), r),
+        "h2d_shm": d.timed(lambda: flat.copy_(shm_flat, non_blocking=True), r),
+        "gather_ceiling": d.timed(gather_ceiling, r),
+        "scatter_ceiling": d.timed(scatter_ceiling, r),
+        "connector_gather": d.timed(connector_gather, r),
+        "connector_scatter": d.timed(connector_scatter, r),
+    }
+    # the scatters wrote back what the gathers read
+    if not all(
+        torch.equal(layers[i].index_select(0, ids).cpu(), saved[i].host.cpu()) for i in (0, LAYERS - 1)
+    ):
+        raise SystemExit("round trip changed the bytes")
+    res.update(t)
+    print(f"(a) ceilings, median of {r}")
+    row("plain pinned D2H, one copy (cudaHostAlloc)", t["d2h"])
+    row("plain pinned H2D, one copy (cudaHostAlloc)", t["h2d"])
+    row("D2H, one copy into the registered /dev/shm map", t["d2h_shm"])
+    row("H2D, one copy out of the registered /dev/shm map", t["h2d_shm"])
+    row("gather ceiling: 32 x (index_select + D2H) into shm", t["gather_ceiling"],
+        f"{t['d2h'] / t['gather_ceiling'] * 100:3.0f}% of plain D2H")  # fmt: skip
+    row("scatter ceiling: 32 x (H2D + index_copy_) from shm", t["scatter_ceiling"],
+        f"{t['h2d'] / t['scatter_ceiling'] * 100:3.0f}% of plain H2D")  # fmt: skip
+    row("BlockMover.gather into pinned buffers (32 layers)", t["connector_gather"])
+    row("BlockMover.scatter from pinned buffers (32 layers)", t["connector_scatter"])
+
+
+def arena_part(
+    args, d: Device, transport, probe, side, caches, block_ids, ids, bs, tokens, row: Row, res
+) -> None:
+    saves, loads, behind = [], [], []
+    for i in range(args.repeat + 1):
+        hashes = hashes_for("hot", bs, tokens, i)
+        side.quiesce()
+        s = arena_save(transport, probe, d, caches, hashes, block_ids)
+        behind.append(side.quiesce())
+        if i == 0:  # check the round trip once: blank two layers' blocks, load, compare
+            ref = {n: caches[n].index_select(0, ids).clone() for n in (NAMES[0], NAMES[-1])}
+            for n in ref:
+                caches[n].index_fill_(0, ids, 0)
+        r = arena_load(transport, probe, d, hashes, block_ids)
+        if i == 0:
+            if not all(torch.equal(caches[n].index_select(0, ids), ref[n]) for n in ref):
+                raise SystemExit("the arena round trip changed the bytes")
+            del ref
+        else:
+            saves.append(s)
+            loads.append(r)
+    for i in range(1 + args.cold_repeat + args.disk_repeat):  # for the cold child
+        arena_save(transport, probe, d, caches, hashes_for("cold", bs, tokens, i), block_ids)
+    behind.append(side.quiesce())
+    ms, ml = medians(saves), medians(loads)
+    res["save"], res["hot"] = ms, ml
+    res["write_behind_s"] = med(behind[1:-1])
+    print(f"(arena) through ArenaTransport and the daemon's arena, median of {args.repeat}")
+    print_split(row, "save end to end: reserve .. Commit returned", ms, SAVE_PARTS,
+                res["gather_ceiling"], "gather ceiling")  # fmt: skip
+    print_split(row, "load, hot (memory tier): pin .. release returned", ml, LOAD_PARTS,
+                res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
+    row("(daemon) write-behind to LMDB after a save, until idle", res["write_behind_s"], "(not in the save)")
+
+
+def legacy_part(args, d: Device, mover, caches, ids, specs, side, bs, tokens, row: Row, res) -> None:
+    from kvstore_client import KVStoreClient
+
+    n = len(ids)
+    saves, loads, local_loads = [], [], []
+
+    def load(client, hashes) -> float:
+        start = now()
+        layers = client.get_stream(
+            NAMESPACE, hashes, allocate=lambda s, k: mover.host_buffer((k, *s.shape), torch.bfloat16)
+        )
+        events = [mover.scatter(caches[NAMES[i]], ids, host) for i, (_, host) in enumerate(layers)]
+        for event in events:
+            mover.wait_on_compute_stream(event)
+        d.sync()
+        if layers.num_blocks != n:
+            raise RuntimeError(f"loaded {layers.num_blocks} of {n} blocks")
+        return now() - start
+
+    repeat = min(args.repeat, args.legacy_repeat)
+    with (
+        KVStoreClient(args.address, timeout=60, arena=False) as grpc_kv,
+        KVStoreClient(args.address, timeout=60, arena=False, local_reads=True) as local_kv,
+    ):
+        for i in range(repeat + 1):
+            hashes = hashes_for("legacy", bs, tokens, i)
+            side.quiesce()
+            d.sync()
+            start = now()
+            copies = [mover.gather(caches[name], ids) for name in NAMES]
+            with grpc_kv.put_stream(NAMESPACE, hashes, specs) as stream:
+                for name, copy in zip(NAMES, copies, strict=True):
+                    stream.write_layer(name, copy.wait())
+                stream.commit()
+            saves.append(now() - start)
+            side.quiesce()
+            loads.append(load(grpc_kv, hashes))
+            local_loads.append(load(local_kv, hashes))
+        local = local_kv.local_data_dir is not None
+    res["legacy"] = {"save": med(saves[1:]), "grpc_load": med(loads[1:]), "local_load": med(local_loads[1:])}
+    lg = res["legacy"]
+    print(f"(b) older paths: KVStoreClient without the arena, median of {repeat}")
+    row("save: gather, D2H, put_stream over gRPC, commit", lg["save"])
+    row("load over gRPC: get_stream, H2D, scatter", lg["grpc_load"])
+    row("load, same-host LMDB reads: map, H2D, scatter", lg["local_load"],
+        "" if local else "(NOTE: the client did not read the files itself)")  # fmt: skip
+
+
+# ---- the cold child: loads whose blocks only LMDB holds --------------------------------
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError as exc:
+        print(f"  (could not drop the page cache: {exc})")
+        return False
+
+
+def cold_child(args: argparse.Namespace) -> None:
+    from kvstore_connector.arena_transport import ArenaTransport
+
+    from kvstore_client import KVStoreClient, LayerSpec, tune_malloc
+
+    tune_malloc()
+    d = Device(args.device)
+    mover = BlockMover(d.dev)
+    kv = KVStoreClient(args.address, timeout=120)
+    start = now()
+    if not kv.arena_available(cuda=d.cuda):
+        raise SystemExit("the restarted daemon offers no arena to this process")
+    print(f"  mapped the new arena and registered it with CUDA in {now() - start:.2f}s")
+    probe = Probe()
+    instrument(kv, probe)
+    results: dict[str, dict] = {}
+    configs = [(bs, t) for bs in args.block_sizes for t in args.tokens]
+    passes = [("page cache", 1, 1 + args.cold_repeat)]
+    if args.disk_repeat:
+        passes.append(("disk", 1 + args.cold_repeat, 1 + args.cold_repeat + args.disk_repeat))
+    cache: dict[int, dict] = {}
+    for label, first, end in passes:
+        if label == "disk" and not drop_page_cache():
+            break
+        for bs, tokens in configs:
+            if bs not in cache:
+                cache.clear()
+                gc.collect()
+                cache[bs] = make_caches(d, bs, args.pool_tokens)
+            caches = cache[bs]
+            per_block = (KV_HEADS, bs, 2 * HEAD_DIM)
+            specs = [LayerSpec(n, "bfloat16", per_block) for n in NAMES]
+            transport = ArenaTransport(kv, NAMESPACE, specs, caches, mover)
+            block_ids = block_ids_for(args.pool_tokens // bs, tokens // bs, tokens + bs)
+            runs = []
+            if label == "page cache":  # the first cold load warms this process's kernels up
+                arena_load(transport, probe, d, hashes_for("cold", bs, tokens, 0), block_ids)
+            for i in range(first, end):
+                runs.append(arena_load(transport, probe, d, hashes_for("cold", bs, tokens, i), block_ids))
+            results.setdefault(f"{tokens}/{bs}", {})["cold" if label == "page cache" else "cold_disk"] = (
+                medians(runs)
+            )
+    kv.close()
+    print(f"  cold loads done ({len(passes)} pass(es))")
+    Path(args.results).write_text(json.dumps(results))
+
+
+# ---- the recompute: a random-weight Llama-3.1-8B prefill -------------------------------
+def recompute(args: argparse.Namespace) -> dict[int, float]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = Device(args.device)
+    cfg = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.model_layers,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, head_dim=128,
+        max_position_embeddings=131072, rope_theta=500000.0, attn_implementation="sdpa",
+    )  # fmt: skip
+    start = now()
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(d.dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to(device=d.dev, dtype=torch.bfloat16).eval()
+    d.sync()
+    params = sum(p.numel() for p in model.parameters())
+    print(f"\n(recompute) random-weight Llama-3.1-8B shape in transformers "
+          f"({params / 1e9:.2f} B parameters, {args.model_layers} layers, sdpa, bf16), built in {now() - start:.1f}s")  # fmt: skip
+    out: dict[int, float] = {}
+    for tokens in args.tokens:
+        ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=d.dev)
+
+        def prefill(ids: torch.Tensor = ids) -> None:
+            with torch.inference_mode():
+                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+        prefill()  # the first call also picks kernels
+        out[tokens] = d.timed(prefill, args.repeat)
+        print(
+            f"  prefill of {tokens} tokens, batch 1, use_cache=True: {out[tokens] * 1e3:8.1f} ms (median of {args.repeat})"
+        )
+    return out
+
+
+# ---- the parent: daemons, children, summary --------------------------------------------
+class Daemon:
+    def __init__(self, args: argparse.Namespace, data_dir: Path, memory_dir: Path) -> None:
+        self.cmd = [
+            sys.executable, "-m", "kvstore_server", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
+            "--memory", args.memory, "--memory-dir", str(memory_dir), "--write-behind-bytes", args.memory,
+            "--capacity", args.capacity, "--log-level", "WARNING",
+        ]  # fmt: skip
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def start(self) -> float:
+        start = now()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if "ready" not in line:
+            self.proc.kill()
+            raise SystemExit(f"the daemon did not start: {line!r}")
+        self.address = line.split()[3]
+        return now() - start
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def child(args: argparse.Namespace, phase: str, address: str, results: Path) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        *args.argv,
+        "--phase",
+        phase,
+        "--address",
+        address,
+        "--results",
+        str(results),
+    ]
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        raise SystemExit(f"the {phase} child failed (exit {rc})")
+    return json.loads(results.read_text())
+
+
+def fs_of(path: Path) -> str:
+    best = ("?", "")
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if (
+                len(fields) > 2
+                and str(path.resolve()).startswith(fields[1])
+                and len(fields[1]) >= len(best[1])
+            ):
+                best = (fields[2], fields[1])
+    return f"{best[0]} at {best[1]}"
+
+
+def parent(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvstore-gpu-", dir=args.data_root))
+    memory_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir="/dev/shm"))
+    results: dict[str, dict] = {}
+    info: dict[str, Any] = {}
+    daemon = Daemon(args, tmp / "data", memory_dir)
+    try:
+        if args.daemon:
+            print(f"daemon: {' '.join(daemon.cmd[1:])}")
+            print(f"  data dir on {fs_of(tmp)}; arena under {memory_dir}")
+            info["start"] = daemon.start()
+            print(f"  ready in {info['start']:.1f}s (creating and pre-faulting the {args.memory} arena)")
+        results = child(args, "hot", daemon.address, tmp / "hot.json")
+        if args.daemon:
+            side = Daemonside(daemon.address)
+            side.quiesce()
+            stats = side.kv.stats()
+            side.close()
+            print(f"\n--- cold loads: daemon killed (-9) with nothing waiting for write-behind "
+                  f"(write_behind_dropped={stats.get('write_behind_dropped')}), its arena file deleted, restarted")  # fmt: skip
+            daemon.kill()
+            shutil.rmtree(memory_dir, ignore_errors=True)
+            memory_dir.mkdir()
+            info["restart"] = daemon.start()
+            print(f"  restarted in {info['restart']:.1f}s (a fresh arena; LMDB holds the blocks)")
+            for key, value in child(args, "cold", daemon.address, tmp / "cold.json").items():
+                results.setdefault(key, {}).update(value)
+            daemon.stop()
+            print_cold(results)
+    finally:
+        daemon.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(memory_dir, ignore_errors=True)
+    prefill = recompute(args) if args.recompute else {}
+    summary(args, results, prefill)
+
+
+def print_cold(results: dict) -> None:
+    for key, res in results.items():
+        for label, what in (("cold", "page cache"), ("cold_disk", "disk, page cache dropped")):
+            m = res.get(label)
+            if not m:
+                continue
+            tokens, bs = key.split("/")
+            row = Row(res["nbytes"])
+            print(f"\n=== {tokens} tokens, block size {bs}: cold load, LMDB file on {what} ===")
+            print_split(row, "load, cold: pin (promotes from LMDB) .. release", m, LOAD_PARTS,
+                        res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
+
+
+def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float]) -> None:
+    print("\n=== summary: medians, GB/s of KV bytes (1e9 B/s) ===")
+    print(f"{'tokens':>6} {'blk':>3} {'KV MB':>6} | {'gath.ceil':>9} {'save':>6} {'%ceil':>5} | "
+          f"{'scat.ceil':>9} {'hot ld':>6} {'%ceil':>5} | {'cold pc':>7} {'disk':>6} | "
+          f"{'save ms':>7} {'hot ms':>7} {'cold ms':>7} {'disk ms':>7} {'recomp ms':>9}")  # fmt: skip
+    lines = []
+    for res in results.values():
+        gb = res["nbytes"] / 1e9
+
+        def rate(s: float | None, width: int = 6, gb: float = gb) -> str:
+            return f"{gb / s:{width}.2f}" if s else f"{'-':>{width}}"
+
+        def ms(s: float | None, width: int = 7) -> str:
+            return f"{s * 1e3:{width}.1f}" if s else f"{'-':>{width}}"
+
+        def pct(ceiling: float, s: float | None) -> str:
+            return f"{ceiling / s * 100:5.0f}" if s else f"{'-':>5}"
+
+        save = res.get("save", {}).get("total")
+        hot = res.get("hot", {}).get("total")
+        cold = res.get("cold", {}).get("total")
+        disk = res.get("cold_disk", {}).get("total")
+        rec = prefill.get(res["tokens"])
+        print(
+            f"{res['tokens']:>6} {res['bs']:>3} {res['nbytes'] / 1e6:6.0f} | {gb / res['gather_ceiling']:9.2f} "
+            f"{rate(save)} {pct(res['gather_ceiling'], save)} | {gb / res['scatter_ceiling']:9.2f} {rate(hot)} "
+            f"{pct(res['scatter_ceiling'], hot)} | {rate(cold, 7)} {rate(disk)} | {ms(save)} {ms(hot)} "
+            f"{ms(cold)} {ms(disk)} {ms(rec, 9)}"
+        )
+        if rec:
+            got = [f"hot {rec / hot:.1f}x" if hot else "", f"cold, LMDB in the page cache {rec / cold:.1f}x" if cold
+                   else "", f"cold, LMDB from disk {rec / disk:.1f}x" if disk else ""]  # fmt: skip
+            lines.append(f"  {res['tokens']} tokens, block {res['bs']}: a hit is faster than recomputing "
+                         f"({rec * 1e3:.0f} ms): {', '.join(g for g in got if g)}")  # fmt: skip
+    print(
+        "  %ceil: the ceiling's time / this time (save vs the gather ceiling, hot load vs the scatter ceiling)"
+    )
+    for line in lines:
+        print(line)
+    print("  where the rest of the time goes: each end-to-end row's split above (RPCs, xxh3, copies, Python)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--pool-blocks", type=int, default=8192, help="paged blocks per layer on the GPU")
+    p.add_argument("--tokens", default="2048,8192", help="comma-separated prompt lengths")
+    p.add_argument("--block-sizes", default="16,32", help="comma-separated vLLM block sizes")
+    p.add_argument("--pool-tokens", type=int, default=65536, help="paged KV pool per layer, in tokens")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--no-daemon", action="store_true", help="only part (a)")
+    p.add_argument("--cold-repeat", type=int, default=3, help="cold loads per size (LMDB in the page cache)")
+    p.add_argument(
+        "--disk-repeat", type=int, default=2, help="cold loads per size after dropping the page cache"
+    )
+    p.add_argument("--legacy-repeat", type=int, default=3, help="runs of the (b) gRPC/LMDB paths")
+    p.add_argument("--memory", default="40GiB", help="the daemon's arena")
+    p.add_argument("--capacity", default="200GiB", help="the daemon's LMDB budget")
+    p.add_argument("--data-root", default=None, help="where the daemon's data dir goes (default: $TMPDIR)")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to try the bench out")
+    p.add_argument("--model-layers", type=int, default=32, help="recompute model layers (32: Llama-3.1-8B)")
+    p.add_argument("--no-daemon", dest="daemon", action="store_false", help="only the ceilings and recompute")
+    p.add_argument("--no-legacy", dest="legacy", action="store_false", help="skip (b)")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--phase", default="", help=argparse.SUPPRESS)
+    p.add_argument("--address", default="", help=argparse.SUPPRESS)
+    p.add_argument("--results", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
-    dev = torch.device("cuda")
-    mover = BlockMover(dev)
-    nblk = args.tokens // args.block_size
-    per_block = (KV_HEADS, args.block_size, 2 * HEAD_DIM)  # standardized [B, H, N, C] view
-    caches = [
-        torch.randn((args.pool_blocks, *per_block), dtype=torch.bfloat16, device=dev) for _ in range(LAYERS)
-    ]
-    gen = torch.Generator().manual_seed(0)
-    ids_list = torch.randperm(args.pool_blocks, generator=gen)[:nblk].tolist()
-    ids = mover.index(ids_list)
-    nbytes = LAYERS * nblk * KV_HEADS * args.block_size * 2 * HEAD_DIM * 2
-    gb = nbytes / 1e9
-    print(f"{torch.cuda.get_device_name()}: {args.tokens} tokens, {nblk} blocks of {args.block_size}, "
-          f"{LAYERS} layers -> {nbytes / 1e6:.0f} MB of KV")  # fmt: skip
-
-    flat = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=dev)
-    pinned = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-    layer_src = [c[:nblk].contiguous() for c in caches]
-    layer_pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in layer_src]
-
-    t_plain_d2h = timed(lambda: pinned.copy_(flat, non_blocking=True), args.repeat)
-    t_plain_h2d = timed(lambda: flat.copy_(pinned, non_blocking=True), args.repeat)
-
-    def plain_layers_d2h() -> None:
-        for src, dst in zip(layer_src, layer_pinned, strict=False):
-            dst.copy_(src, non_blocking=True)
-
-    t_layers_d2h = timed(plain_layers_d2h, args.repeat)
-    saved: list = []
-
-    def connector_save() -> None:
-        saved[:] = [mover.gather(c, ids) for c in caches]
-        for copy in saved:
-            copy.wait()
-
-    def connector_load() -> None:
-        events = [mover.scatter(c, ids, copy.host) for c, copy in zip(caches, saved, strict=False)]
-        for event in events:
-            mover.wait_on_compute_stream(event)
-
-    t_gather = timed(connector_save, args.repeat)
-    t_scatter = timed(connector_load, args.repeat)
-    # the round trip restored the same bytes
-    check = [mover.gather(c, ids).wait() for c in caches[:2]]
-    if not all(torch.equal(a, b.host) for a, b in zip(check, saved[:2], strict=False)):
-        raise SystemExit("round trip changed the bytes")
-
-    print("\n(a) device <-> host, median of", args.repeat)
-    rows = [
-        ("plain pinned D2H, one 268 MB copy", t_plain_d2h, t_plain_d2h),
-        ("plain pinned D2H, per layer", t_layers_d2h, t_plain_d2h),
-        ("connector gather + D2H (32 layers)", t_gather, t_plain_d2h),
-        ("plain pinned H2D, one copy", t_plain_h2d, t_plain_h2d),
-        ("connector H2D + scatter (32 layers)", t_scatter, t_plain_h2d),
-    ]
-    for name, seconds, ref in rows:
-        print(
-            f"  {name:<38}{seconds * 1e3:8.1f} ms {gb / seconds:7.1f} GB/s  {ref / seconds * 100:5.0f}% of plain"
-        )
-    if args.no_daemon:
-        return
-    full_path(args, mover, caches, ids, gb)
-
-
-def full_path(args, mover: BlockMover, caches, ids, gb: float) -> None:
-    from kvstore_client import KVStoreClient, LayerSpec, tune_malloc
-    from kvstore_client.hashing import block_hashes
-
-    tune_malloc()  # as the connector does in vLLM's worker process
-
-    tmp = Path(tempfile.mkdtemp(prefix="kvstore-gpu-"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstore_server", "--listen", "127.0.0.1:0", "--data-dir", str(tmp / "data"),
-         "--capacity", "64GiB", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    address = proc.stdout.readline().split()[3]
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    specs = [LayerSpec(n, "bfloat16", tuple(caches[0].shape[1:])) for n in names]
-    counter = iter(range(10**6))
-    saves, loads, local_loads = [], [], []
-
-    def load(client, hashes) -> float:
-        start = time.perf_counter()
-        layers = client.get_stream(
-            "bench", hashes, allocate=lambda s, n: mover.host_buffer((n, *s.shape), torch.bfloat16)
-        )
-        events = [mover.scatter(caches[i], ids, host) for i, (_, host) in enumerate(layers)]
-        for event in events:
-            mover.wait_on_compute_stream(event)
-        torch.cuda.synchronize()
-        if layers.num_blocks != len(hashes):
-            raise RuntimeError(f"loaded {layers.num_blocks} of {len(hashes)} blocks")
-        return time.perf_counter() - start
-
-    try:
-        with (
-            KVStoreClient(address, timeout=60) as kv,
-            KVStoreClient(address, timeout=60, local_reads=True) as lkv,
-        ):
-            for _ in range(args.repeat + 1):
-                hashes = block_hashes("bench", [next(counter)] * args.tokens, args.block_size)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                copies = [mover.gather(c, ids) for c in caches]
-                with kv.put_stream("bench", hashes, specs) as stream:
-                    for name, copy in zip(names, copies, strict=False):
-                        stream.write_layer(name, copy.wait())
-                    stream.commit()
-                saves.append(time.perf_counter() - start)
-                loads.append(load(kv, hashes))
-                local_loads.append(load(lkv, hashes))
-            if lkv.local_data_dir is None:
-                raise RuntimeError("the same-host client did not read the daemon's files")
-    finally:
-        proc.terminate()
-        proc.wait()
-        shutil.rmtree(tmp, ignore_errors=True)
-    save, grpc_load = statistics.median(saves[1:]), statistics.median(loads[1:])
-    local_load = statistics.median(local_loads[1:])
-    print(f"\n(b) through KVStoreClient + daemon on loopback (LMDB), median of {args.repeat}")
-    print(f"  save (gather, D2H, put, commit)        {save * 1e3:8.1f} ms {gb / save:7.2f} GB/s")
-    print(f"  load over gRPC (get, H2D, scatter)     {grpc_load * 1e3:8.1f} ms {gb / grpc_load:7.2f} GB/s")
-    print(f"  load, same-host reads (map, H2D, scat.) {local_load * 1e3:7.1f} ms {gb / local_load:7.2f} GB/s")
+    args.argv = [a for a in sys.argv[1:]]
+    args.tokens = [int(t) for t in str(args.tokens).split(",")]
+    args.block_sizes = [int(b) for b in str(args.block_sizes).split(",")]
+    if args.phase == "hot":
+        hot_child(args)
+    elif args.phase == "cold":
+        cold_child(args)
+    else:
+        parent(args)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ def _boot_id() -> str:
 class DataDir:
     def __init__(self, path: Path, *, sync: bool) -> None:
         self.path = path
+        # the last run stopped uncleanly and the machine has rebooted since: nothing that
+        # was never fsynced (the memory tier's arena, if its file survived) can be trusted
+        self.rebooted = False
         path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -117,6 +120,7 @@ class DataDir:
         if state.get("boot_id") == _boot_id():
             log.info("last run did not stop cleanly (process crash); committed data is intact")
             return
+        self.rebooted = True
         if state.get("sync"):
             log.info("last run did not stop cleanly before a reboot; its commits were fsynced")
             return

@@ -42,7 +42,7 @@ from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
-from kvstore_server.tiers.arena import open_memory_tier
+from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier
 
 log = logging.getLogger("kvstore_server")
 
@@ -130,12 +130,15 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
     return Running(server, port, health_servicer, store, servicer.events, metrics, servicer)
 
 
-def open_store(config: ServerConfig) -> Store:
-    """The backend and, unless `memory` is 0, the memory tier in front of it.
+def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
+    """The backend and, unless `memory` is 0, the memory tier in front of it; `rebooted`
+    (DataDir.rebooted): an arena that outlived a reboot is discarded, not recovered.
     Raises StorageError (or OSError) when either cannot be opened."""
     backend = open_backend(config.backend, config.data_dir, capacity_bytes=config.capacity, sync=config.sync)
     memory = None
     size = config.memory_bytes()
+    if rebooted:
+        discard_memory_tier(config.memory_dir, config.data_dir)
     if size:
         try:
             memory = open_memory_tier(
@@ -284,16 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("cannot use the data directory %s: %s", config.data_dir, exc)
         return 1
+    # NOTE: block the stop signals before any thread starts (the store's write-behind,
+    # gRPC's), so they all inherit the mask and the main thread alone takes the signals,
+    # in sigwait below; a Python handler never runs if a C thread received the signal.
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
-        store = open_store(config)
+        store = open_store(config, rebooted=datadir.rebooted)
     except (OSError, StorageError) as exc:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         log.error("cannot open the %s backend in %s: %s", config.backend, config.data_dir, exc)
         datadir.close(sync=config.sync, clean=False)
         return 1
-    # NOTE: block the stop signals before gRPC starts its threads, so they all
-    # inherit the mask and the main thread alone takes the signals, in sigwait
-    # below; a Python handler never runs if a C thread received the signal.
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         running = create_server(config, store, tokens)
     except (OSError, RuntimeError) as exc:

@@ -625,7 +625,8 @@ class Store:
                 if incoming > self.capacity_bytes:  # (capacity is checked at reserve too)
                     memory.allocator.free(res.extent, res.nbytes)
                     raise CapacityError(
-                        f"commit of {incoming} bytes exceeds the store's capacity of {self.capacity_bytes} bytes"
+                        f"commit of {incoming} bytes exceeds the store's capacity "
+                        f"of {self.capacity_bytes} bytes"
                     )
                 chain = {(ns, h) for h in res.hashes} | (
                     {(ns, res.parent_hash)} if res.parent_hash else set()
@@ -987,4 +988,4 @@ class Store:
                 self._closed = True
             self.backend.close()
             if self.memory is not None:
-                self.memory.close()
+                self.memory.close(remove=not self.memory.dirty and not self.memory.memory_only)

@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import struct
 import time
 from collections import OrderedDict
@@ -238,6 +239,7 @@ class ArenaIndex:
                     txn.put(_ID_KEY, arena_id.encode())
         except lmdb.Error as exc:
             raise ArenaError(f"cannot open the memory tier's index {path}: {exc}") from exc
+        self.path = path
 
     def scan(self) -> Iterator[Placed]:
         with self._env.begin(buffers=True) as txn:
@@ -351,9 +353,26 @@ class MemoryTier:
         self.memory_only: set[BlockKey] = set()  # not written behind (queue full or tier full)
         self.counters = ArenaCounters()
 
-    def close(self) -> None:
+    def close(self, *, remove: bool = False) -> None:
+        """Close the tier; `remove`: also delete the file and its index (a clean stop once
+        everything is written behind: the memory goes back to the host). Otherwise they
+        stay for the next start to recover."""
         self.index.close()
         self.file.close()
+        if remove:
+            try:
+                self.file.path.unlink(missing_ok=True)
+                shutil.rmtree(self.index.path, ignore_errors=False)
+            except OSError as exc:
+                log.warning("could not remove the memory tier's files: %s", exc)
+            else:
+                log.info("memory tier written behind and removed")
+        elif self.dirty or self.memory_only:
+            log.warning(
+                "%d blocks are in the memory tier only; %s keeps them for the next start",
+                len(self.dirty) + len(self.memory_only),
+                self.file.path,
+            )
 
     # ---- recovery
     def recover(self, records: Iterator[Placed]) -> list[Placed]:
@@ -536,6 +555,16 @@ class MemoryTier:
             "memory_only_blocks": len(self.memory_only),
             **vars(self.counters),
         }
+
+
+def discard_memory_tier(memory_dir: Path, data_dir: Path) -> None:
+    """Remove the data directory's arena and its index, if any (after a reboot)."""
+    path = fmt.arena_file(memory_dir, data_dir)
+    index = path.with_name(path.name + ".index")
+    if path.exists() or index.exists():
+        log.warning("discarding the memory tier %s: it outlived a reboot and was never synced", path)
+        path.unlink(missing_ok=True)
+        shutil.rmtree(index, ignore_errors=True)
 
 
 def open_memory_tier(

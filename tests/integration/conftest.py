@@ -8,7 +8,9 @@
   the stdout ready line, command-line start-up failures, an installed command talking
   to a daemon, and same-host local reads (a second process reading the store's files:
   LMDB may be opened only once per process).
-- `kv`: a client of `server`.
+- `kv`: a client of `server` over gRPC (arena=False: these tests are about the RPCs and the
+  persistent tier's files); tests/integration/test_memory_tier.py covers the same calls
+  through the arena.
 
 `backend` is "lmdb" here; a test whose behaviour depends on the backend (files on disk,
 durability, corruption, capacity accounting, what a block reads back as) runs on both
@@ -60,13 +62,13 @@ def make_server(tmp_path: Path, backend: str) -> Iterator[Callable[..., InProcSe
 
 @pytest.fixture
 def kv(server: InProcServer) -> Iterator[KVStoreClient]:
-    """A client of the per-test in-process server."""
-    with KVStoreClient(server.address, timeout=20.0) as client:
+    """A client of the per-test in-process server, over gRPC."""
+    with KVStoreClient(server.address, timeout=20.0, arena=False) as client:
         yield client
 
 
 @pytest.fixture
 def daemon_kv(daemon) -> Iterator[KVStoreClient]:
-    """A client of the per-test subprocess daemon (for tests that need its process)."""
-    with KVStoreClient(daemon.address, timeout=20.0) as client:
+    """A client of the per-test subprocess daemon (for tests that need its process), over gRPC."""
+    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as client:
         yield client

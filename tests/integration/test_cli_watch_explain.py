@@ -47,7 +47,9 @@ def _make_events(address: str) -> list[bytes]:
     return hashes
 
 
-def test_watch_json_replays_and_stops_after_count(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_watch_json_replays_and_stops_after_count(
+    server: InProcServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     hashes = _make_events(server.address)
     code, out, err = run(capsys, server.address, "watch", "--json", "--from", "1", "--count", "3")
     assert (code, err) == (0, "")
@@ -62,7 +64,9 @@ def test_watch_json_replays_and_stops_after_count(server: InProcServer, capsys: 
     assert all(isinstance(e["timestamp"], float) for e in lines)
 
 
-def test_watch_human_lines_and_namespace_filter(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+def test_watch_human_lines_and_namespace_filter(
+    server: InProcServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     hashes = _make_events(server.address)
     code, out, err = run(capsys, server.address, "watch", "--from", "1", "--namespace", NS, "--count", "2")
     assert code == 0

@@ -54,7 +54,7 @@ def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:
     consumed = chain("consumed", 2)
     evicted = chain("evicted", 3)
 
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         for k, layers in kept.items():
             kv.put(k[0], keys[k], layers)
         kv.put(NS, consumed, make_layers(2))
@@ -72,7 +72,7 @@ def test_restart_after_sigterm_keeps_everything(make_daemon) -> None:
     assert _state(d.data_dir)["clean"] is True
     d.start()
 
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         for k, layers in kept.items():
             assert kv.lookup(k[0], keys[k]) == len(keys[k])
             assert_same(kv.select(k[0], keys[k]), layers)
@@ -109,7 +109,7 @@ def content(block_hash, layer):
     return hashlib.shake_256(block_hash + bytes([layer])).digest(2 * SHAPE[0] * SHAPE[1])
 
 # one block per message, so a put is many messages on the wire
-with KVStoreClient(address, timeout=30, chunk_bytes=8192) as kv:
+with KVStoreClient(address, timeout=30, chunk_bytes=8192, arena=False) as kv:
     for start in range(0, blocks, per_put):
         part = hashes[start : start + per_put]
         layers = {
@@ -175,7 +175,7 @@ def test_sigkill_during_puts_then_restart(tmp_path: Path, make_daemon, backend: 
     d.start()
     assert "did not stop cleanly (process crash)" in d.log()
     hashes = block_hashes(NS, list(range(total * 16)), 16)
-    with KVStoreClient(d.address, timeout=60) as kv:
+    with KVStoreClient(d.address, timeout=60, arena=False) as kv:
         n = kv.lookup(NS, hashes)
         # every acknowledged put survived; at most the one in flight may have landed too
         assert committed <= n <= committed + PER_PUT
@@ -208,7 +208,7 @@ def test_unclean_stop_before_a_reboot(make_daemon, sync: bool) -> None:
     d = make_daemon(extra_args=["--sync"] if sync else [])
     hashes = chain("reboot", 3)
     layers = make_layers(3, seed=46)
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         kv.put(NS, hashes, layers)
     d.kill()
     state = _state(d.data_dir)
@@ -217,7 +217,7 @@ def test_unclean_stop_before_a_reboot(make_daemon, sync: bool) -> None:
     (d.data_dir / "STATE").write_text(json.dumps({**state, "boot_id": "some-earlier-boot"}))
 
     d.start()
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         if sync:
             assert_same(kv.select(NS, hashes), layers)
         else:
@@ -237,7 +237,7 @@ def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:
     config = write_config(tmp_path / "kvstore.toml", max_waiting_drop_selects=1, grace_seconds=60.0)
     d = make_daemon(extra_args=["--config", str(config)])
     absent = chain("never-put", 2)
-    with KVStoreClient(d.address, timeout=5) as kv:
+    with KVStoreClient(d.address, timeout=5, arena=False) as kv:
         assert kv.health() == "SERVING"
         hashes = chain("graceful", 2)
         layers = make_layers(2, seed=43)
@@ -270,7 +270,7 @@ def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:
     assert _state(d.data_dir)["clean"] is True
 
     d.start()
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         assert_same(kv.select(NS, hashes), layers)
 
 
@@ -288,7 +288,7 @@ def test_sigterm_cannot_get_lost_on_another_thread(make_daemon) -> None:
     """The kernel hands a process-directed SIGTERM to any thread that does not block it,
     mostly gRPC's C threads. Each must either block it or lead to a clean stop anyway."""
     d = make_daemon()
-    with KVStoreClient(d.address) as kv:  # let gRPC start all of its threads
+    with KVStoreClient(d.address, arena=False) as kv:  # let gRPC start all of its threads
         hashes = chain("tgkill", 2)
         kv.put(NS, hashes, rows(make_layers(2), 0, 2))
         assert kv.lookup(NS, hashes) == 2
@@ -312,7 +312,7 @@ def test_sigterm_cannot_get_lost_on_another_thread(make_daemon) -> None:
 @both_backends
 def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Path, backend: str) -> None:
     first = make_daemon()
-    with KVStoreClient(first.address) as kv:
+    with KVStoreClient(first.address, arena=False) as kv:
         hashes = chain("locked", 2)
         layers = make_layers(2, seed=44)
         kv.put(NS, hashes, layers)
@@ -323,7 +323,7 @@ def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Pa
         second.start()
     assert second.proc is not None and second.proc.returncode == 1
     second.proc.stdout.close()
-    with KVStoreClient(first.address) as kv:
+    with KVStoreClient(first.address, arena=False) as kv:
         assert_same(kv.select(NS, hashes), layers)
 
 
@@ -332,7 +332,7 @@ def test_sigterm_with_an_open_put_stream_stores_nothing_of_it(make_daemon) -> No
     d = make_daemon(extra_args=["--grace-seconds", "1"])
     layers = make_layers(2, seed=45)
     hashes = chain("open-put", 2)
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         stream = kv.put_stream(NS, hashes, [LayerSpec.of(n, t) for n, t in layers.items()])
         stream.write_layer("layer.0", layers["layer.0"])
         assert d.stop(timeout=20) == 0
@@ -340,6 +340,6 @@ def test_sigterm_with_an_open_put_stream_stores_nothing_of_it(make_daemon) -> No
         with pytest.raises(errors.KVStoreError):
             stream.commit()
     d.start()
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         assert kv.lookup(NS, hashes) == 0
         assert kv.stats()["blocks"] == 0

@@ -37,7 +37,7 @@ def kv(daemon_kv: KVStoreClient) -> KVStoreClient:
 
 @pytest.fixture
 def local(daemon: Daemon):
-    with KVStoreClient(daemon.address, timeout=20.0, local_reads=True) as client:
+    with KVStoreClient(daemon.address, timeout=20.0, local_reads=True, arena=False) as client:
         yield client
 
 
@@ -111,7 +111,7 @@ def test_daemon_without_local_reads_is_read_over_grpc(make_daemon) -> None:
     d = make_daemon(extra_args=["--no-local-reads"])
     hashes = chain("local-off", 2)
     layers = make_layers(2, seed=6)
-    with KVStoreClient(d.address, local_reads=True) as kv:
+    with KVStoreClient(d.address, local_reads=True, arena=False) as kv:
         with pytest.raises(errors.NotOffered, match="local_reads = false"):
             kv.local_access()
         kv.put(NS, hashes, layers)
@@ -127,7 +127,7 @@ def test_a_client_that_sees_other_files_uses_grpc(make_daemon, tmp_path: Path) -
     hashes = chain("local-elsewhere", 2)
     layers = make_layers(2, seed=7)
     for wrong in (elsewhere.data_dir, tmp_path / "missing"):
-        with KVStoreClient(d.address, local_reads=True, local_data_dir=wrong) as kv:
+        with KVStoreClient(d.address, local_reads=True, local_data_dir=wrong, arena=False) as kv:
             kv.put(NS, hashes, layers)
             stream = kv.get_stream(NS, hashes)
             assert not stream.local
@@ -140,7 +140,7 @@ def test_local_data_dir_override_reads_the_same_files(make_daemon, tmp_path: Pat
     mounted.symlink_to(d.data_dir)  # the daemon's volume, seen at another path
     hashes = chain("local-mounted", 2)
     layers = make_layers(2, seed=8)
-    with KVStoreClient(d.address, local_reads=True, local_data_dir=mounted) as kv:
+    with KVStoreClient(d.address, local_reads=True, local_data_dir=mounted, arena=False) as kv:
         kv.put(NS, hashes, layers)
         stream = kv.get_stream(NS, hashes)
         assert stream.local
@@ -182,7 +182,7 @@ def test_a_restarted_daemon_is_renegotiated(tmp_path: Path, backend: str) -> Non
     hashes = chain("local-restart", 4)
     layers = make_layers(4, seed=9)
     try:
-        with KVStoreClient(first.address, local_reads=True) as kv:
+        with KVStoreClient(first.address, local_reads=True, arena=False) as kv:
             kv.put(NS, hashes[:2], rows(layers, 0, 2))
             assert kv.get_stream(NS, hashes).num_blocks == 2
             old_id = (first.data_dir / STORE_ID).read_text()
@@ -190,7 +190,7 @@ def test_a_restarted_daemon_is_renegotiated(tmp_path: Path, backend: str) -> Non
         first.stop()
     second = Daemon(tmp_path / "data", backend=backend).start()
     try:
-        with KVStoreClient(second.address, local_reads=True) as kv:
+        with KVStoreClient(second.address, local_reads=True, arena=False) as kv:
             assert kv.get_stream(NS, hashes).num_blocks == 2
             kv.put(NS, hashes[2:], rows(layers, 2, 4), parent_hash=hashes[1])
             stream = kv.get_stream(NS, hashes)
@@ -209,7 +209,7 @@ def test_one_client_follows_its_daemon_across_a_restart(tmp_path: Path) -> None:
     hashes = chain("local-follow", 3)
     layers = make_layers(3, seed=10)
     try:
-        with KVStoreClient(d.address, local_reads=True) as kv:
+        with KVStoreClient(d.address, local_reads=True, arena=False) as kv:
             kv.put(NS, hashes[:2], rows(layers, 0, 2))
             assert kv.get_stream(NS, hashes).local
             d.stop()
@@ -235,7 +235,7 @@ def test_lmdb_reads_need_the_daemons_pid_namespace(tmp_path: Path) -> None:
     hashes = chain("local-pidns", 2)
     layers = make_layers(2, seed=14)
     try:
-        with KVStoreClient(d.address, local_reads=True) as kv:
+        with KVStoreClient(d.address, local_reads=True, arena=False) as kv:
             theirs = kv.local_access().pid_namespace
             assert theirs.startswith("pid:[") and theirs != os.readlink("/proc/self/ns/pid")
             kv.put(NS, hashes, layers)
@@ -261,7 +261,7 @@ def test_a_restart_without_local_reads_stops_the_old_readers(tmp_path: Path) -> 
     hashes = chain("local-withdrawn", 2)
     layers = make_layers(2, seed=17)
     try:
-        with KVStoreClient(d.address, local_reads=True) as kv:
+        with KVStoreClient(d.address, local_reads=True, arena=False) as kv:
             kv.put(NS, hashes, layers)
             assert kv.get_stream(NS, hashes).local
             d.stop()
@@ -292,14 +292,14 @@ def test_tenants_keep_local_reads_off_unless_asked(tenants) -> None:
     default, opted = tenants
     hashes = chain("local-tenants", 2)
     layers = make_layers(2, seed=12)
-    with KVStoreClient(default.address, token=token("a-writer"), local_reads=True) as kv:
+    with KVStoreClient(default.address, token=token("a-writer"), local_reads=True, arena=False) as kv:
         with pytest.raises(errors.NotOffered, match="tenants"):
             kv.local_access()
         kv.put(NS, hashes, layers)
         assert not kv.get_stream(NS, hashes).local
     with (
-        KVStoreClient(opted.address, token=token("a-writer"), local_reads=True) as a,
-        KVStoreClient(opted.address, token=token("b-writer"), local_reads=True) as b,
+        KVStoreClient(opted.address, token=token("a-writer"), local_reads=True, arena=False) as a,
+        KVStoreClient(opted.address, token=token("b-writer"), local_reads=True, arena=False) as b,
     ):
         assert a.local_access().namespace_prefix == b"\x00team-a\x00"
         a.put(NS, hashes, layers)
@@ -348,7 +348,7 @@ def test_local_lookups_reach_the_daemon_in_the_background(daemon: Daemon, kv: KV
     kv.put(NS, hashes[:3], make_layers(3, seed=15))
     before = kv.stats()
     touched = kv.describe(NS, hashes[2]).block.last_access_at
-    with KVStoreClient(daemon.address, local_reads=True) as local:
+    with KVStoreClient(daemon.address, local_reads=True, arena=False) as local:
         assert [local.lookup(NS, hashes) for _ in range(3)] == [3, 3, 3]
         assert local.local_data_dir is not None
     # close() sent the queued Lookups: the daemon counted them and refreshed recency
@@ -363,7 +363,7 @@ def test_local_lookups_and_reads_go_on_while_the_daemon_stalls(daemon: Daemon, k
     hashes = chain("local-stall", 2)
     layers = make_layers(2, seed=16)
     kv.put(NS, hashes, layers)
-    local = KVStoreClient(daemon.address, timeout=1.0, local_reads=True)
+    local = KVStoreClient(daemon.address, timeout=1.0, local_reads=True, arena=False)
     assert local.lookup(NS, hashes) == 2  # negotiated
     daemon.pause()
     try:

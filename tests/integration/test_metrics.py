@@ -58,7 +58,7 @@ def test_counters_follow_real_traffic(make_server, backend: str) -> None:
     layers = make_layers(5, seed=7)
     size = block_bytes(layers)
 
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         before = scrape(d.metrics_url)
         assert value(before, "kvstore_capacity_bytes") == capacity
         assert value(before, "kvstore_blocks") == 0
@@ -122,7 +122,7 @@ def test_counters_follow_real_traffic(make_server, backend: str) -> None:
 def test_evictions_and_health_calls(make_server) -> None:
     one = block_bytes(make_layers(1))
     d = make_server(capacity=4 * one, **METRICS)
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         kv.put(NS, chain("a", 3), make_layers(3))
         kv.put(NS, chain("b", 3), make_layers(3))  # evicts 2 tails of a
         kv.evict(namespace=NS)  # and the 4 left
@@ -139,7 +139,7 @@ def test_evictions_and_health_calls(make_server) -> None:
 
 def test_cancelled_stream_and_watchers(make_server) -> None:
     d = make_server(**METRICS)
-    with KVStoreClient(d.address) as kv:
+    with KVStoreClient(d.address, arena=False) as kv:
         watch = kv.watch()  # returns once the daemon holds the subscription
         samples = scrape(d.metrics_url)
         assert value(samples, "kvstore_active_watchers") == 1

@@ -107,7 +107,9 @@ def test_every_rpc_needs_a_valid_token(secured: InProcServer, method: str) -> No
         ("a-reader", "Lookup", True),
     ],
 )
-def test_roles_limit_what_a_token_may_call(secured: InProcServer, name: str, method: str, allowed: bool) -> None:
+def test_roles_limit_what_a_token_may_call(
+    secured: InProcServer, name: str, method: str, allowed: bool
+) -> None:
     code = raw_call(secured.address, method, [("authorization", f"Bearer {token(name)}")])
     assert (code != grpc.StatusCode.PERMISSION_DENIED) == allowed
     assert code != grpc.StatusCode.UNAUTHENTICATED
@@ -284,7 +286,9 @@ def test_insecure_flag_allows_a_non_loopback_bind(tmp_path: Path) -> None:
         d.stop()
 
 
-def test_cli_sends_its_token_from_the_flag_or_the_environment(secured: InProcServer, monkeypatch, capsys) -> None:
+def test_cli_sends_its_token_from_the_flag_or_the_environment(
+    secured: InProcServer, monkeypatch, capsys
+) -> None:
     from kvstore_cli.main import main as cli
 
     assert cli(["--address", secured.address, "stats", "--json"]) == 1  # no token

@@ -101,7 +101,7 @@ class InProcServer:
         _raise_open_files_limit()
         datadir = DataDir(config.data_dir, sync=config.sync)
         try:
-            store = open_store(config)
+            store = open_store(config, rebooted=datadir.rebooted)
         except BaseException:
             datadir.close(sync=config.sync, clean=False)
             self._release_log()

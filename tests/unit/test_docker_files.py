@@ -362,6 +362,7 @@ def entrypoint_env(tmp_path: Path) -> dict[str, str]:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["KVSTORE_DATA_DIR"] = str(tmp_path / "data")
     env["KVSTORE_LISTEN"] = "127.0.0.1:0"
+    env["KVSTORE_MEMORY"] = "16MiB"
     return env
 
 
@@ -401,6 +402,8 @@ def run_entrypoint(tmp_path: Path) -> Iterator:
     started: list[Entrypoint] = []
 
     def run(env: dict[str, str], *args: str) -> Entrypoint:
+        # the arena in the test's directory, never the host's /dev/shm
+        args = ("--memory-dir", str(tmp_path / "shm"), *args)
         e = Entrypoint(env, list(args), tmp_path / f"entrypoint-{len(started)}.log")
         started.append(e)
         return e
@@ -426,7 +429,7 @@ def test_entrypoint_runs_the_daemon(
     e = run_entrypoint(env)
     assert e.ready.startswith("kvstore-server ready on 127.0.0.1:")
     assert f"data_dir={tmp_path / 'data'}" in e.ready
-    assert "backend=disk" in e.ready and "capacity=64.0 MiB" in e.ready
+    assert "backend=disk" in e.ready and "capacity=64.0 MiB" in e.ready and "memory=16.0 MiB" in e.ready
     argv = e.argv()
     assert Path(argv[1]).name == "kvstore-server", argv  # exec'd: the daemon is the container's PID 1
     # --insecure exactly when asked for and the daemon knows the flag
