@@ -202,15 +202,18 @@ class KVStoreClient:
         *,
         parent_hash: bytes = b"",
         timeout: float | None = None,
+        arena: bool = True,
     ) -> PutStream | ArenaPutStream:
         """Open a Put for `block_hashes`; write each layer with write_layer, then commit.
 
         `timeout` (default: the client's, at least 60 s) is how long the store may go
-        without taking this put's data or answering its commit; see PutStream."""
+        without taking this put's data or answering its commit; see PutStream. Through the
+        daemon's arena when the client uses one (ArenaPutStream, same calls), unless `arena`
+        is false."""
         if not layers:
             raise ValueError("a put needs at least one layer")
         stream_timeout = timeout or max(self.timeout, 60.0)
-        if self._arena is not None:
+        if self._arena is not None and arena:
             try:
                 res = self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout)
             except errors.CapacityExceeded as exc:  # the arena is full of pins: the backend may fit

@@ -22,8 +22,8 @@ python -c "import vllm" 2>/dev/null || {
 pip install -q $C -e ".[test,dev]"
 python scripts/gen_protos.py --check
 # lint (ruff: packages, tests, benches) and types (mypy, settings in pyproject.toml)
-SRC="kvstore_server kvstore_client kvstore_cli connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py"
+SRC="kvstore_server kvstore_client kvstore_cli connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py"
 ruff check $SRC bench tests scripts
 ruff format --check $SRC bench tests scripts
-mypy kvstore_server kvstore_client kvstore_cli connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py
+mypy kvstore_server kvstore_client kvstore_cli connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py
 exec python -m pytest "$@"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
+from kvstore_client.arena import ArenaPutStream
 from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import dtype_name, writable_view
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
@@ -103,7 +104,7 @@ class SaveBacklog:
 @dataclass
 class _Save:
     spec: SaveSpec
-    stream: PutStream
+    stream: PutStream | ArenaPutStream
     started: float
     reserved: int = 0  # bytes held in the backlog (async saves)
     nbytes: int = 0
@@ -380,6 +381,7 @@ class WorkerSide:
                 self._specs,
                 parent_hash=spec.parent_hash,
                 timeout=self.config.save_timeout,
+                arena=False,  # this is the gRPC path: the arena path is _open_arena_save
             )
             self._saves.append(_Save(spec, stream, time.perf_counter(), reserved))
 
