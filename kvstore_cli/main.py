@@ -149,6 +149,31 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
         ("evictions", s["evictions"]),
         ("checksum failures", s["checksum_failures"]),
     ]
+    if s["memory_capacity_bytes"]:
+        rows += [
+            ("memory tier", f"{s['memory_blocks']} blocks, {format_size(s['memory_bytes'])}"),
+            (
+                "memory used",
+                f"{format_size(s['memory_used_bytes'])} of {format_size(s['memory_capacity_bytes'])} "
+                f"({format_percent(s['memory_used_bytes'], s['memory_capacity_bytes'])})",
+            ),  # fmt: skip
+            ("pinned", format_size(s["pinned_bytes"])),
+            ("reserved", format_size(s["reserved_bytes"])),
+            ("memory hits", f"{s['memory_hit_blocks']} blocks"),
+            ("persistent hits", f"{s['persistent_hit_blocks']} blocks"),
+            ("promotions", f"{s['promotions']} ({s['promoted_blocks']} blocks)"),
+            (
+                "write-behind backlog",
+                f"{s['write_behind_blocks']} blocks, {format_size(s['write_behind_bytes'])}",
+            ),
+            ("written behind", s["written_behind"]),
+            ("write-behind dropped", s["write_behind_dropped"]),
+            ("memory only", s["memory_only_blocks"]),
+            ("commits", s["commits"]),
+            ("expired leases", s["leases_expired"]),
+        ]
+    else:
+        rows.append(("memory tier", "off"))
     print(format_table(rows))
     return 0
 

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from daemon import Daemon
+from daemon import Daemon, eventually
 from harness import kv_config, run_engines
 
 from kvstore_client import KVStoreClient
@@ -47,29 +47,39 @@ def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, s
     }])  # fmt: skip
     saved = stats(store.address)
     assert saved["blocks"] == sum(len(p) // BLOCK for p in prompts)
+    assert saved["commits"] > 0 and saved["puts"] == saved["commits"]  # saved through the arena
+    # the decode reading the daemon's files needs them written behind
+    eventually(lambda: stats(store.address)["write_behind_blocks"] == 0)
 
-    # two decode instances: one on the same-host fast path (the default), one over gRPC
+    # three decode instances: through the arena (the default), reading the daemon's files
+    # on the same host (no arena), and over gRPC
     out = run_engines(tmp_path, model, [
         {"name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
          "log_stats": True},
-        {"name": "decode-grpc", "kv": kv_config(store.address, "kv_consumer", local_reads=False),
+        {"name": "decode-files", "kv": kv_config(store.address, "kv_consumer", arena=False),
+         "prompts": prompts, "max_tokens": 8},
+        {"name": "decode-grpc", "kv": kv_config(store.address, "kv_consumer", arena=False, local_reads=False),
          "prompts": prompts, "max_tokens": 8},
     ])  # fmt: skip
     assert out["decode"]["tokens"] == baseline
+    assert out["decode-files"]["tokens"] == baseline
     assert out["decode-grpc"]["tokens"] == baseline
     # the connector's own stats reached vLLM's connector-stats logging
     metrics = re.search(r"KV Transfer metrics: (.*)", out["_log"]["text"])
     assert metrics is not None, "no KV Transfer metrics line in vLLM's log"
     assert f"Blocks loaded={full_blocks(prompts)}" in metrics.group(1)
-    assert re.search(
-        r"kvstore connector: loads read the daemon's files in \S+ \(same host\)", out["_log"]["text"]
-    )
+    log = out["_log"]["text"]
+    assert re.search(r"kvstore connector: KV moves through the daemon's arena \S+", log)
+    assert re.search(r"kvstore connector: loads read the daemon's files in \S+ \(same host\)", log)
     after = stats(store.address)
-    # both decodes' lookups reached the daemon (the local one's in the background)
-    assert after["hit_blocks"] - saved["hit_blocks"] == 2 * full_blocks(prompts)
-    # the daemon streamed the blocks once: the other decode read them from its files
+    # every decode's lookups reached the daemon (the file reader's in the background)
+    assert after["hit_blocks"] - saved["hit_blocks"] == 3 * full_blocks(prompts)
+    # the arena decode pinned its blocks (served from memory, verified), the gRPC one
+    # streamed them; the file reader took nothing from the daemon
+    assert after["memory_hit_blocks"] - saved["memory_hit_blocks"] == full_blocks(prompts)
+    assert after["pins"] > saved["pins"]
     block_bytes = saved["bytes_used"] // saved["blocks"]
-    assert after["bytes_read"] - saved["bytes_read"] == full_blocks(prompts) * block_bytes
+    assert after["bytes_read"] - saved["bytes_read"] == 2 * full_blocks(prompts) * block_bytes
 
 
 def test_decode_really_uses_the_stored_kv(tmp_path, model, other_model, prompts, baseline, store):

@@ -137,6 +137,32 @@ def test_stats_human(stored: Stored, capsys: pytest.CaptureFixture[str]) -> None
     assert table["puts"] == "2"
     assert table["checksum failures"] == "0"
     assert re.fullmatch(r"\d+[smhd]( \d+[smhd])?", table["uptime"])
+    # the memory tier's rows (the fixture's client saved through the arena)
+    assert table["memory tier"] == f"{stored.total_blocks} blocks, {used} B"
+    assert re.fullmatch(r"\d+\.\d KiB of 64\.0 MiB \(<?\d+\.\d%\)", table["memory used"]), table[
+        "memory used"
+    ]
+    assert table["pinned"] == "0 B" and table["commits"] == "2"
+
+
+def test_stats_human_through_the_arena(server: InProcServer, capsys: pytest.CaptureFixture[str]) -> None:
+    hashes = block_hashes(NS, list(range(3 * BLOCK_SIZE)), BLOCK_SIZE)
+    layers = {f"l{i}": torch.randn((3, *LAYER_SHAPE)).to(torch.float16) for i in range(2)}
+    with KVStoreClient(server.address) as kv:  # arena=True by default: reserve, write, commit
+        kv.put(NS, hashes, layers)
+        assert kv.select(NS, hashes)  # a pin
+    code, out, _ = run(capsys, server.address, "stats")
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
+    assert code == 0 and table["memory tier"].startswith("3 blocks, ")
+    assert (table["commits"], table["memory hits"], table["pinned"]) == ("1", "3 blocks", "0 B")
+
+
+def test_stats_human_without_a_memory_tier(make_server, capsys: pytest.CaptureFixture[str]) -> None:
+    off = make_server("off", memory=0)
+    table = dict(
+        re.split(r"\s{2,}", line, maxsplit=1) for line in run(capsys, off.address, "stats")[1].splitlines()
+    )
+    assert table["memory tier"] == "off"
 
 
 def test_stats_json(server: InProcServer, stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
