@@ -14,6 +14,12 @@ Every path gets the same work: per-layer bf16 tensors [n_blocks, 2, H, D] go in
 tensors come out. Paths:
 
   daemon    kvstore-server as its own process on loopback, KVStoreClient.put/select
+            over gRPC; "same-host reads": select reading the daemon's files; "arena":
+            put/select through the daemon's memory tier (reserve, copy into the mapped
+            arena, commit; pin, verify, copy out), and its "load 1st" is a load of
+            blocks only the persistent tier holds (promoted by the pin)
+  memcpy    a plain copy of the same tensors into buffers allocated once: the
+            yardstick of the arena rows
   raw-lmdb  lmdb in this process: one write txn per batch (value = a block's
             layers joined, like the daemon's LMDB backend); reads with
             buffers=True, copied into fresh per-layer arrays
@@ -340,6 +346,9 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
         root / "daemon-data",
         backend=args.backend,
         capacity=str(capacity),
+        # the arena in shared memory, as deployed; its size fits a pass (a clean stop removes it)
+        memory_size=str(w.total_bytes + (256 << 20)),
+        memory_dir=Path(args.memory_dir),
         extra_args=extra,
         env=args.daemon_env,
     ).start()
@@ -349,7 +358,11 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
     state = {"hashes": new_hashes(w.num_blocks)}
     try:
         with KVStoreClient(
-            daemon.address, timeout=120.0, chunk_bytes=args.chunk_bytes, insert_workers=max(2, args.inflight)
+            daemon.address,
+            timeout=120.0,
+            chunk_bytes=args.chunk_bytes,
+            insert_workers=max(2, args.inflight),
+            arena=False,  # this row is the gRPC byte stream; the arena has its own below
         ) as client:
 
             def fresh() -> None:
@@ -393,7 +406,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
 
             # the same-host fast path: the client reads the daemon's files itself
             local = PathResult(f"daemon ({args.backend}), same-host reads")
-            with KVStoreClient(daemon.address, timeout=120.0, local_reads=True) as lc:
+            with KVStoreClient(daemon.address, timeout=120.0, local_reads=True, arena=False) as lc:
 
                 def local_load() -> None:
                     daemon_load_pass(lc, "bench", w, state["hashes"])
@@ -408,6 +421,51 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
                     raise RuntimeError("the client did not take the same-host path")
                 local.lookup_p50_ms, local.lookup_p99_ms = lookup_latency(lc, prefix, args.lookups)
             out.append(local)
+
+            # the memory tier: saves reserve, copy into the mapped arena and commit; loads pin,
+            # verify and copy out (the bytes never cross gRPC)
+            arena = PathResult(f"daemon ({args.backend}), arena")
+            with KVStoreClient(daemon.address, timeout=120.0) as ac:
+                if not ac.arena_available():
+                    raise RuntimeError("the client could not map the daemon's arena")
+
+                def arena_store() -> None:
+                    daemon_store_pass(ac, "bench", w, state["hashes"])
+
+                def arena_load() -> None:
+                    daemon_load_pass(ac, "bench", w, state["hashes"])
+
+                def drained() -> None:  # evict, and let the write-behind of the last pass finish
+                    wait_written_behind(client)
+                    fresh()
+
+                drained()
+                arena.store_cold = timed_pass(
+                    "store through the arena, first", nbytes, arena_store, arena.passes
+                )
+                arena.store_warm = best_of(
+                    "store through the arena", nbytes, arena_store, args.repeat, arena.passes, drained
+                )
+                arena.load_first = timed_pass(
+                    "load through the arena, first", nbytes, arena_load, arena.passes
+                )
+                arena.load_warm = best_of(
+                    "load through the arena", nbytes, arena_load, args.repeat, arena.passes
+                )
+                wait_written_behind(client)
+                client.evict(all=True)
+                daemon_store_pass(client, "bench", w, state["hashes"])  # over gRPC: persistent tier only
+                arena.notes.append(
+                    "load 1st here: blocks only in the persistent tier, promoted into the arena by the pin"
+                )
+                arena.load_first = timed_pass(
+                    "load through the arena, promoting from the persistent tier",
+                    nbytes,
+                    arena_load,
+                    arena.passes,
+                )
+            out.append(arena)
+            out.append(bench_memcpy(args, w))
 
             if args.inflight > 1:
                 ins = PathResult(f"daemon insert x{args.inflight}")
@@ -447,6 +505,39 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
         daemon.stop()
         OUR_PIDS.pop("daemon", None)
     return out
+
+
+def wait_written_behind(client, deadline_s: float = 600.0) -> None:
+    """Until the daemon's write-behind backlog is empty (the previous pass's blocks are in
+    the persistent tier), so one pass's background writes do not run into the next."""
+    end = time.monotonic() + deadline_s
+    while client.stats()["write_behind_blocks"] and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+def bench_memcpy(args: argparse.Namespace, w: Workload) -> PathResult:
+    """A plain copy of the same bytes, request by request, into buffers allocated once:
+    what moving a request's KV costs with no store at all (the arena rows' yardstick)."""
+    import torch
+
+    res = PathResult("plain memcpy (baseline)")
+    dests: dict[tuple, torch.Tensor] = {}
+    batches = w.batches(new_hashes(w.num_blocks))
+
+    def copy() -> None:
+        for _first, _hs, layers in batches:
+            for t in layers.values():
+                key = (tuple(t.shape), t.dtype)
+                dst = dests.get(key)
+                if dst is None:
+                    dst = dests[key] = torch.empty_like(t)
+                dst.copy_(t)
+
+    copy()  # fault the destinations in
+    res.store_warm = res.load_warm = best_of(
+        "plain memcpy of a pass", w.total_bytes, copy, args.repeat, res.passes
+    )
+    return res
 
 
 # ---------------------------------------------------------------------------- py-spy (optional)
@@ -868,6 +959,7 @@ def report(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("lmdb", "disk"), default="lmdb")
+    p.add_argument("--memory-dir", default="/dev/shm", help="where the daemon's arena lives (a tmpfs)")
     p.add_argument("--total", type=parse_size, default="2GiB", help="bytes stored per pass (default 2GiB)")
     p.add_argument(
         "--block-bytes", type=parse_size, default="1MiB", help="bytes per block, all layers (1MiB)"

@@ -33,6 +33,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from kvstore import arena_format as fmt
+from kvstore.blocks import PutResult
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
 from kvstore_server.tiers import (
@@ -99,14 +100,6 @@ class Counters:
     bytes_read: int = 0
     evictions: int = 0
     checksum_failures: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    blocks_written: int
-    blocks_skipped: int
-    bytes_written: int
-    blocks_evicted: int
 
 
 @dataclass(frozen=True, slots=True)
