@@ -39,7 +39,7 @@ from kvstore_server.config import ServerConfig, format_size
 from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
-from kvstore_server.service import SERVICE_NAME, Servicer, generic_handler
+from kvstore_server.rpc import SERVICE_NAME, Servicer, generic_handler
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier

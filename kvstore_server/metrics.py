@@ -53,7 +53,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__
 
 if TYPE_CHECKING:
-    from kvstore_server.service import Servicer
+    from kvstore_server.rpc import Servicer
     from kvstore_server.store import Store
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY, generate_latest
 from kvstore_server import __version__
 from kvstore_server.config import ServerConfig
 from kvstore_server.metrics import Metrics
-from kvstore_server.service import Servicer
+from kvstore_server.rpc import Servicer
 from kvstore_server.store import Store
 
 

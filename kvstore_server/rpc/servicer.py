@@ -1,33 +1,19 @@
-"""The gRPC servicer: validation at the edge, store calls, status codes.
+"""The gRPC servicer: kvstore.v1.KVStore on a Store, and its method-handler table.
 
-Every request is checked before it reaches the store; every store error is
-translated to a status code here and nowhere else:
-
-    INVALID_ARGUMENT    malformed or undecodable request (sizes, counts, dtypes, shapes, keys)
-    RESOURCE_EXHAUSTED  over a documented limit, or no room in the store
-    DEADLINE_EXCEEDED   DropSelect waited its full time
-    NOT_FOUND           Describe of a block that is not stored
-    ABORTED             Put stream closed before its commit (nothing stored)
-    OUT_OF_RANGE        Watch from (or fallen behind to) a sequence no longer held
-    NOT_FOUND           ... and Commit/Abort of a reservation that no longer exists
-    FAILED_PRECONDITION LocalAccess on a daemon that does not offer local reads, memory-tier
-                        calls on one without a memory tier (or not offering it to clients)
-    UNAVAILABLE         the daemon is shutting down (also ends Watch streams)
-    INTERNAL            the backend failed (logged with details)
+Each method validates its request (kvstore_server.rpc.validation), calls the store and
+answers; errors become status codes through `translated` (kvstore_server.rpc.status,
+which holds the table of codes).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
 
 from kvstore import wire
 from kvstore.host import pid_namespace
@@ -36,22 +22,25 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
-from kvstore_server.events import STORED, Event, EventLog, EventsOutOfRange
+from kvstore_server.events import STORED, Event, EventLog
 from kvstore_server.idle import IdleReclaim
-from kvstore_server.putbuffer import MalformedPut, PutBudget, PutBuffer
+from kvstore_server.putbuffer import PutBudget, PutBuffer
+from kvstore_server.rpc.status import InvalidRequest, LocalReadsOff, _decoded, _decoder, translated
+from kvstore_server.rpc.validation import (
+    _chunk_size,
+    check_hash,
+    check_hashes,
+    check_layers,
+    check_namespace,
+    check_record_size,
+)
 from kvstore_server.store import (
     CapacityError,
-    InvalidChain,
-    InvalidCommit,
-    LeaseNotFound,
     NoMemoryTier,
-    NotFoundError,
     ReadResult,
     ShuttingDown,
     Store,
-    WaitTimeout,
 )
-from kvstore_server.tiers import BlockMeta, LayerSpec, StorageError
 from kvstore_server.tiers.arena import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -64,166 +53,6 @@ WATCH_STORE_ID_KEY = "kvstore-store-id"
 WATCH_START_SEQUENCE_KEY = "kvstore-start-sequence"
 # How often a waiting watcher rechecks its call (cancellation also wakes it at once).
 WATCH_POLL_SECONDS = 1.0
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class InvalidRequest(Exception):
-    """A request failed validation; answered with INVALID_ARGUMENT."""
-
-
-class LocalReadsOff(Exception):
-    """LocalAccess on a daemon configured without local reads: FAILED_PRECONDITION."""
-
-
-_STATUS = (
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (MalformedPut, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidChain, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidCommit, grpc.StatusCode.INVALID_ARGUMENT),
-    (LeaseNotFound, grpc.StatusCode.NOT_FOUND),
-    (NoMemoryTier, grpc.StatusCode.FAILED_PRECONDITION),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (EventsOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
-    (ShuttingDown, grpc.StatusCode.UNAVAILABLE),
-    (LocalReadsOff, grpc.StatusCode.FAILED_PRECONDITION),
-)
-
-
-def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            context.abort(code, str(exc))
-    log.error("backend failure: %s", exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"storage failure: {exc}")
-    raise RuntimeError("context.abort returned") from exc  # it raises; this keeps type checkers honest
-
-
-def translated(method: F) -> F:
-    """Map store and validation errors to status codes (unary and streaming methods)."""
-    errors = (*(kind for kind, _ in _STATUS), StorageError)  # StorageError: INTERNAL
-
-    @functools.wraps(method)
-    def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:
-        try:
-            return method(self, _decoded(request), context)
-        except errors as exc:
-            _abort_for(context, exc)
-
-    @functools.wraps(method)
-    def streaming(self: Servicer, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        try:
-            yield from method(self, _decoded(request), context)
-        except errors as exc:
-            _abort_for(context, exc)
-
-    return streaming if inspect.isgeneratorfunction(method) else unary  # type: ignore[return-value]
-
-
-def _decoded(request: Any) -> Any:
-    """The request, unless it did not decode (see `_decoder`): then INVALID_ARGUMENT."""
-    if isinstance(request, wire.Malformed):
-        raise InvalidRequest(request.reason)
-    return request
-
-
-def _decoder(message: type[Message]) -> Callable[[bytes], Any]:
-    """A request deserializer that never raises. gRPC answers a deserializer's
-    exception (or None) with INTERNAL "Exception deserializing request!"; a
-    client's garbage is INVALID_ARGUMENT, so it becomes a Malformed value that
-    the `translated` method refuses. (Put streams decode through wire.decode_put_request.)"""
-    name = message.DESCRIPTOR.name
-
-    def decode(raw: bytes) -> Any:
-        try:
-            return message.FromString(raw)
-        except DecodeError as exc:
-            return wire.Malformed(f"undecodable {name}: {exc}")
-
-    return decode
-
-
-# ---- validation ------------------------------------------------------------------
-def check_namespace(namespace: bytes) -> bytes:
-    if not namespace:
-        raise InvalidRequest("namespace must not be empty")
-    if len(namespace) > wire.MAX_NAMESPACE_BYTES:
-        raise InvalidRequest(f"namespace is {len(namespace)} bytes; the limit is {wire.MAX_NAMESPACE_BYTES}")
-    return namespace
-
-
-def check_hash(block_hash: bytes, what: str = "block hash") -> bytes:
-    if len(block_hash) != wire.HASH_BYTES:
-        raise InvalidRequest(f"{what} must be {wire.HASH_BYTES} bytes, got {len(block_hash)}")
-    return block_hash
-
-
-def check_hashes(hashes: Sequence[bytes], limit: int, allow_empty: bool = False) -> list[bytes]:
-    if not hashes and not allow_empty:
-        raise InvalidRequest("block_hashes must not be empty")
-    if len(hashes) > limit:
-        raise InvalidRequest(f"{len(hashes)} block hashes; the limit is {limit} per call")
-    out = [check_hash(h) for h in hashes]
-    if len(set(out)) != len(out):
-        raise InvalidRequest("block_hashes repeats a hash; a chain never does")
-    return out
-
-
-def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
-    if not specs:
-        raise InvalidRequest("a put needs at least one layer")
-    if len(specs) > wire.MAX_LAYERS:
-        raise InvalidRequest(f"{len(specs)} layers; the limit is {wire.MAX_LAYERS}")
-    out = []
-    names = set()
-    for spec in specs:
-        name = spec.name
-        if not name or len(name.encode()) > wire.MAX_LAYER_NAME_BYTES:
-            raise InvalidRequest(f"layer name must be 1..{wire.MAX_LAYER_NAME_BYTES} bytes: {name[:64]!r}")
-        if name == "__metadata__" or name in names:
-            raise InvalidRequest(f"layer name {name!r} is reserved or repeated")
-        names.add(name)
-        if spec.dtype not in wire.DTYPES:
-            raise InvalidRequest(
-                f"layer {name!r}: unsupported dtype {spec.dtype!r}; supported: {', '.join(wire.DTYPES)}"
-            )
-        shape = tuple(spec.shape)
-        if not shape or len(shape) > wire.MAX_SHAPE_DIMS or any(d == 0 for d in shape):
-            raise InvalidRequest(
-                f"layer {name!r}: shape {list(shape)} must have 1..{wire.MAX_SHAPE_DIMS} non-zero dims"
-            )
-        nbytes = wire.layer_block_bytes(spec.dtype, shape)
-        if nbytes > wire.MAX_CHUNK_BYTES:
-            raise InvalidRequest(
-                f"layer {name!r}: {nbytes} bytes per block; the limit is {wire.MAX_CHUNK_BYTES}"
-            )
-        out.append(LayerSpec(name, spec.dtype, shape, nbytes))
-    return tuple(out)
-
-
-def check_record_size(namespace: bytes, block_hash: bytes, layers: Sequence[LayerSpec]) -> None:
-    """A block's metadata record (layer names and specs, stored beside its bytes) may be
-    at most max(its payload, MAX_RECORD_FLOOR): capacity counts payload, so a header of
-    a thousand long-named one-byte layers would otherwise store (and, committing, hold
-    in memory) hundreds of times what it is charged."""
-    payload = sum(layer.nbytes for layer in layers)
-    record = len(
-        BlockMeta(namespace, block_hash, block_hash, tuple(layers), (2**64 - 1,) * len(layers)).to_json()
-    )
-    if record > max(payload, wire.MAX_RECORD_FLOOR):
-        raise InvalidRequest(
-            f"the layers' names and specs take {record} bytes per block, more than the block's "
-            f"{payload} bytes of data; the limit is max(data, {wire.MAX_RECORD_FLOOR})"
-        )
-
-
-def _chunk_size(requested: int) -> int:
-    """Bytes per Get message: what the client asks, at most DEFAULT_CHUNK_BYTES (4 MiB).
-    Each stream holds about three copies of one message (ours, gRPC's, the socket's),
-    so this cap is what bounds a Get's memory; a larger block-layer still goes whole."""
-    return min(requested or wire.DEFAULT_CHUNK_BYTES, wire.DEFAULT_CHUNK_BYTES)
 
 
 class Servicer:

@@ -1,0 +1,94 @@
+"""Request validation at the edge: namespaces, hashes, layer specs, record and chunk sizes.
+
+Each check raises InvalidRequest (INVALID_ARGUMENT) before the request reaches the
+store; the limits are kvstore.wire's, shared with the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore import wire
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_server.rpc.status import InvalidRequest
+from kvstore_server.tiers import BlockMeta, LayerSpec
+
+
+def check_namespace(namespace: bytes) -> bytes:
+    if not namespace:
+        raise InvalidRequest("namespace must not be empty")
+    if len(namespace) > wire.MAX_NAMESPACE_BYTES:
+        raise InvalidRequest(f"namespace is {len(namespace)} bytes; the limit is {wire.MAX_NAMESPACE_BYTES}")
+    return namespace
+
+
+def check_hash(block_hash: bytes, what: str = "block hash") -> bytes:
+    if len(block_hash) != wire.HASH_BYTES:
+        raise InvalidRequest(f"{what} must be {wire.HASH_BYTES} bytes, got {len(block_hash)}")
+    return block_hash
+
+
+def check_hashes(hashes: Sequence[bytes], limit: int, allow_empty: bool = False) -> list[bytes]:
+    if not hashes and not allow_empty:
+        raise InvalidRequest("block_hashes must not be empty")
+    if len(hashes) > limit:
+        raise InvalidRequest(f"{len(hashes)} block hashes; the limit is {limit} per call")
+    out = [check_hash(h) for h in hashes]
+    if len(set(out)) != len(out):
+        raise InvalidRequest("block_hashes repeats a hash; a chain never does")
+    return out
+
+
+def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
+    if not specs:
+        raise InvalidRequest("a put needs at least one layer")
+    if len(specs) > wire.MAX_LAYERS:
+        raise InvalidRequest(f"{len(specs)} layers; the limit is {wire.MAX_LAYERS}")
+    out = []
+    names = set()
+    for spec in specs:
+        name = spec.name
+        if not name or len(name.encode()) > wire.MAX_LAYER_NAME_BYTES:
+            raise InvalidRequest(f"layer name must be 1..{wire.MAX_LAYER_NAME_BYTES} bytes: {name[:64]!r}")
+        if name == "__metadata__" or name in names:
+            raise InvalidRequest(f"layer name {name!r} is reserved or repeated")
+        names.add(name)
+        if spec.dtype not in wire.DTYPES:
+            raise InvalidRequest(
+                f"layer {name!r}: unsupported dtype {spec.dtype!r}; supported: {', '.join(wire.DTYPES)}"
+            )
+        shape = tuple(spec.shape)
+        if not shape or len(shape) > wire.MAX_SHAPE_DIMS or any(d == 0 for d in shape):
+            raise InvalidRequest(
+                f"layer {name!r}: shape {list(shape)} must have 1..{wire.MAX_SHAPE_DIMS} non-zero dims"
+            )
+        nbytes = wire.layer_block_bytes(spec.dtype, shape)
+        if nbytes > wire.MAX_CHUNK_BYTES:
+            raise InvalidRequest(
+                f"layer {name!r}: {nbytes} bytes per block; the limit is {wire.MAX_CHUNK_BYTES}"
+            )
+        out.append(LayerSpec(name, spec.dtype, shape, nbytes))
+    return tuple(out)
+
+
+def check_record_size(namespace: bytes, block_hash: bytes, layers: Sequence[LayerSpec]) -> None:
+    """A block's metadata record (layer names and specs, stored beside its bytes) may be
+    at most max(its payload, MAX_RECORD_FLOOR): capacity counts payload, so a header of
+    a thousand long-named one-byte layers would otherwise store (and, committing, hold
+    in memory) hundreds of times what it is charged."""
+    payload = sum(layer.nbytes for layer in layers)
+    record = len(
+        BlockMeta(namespace, block_hash, block_hash, tuple(layers), (2**64 - 1,) * len(layers)).to_json()
+    )
+    if record > max(payload, wire.MAX_RECORD_FLOOR):
+        raise InvalidRequest(
+            f"the layers' names and specs take {record} bytes per block, more than the block's "
+            f"{payload} bytes of data; the limit is max(data, {wire.MAX_RECORD_FLOOR})"
+        )
+
+
+def _chunk_size(requested: int) -> int:
+    """Bytes per Get message: what the client asks, at most DEFAULT_CHUNK_BYTES (4 MiB).
+    Each stream holds about three copies of one message (ours, gRPC's, the socket's),
+    so this cap is what bounds a Get's memory; a larger block-layer still goes whole."""
+    return min(requested or wire.DEFAULT_CHUNK_BYTES, wire.DEFAULT_CHUNK_BYTES)
