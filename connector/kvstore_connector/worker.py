@@ -3,6 +3,11 @@
 One instance per worker (TP/PP rank). All store I/O runs on background
 threads; the forward pass only issues one indexed copy per layer and, for
 loads, waits for the layer it is about to use.
+
+How KV moves is the transports' business, picked once in register_kv_caches:
+ArenaTransport (the daemon's shared-memory arena, same host) or GrpcTransport
+(the daemon's byte streams, or its files for same-host loads). The worker keeps
+the step: layer gates, load errors, the save backlog, commits, stats, health.
 """
 
 from __future__ import annotations
@@ -12,21 +17,20 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
-from kvstore_client.arena import ArenaPutStream
+from kvstore_client import KVStoreClient, LayerSpec, LayerStream
 from kvstore_client.errors import KVStoreError
-from kvstore_client.tensors import dtype_name, writable_view
+from kvstore_client.tensors import dtype_name
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.config import ConnectorConfig
+from kvstore_connector.grpc_transport import GrpcSave, GrpcSaves, GrpcTransport
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import OUTAGES, StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
-from kvstore_connector.transfer import BlockMover, PendingCopy, find_block_dim
+from kvstore_connector.transfer import BlockMover, contiguous_cpu, find_block_dim
 
 # NOTE: under "vllm." so records go through vLLM's own logging setup, beside its lines.
 log = logging.getLogger("vllm." + __name__)
@@ -101,16 +105,6 @@ class SaveBacklog:
             self._pending -= nbytes
 
 
-@dataclass
-class _Save:
-    spec: SaveSpec
-    stream: PutStream | ArenaPutStream
-    started: float
-    reserved: int = 0  # bytes held in the backlog (async saves)
-    nbytes: int = 0
-    layers: list[Future[None]] = field(default_factory=list)
-
-
 class WorkerSide:
     def __init__(
         self,
@@ -133,7 +127,7 @@ class WorkerSide:
         self.stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
         self._caches: dict[str, torch.Tensor] = {}  # block-major views
-        self._raw: dict[str, memoryview] | None = None  # their bytes, for contiguous CPU caches
+        self._load_inline = False  # contiguous CPU caches: loads run on the forward thread
         self._specs: list[LayerSpec] = []
         self._mover: BlockMover | None = None
         self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-load")
@@ -145,16 +139,18 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._streams: list[LayerStream] = []  # this step's Get/DropSelect calls
         self._errors_lock = threading.Lock()
-        self._saves: list[_Save] = []
+        self._grpc_saves = GrpcSaves()  # this step's saves over gRPC
+        self._arena_saves: list[ArenaSave] = []  # and through the arena
         self._saves_opened = False  # this step's saves were opened (or skipped)
         self.backlog = SaveBacklog(int(config.save_backlog_mib * 2**20))
-        self._save_ids: torch.Tensor | None = None
         self._commits: list[Future[None]] = []
-        self._loads_local = False  # last load read the daemon's files directly
-        # The transport, chosen once in register_kv_caches: the daemon's arena when this
-        # process can map it, else gRPC (with the same-host file reads where offered).
+        # The transports, chosen once in register_kv_caches: the daemon's arena when this
+        # process can map it (saves, and loads unless they consume: DropSelect is gRPC
+        # only), else gRPC (with the same-host file reads where offered). The gRPC one is
+        # also where an arena save goes when the arena has no room for it.
         self._arena: ArenaTransport | None = None
-        self._arena_saves: list[ArenaSave] = []
+        self._grpc: GrpcTransport | None = None
+        self._loads_via: ArenaTransport | GrpcTransport | None = None
 
     # ---- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -164,11 +160,23 @@ class WorkerSide:
             self._specs.append(LayerSpec(name, dtype_name(view.dtype), tuple(view.shape[1:])))
         first = next(iter(self._caches.values()))
         self._mover = BlockMover(first.device)
+        self._load_inline = contiguous_cpu(self._caches)
+        self._grpc = GrpcTransport(
+            self.client,
+            self.namespace,
+            self._specs,
+            self._caches,
+            self._mover,
+            self._sender,
+            consume=self.config.consume,
+            save_timeout=self.config.save_timeout,
+            on_stream=self._track_stream,
+        )
+        self._loads_via = self._grpc
         if self.client.arena_available(cuda=first.device.type == "cuda"):
             self._arena = ArenaTransport(self.client, self.namespace, self._specs, self._caches, self._mover)
-        if first.device.type == "cpu" and all(v.is_contiguous() for v in self._caches.values()):
-            # loads copy blocks from the received messages straight into these
-            self._raw = {name: memoryview(writable_view(view).data) for name, view in self._caches.items()}
+            if not self.config.consume:
+                self._loads_via = self._arena
         log.info(
             "kvstore connector: %d layers, block %s %s (%d bytes/block), namespace %s",
             len(self._specs),
@@ -197,7 +205,7 @@ class WorkerSide:
         loads = [spec for spec in meta.loads if spec.block_ids]
         self._gates = _LayerGates([s.name for s in self._specs], len(loads))
         self._abandoned = False
-        if self._raw is not None:
+        if self._load_inline:
             # CPU: the copies and the forward pass share the same cores, so loading
             # beside the forward only slows it (and the two threads fight over the
             # GIL); loading first, in this thread, gave the lowest time to first token.
@@ -208,55 +216,14 @@ class WorkerSide:
         self._load_jobs = [(spec, self._loader.submit(self._load_one, spec, self._gates)) for spec in loads]
 
     def _load_one(self, spec: LoadSpec, gates: _LayerGates) -> None:
-        mover = self._mover
         pending = [s.name for s in self._specs]
         started = time.perf_counter()
         loaded_blocks = 0
         try:
-            if mover is None:
+            transport = self._loads_via
+            if transport is None:
                 raise RuntimeError("load before register_kv_caches")
-            timeout = self.config.load_timeout
-            if self._arena is not None and not self.config.consume:
-                loaded_blocks = self._arena.load(spec, pending, gates.done, timeout)
-                self.health.ok()
-                return
-            if self.config.consume:
-                stream = self.client.take_stream(
-                    self.namespace,
-                    spec.hashes,
-                    wait=1.0,
-                    transfer_timeout=timeout,
-                    allocate=self._host_buffer,
-                )
-            else:
-                stream = self.client.get_stream(
-                    self.namespace, spec.hashes, timeout=timeout, allocate=self._host_buffer
-                )
-            with self._errors_lock:
-                self._streams.append(stream)
-            if stream.local != self._loads_local:
-                self._loads_local = stream.local
-                log.info(
-                    "kvstore connector: loads read %s",
-                    f"the daemon's files in {self.client.local_data_dir} (same host)"
-                    if stream.local
-                    else "over gRPC",
-                )
-            n = stream.num_blocks
-            if n and [(s.name, s.dtype, s.shape) for s in stream.layers] != [
-                (s.name, s.dtype, s.shape) for s in self._specs
-            ]:
-                stream.cancel()
-                raise KVStoreError("stored layers do not match this engine's KV cache layout")
-            if self._raw is not None:
-                self._place_blocks(stream, spec.block_ids[:n], pending, gates)
-            else:
-                ids = mover.index(spec.block_ids[:n])
-                for name, host in stream:
-                    event = mover.scatter(self._caches[name], ids, host)
-                    pending.remove(name)
-                    gates.done(name, event)
-            loaded_blocks = n
+            loaded_blocks = transport.load(spec, pending, gates.done, self.config.load_timeout)
             self.health.ok()
         except (KVStoreError, RuntimeError, ValueError) as exc:
             self.health.failed("load", exc)
@@ -278,27 +245,10 @@ class WorkerSide:
                     load_seconds=time.perf_counter() - started,
                 )
 
-    def _place_blocks(
-        self, stream: LayerStream, block_ids: list[int], pending: list[str], gates: _LayerGates
-    ) -> None:
-        """CPU caches: copy each received block straight into its paged block (one copy)."""
-        raw = self._raw
-        if raw is None:
-            raise RuntimeError("raw placement needs contiguous CPU caches")
-        for spec, (_, first_block, data), last in stream.layer_chunks():
-            size, dest = spec.nbytes, raw[spec.name]
-            for i in range(len(data) // size):
-                block = block_ids[first_block + i]
-                dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
-            if last:
-                pending.remove(spec.name)
-                gates.done(spec.name)
-
-    def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
-        mover = self._mover
-        if mover is None:
-            raise RuntimeError("load before register_kv_caches")
-        return mover.host_buffer((num_blocks, *spec.shape), self._caches[spec.name].dtype)
+    def _track_stream(self, stream: LayerStream) -> None:
+        """A load's Get/DropSelect call: cancelled if this step gives up its loads."""
+        with self._errors_lock:
+            self._streams.append(stream)
 
     def wait_for_layer(self, layer: str) -> None:
         if self._abandoned:
@@ -351,20 +301,15 @@ class WorkerSide:
         if self._arena is not None:
             for arena_save in self._arena_saves:
                 self._arena.save_layer(arena_save, layer, view)
-        if not self._saves:
-            return
-        if self._save_ids is None:
-            self._save_ids = self._mover.index([b for s in self._saves for b in s.spec.block_ids])
-        copy = self._mover.gather(view, self._save_ids)  # one indexed copy for every request
-        offset = 0
-        for save in self._saves:
-            n = len(save.spec.block_ids)
-            save.layers.append(self._sender.submit(self._send_layer, save, layer, copy, offset, n))
-            offset += n
+        if self._grpc is not None:
+            self._grpc.save_layer(self._grpc_saves, layer, view)
 
     def _open_saves(self, specs: list[SaveSpec]) -> None:
         if not self.health.available():
             return
+        grpc = self._grpc
+        if grpc is None:
+            raise RuntimeError("save before register_kv_caches")
         block_bytes = sum(s.block_bytes for s in self._specs)
         for spec in specs:
             if self._arena is not None and self._open_arena_save(spec):
@@ -375,15 +320,7 @@ class WorkerSide:
                 if not self.backlog.admit(reserved):
                     self._add_stats(saves_dropped=1)
                     continue
-            stream = self.client.put_stream(
-                self.namespace,
-                spec.hashes,
-                self._specs,
-                parent_hash=spec.parent_hash,
-                timeout=self.config.save_timeout,
-                arena=False,  # this is the gRPC path: the arena path is _open_arena_save
-            )
-            self._saves.append(_Save(spec, stream, time.perf_counter(), reserved))
+            self._grpc_saves.saves.append(grpc.open(spec, reserved))
 
     def _open_arena_save(self, spec: SaveSpec) -> bool:
         """Reserve room in the arena for one request's save; False: save it over gRPC."""
@@ -425,30 +362,25 @@ class WorkerSide:
                 save_seconds=time.perf_counter() - save.started,
             )
 
-    def _send_layer(self, save: _Save, layer: str, copy: PendingCopy, offset: int, n: int) -> None:
-        host = copy.wait()
-        part = host[offset : offset + n].contiguous()
-        save.stream.write_layer(layer, part)
-        save.nbytes += part.numel() * part.element_size()
-
     def finish_step_saves(self) -> None:
         """Commit this step's saves; in sync mode, wait until the store has them."""
-        saves, self._saves, self._save_ids = self._saves, [], None
+        grpc_saves, self._grpc_saves = self._grpc_saves, GrpcSaves()
         arena_saves, self._arena_saves = self._arena_saves, []
         self._saves_opened = False
         self._commits = [f for f in self._commits if not f.done()]
         for arena_save in arena_saves:
             self._commits.append(self._sender.submit(self._commit_arena, arena_save))
-        for save in saves:
-            self._commits.append(self._sender.submit(self._commit, save))
+        for save in grpc_saves.saves:
+            self._commits.append(self._sender.submit(self._commit_grpc, save))
         if self.save_sync:
             self.wait_for_commits()
 
-    def _commit(self, save: _Save) -> None:
+    def _commit_grpc(self, save: GrpcSave) -> None:
+        grpc = self._grpc
         try:
-            for layer in save.layers:
-                layer.result()
-            result = save.stream.commit()
+            if grpc is None:
+                raise RuntimeError("gRPC save without the gRPC transport")
+            result = grpc.commit(save)
         except (KVStoreError, ValueError, RuntimeError) as exc:
             save.stream.abort()
             self._add_stats(save_errors=1)

@@ -1,0 +1,193 @@
+"""The worker's gRPC transport: KV moves as the daemon's byte streams (Put, Get,
+DropSelect), or, for loads on the same host, from the daemon's files.
+
+Saves (per step): one PutStream per request, opened at the step's first saved
+layer. `save_layer` gathers the layer's blocks of every gRPC save of the step
+with one indexed copy (GrpcSaves) and hands each request its slice on the sender
+thread (one thread: a request's layers reach its stream in order); the commit
+runs on that thread after the request's layers.
+
+Loads: two choices, each made once at construction and never mixed per load:
+- the source: consume → DropSelect (`take_stream`, the blocks are freed), else
+  Get (`get_stream`, which reads the daemon's files when the client may);
+- the placement: contiguous CPU caches → each received block is copied straight
+  into its page (PagePlacement, one copy); else each layer lands in a host buffer
+  (pinned on CUDA) and is scattered into the pages (ScatterPlacement, BlockMover).
+Each layer is reported done (`done(layer_name, event)`) as it is placed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
+from kvstore_client.arena import ArenaPutStream
+from kvstore_client.errors import KVStoreError
+from kvstore_client.tensors import writable_view
+from kvstore_connector.metadata import LoadSpec, SaveSpec
+from kvstore_connector.transfer import BlockMover, PendingCopy, contiguous_cpu
+
+log = logging.getLogger("vllm." + __name__)
+
+Done = Callable[..., None]  # done(layer_name, cuda_event=None): the layer is written
+
+
+@dataclass
+class GrpcSave:
+    spec: SaveSpec
+    stream: PutStream | ArenaPutStream
+    started: float
+    reserved: int = 0  # bytes held in the worker's save backlog (async saves)
+    nbytes: int = 0
+    layers: list[Future[None]] = field(default_factory=list)
+
+
+@dataclass
+class GrpcSaves:
+    """One step's gRPC saves: each layer is gathered once for all of them."""
+
+    saves: list[GrpcSave] = field(default_factory=list)
+    ids: torch.Tensor | None = None  # their paged block ids in order, made at the first layer
+
+
+class PagePlacement:
+    """Contiguous CPU caches: copy each received block straight into its paged block."""
+
+    def __init__(self, caches: dict[str, torch.Tensor]) -> None:
+        # the caches' bytes: loads copy blocks from the received messages straight into these
+        self._raw = {name: memoryview(writable_view(view).data) for name, view in caches.items()}
+
+    def place(self, stream: LayerStream, block_ids: list[int], pending: list[str], done: Done) -> None:
+        raw = self._raw
+        for spec, (_, first_block, data), last in stream.layer_chunks():
+            size, dest = spec.nbytes, raw[spec.name]
+            for i in range(len(data) // size):
+                block = block_ids[first_block + i]
+                dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
+            if last:
+                pending.remove(spec.name)
+                done(spec.name)
+
+
+class ScatterPlacement:
+    """Any other caches (GPU, non-contiguous views): each layer into a host buffer, then
+    one indexed scatter into its pages (on CUDA on side streams: the layer's event)."""
+
+    def __init__(self, caches: dict[str, torch.Tensor], mover: BlockMover) -> None:
+        self._caches = caches
+        self._mover = mover
+
+    def place(self, stream: LayerStream, block_ids: list[int], pending: list[str], done: Done) -> None:
+        ids = self._mover.index(block_ids)
+        for name, host in stream:
+            event = self._mover.scatter(self._caches[name], ids, host)
+            pending.remove(name)
+            done(name, event)
+
+
+class GrpcTransport:
+    def __init__(
+        self,
+        client: KVStoreClient,
+        namespace: bytes,
+        specs: list[LayerSpec],
+        caches: dict[str, torch.Tensor],
+        mover: BlockMover,
+        sender: ThreadPoolExecutor,
+        *,
+        consume: bool,
+        save_timeout: float,
+        on_stream: Callable[[LayerStream], None],
+    ) -> None:
+        """`sender`: the worker's one save thread; `on_stream`: told of each load's stream
+        as it opens (the worker cancels this step's streams when it gives up its loads)."""
+        self.client = client
+        self.namespace = namespace
+        self.specs = specs
+        self.caches = caches
+        self.mover = mover
+        self._sender = sender
+        self._save_timeout = save_timeout
+        self._on_stream = on_stream
+        self._open_stream = self._take_stream if consume else self._get_stream
+        self._placement: PagePlacement | ScatterPlacement = (
+            PagePlacement(caches) if contiguous_cpu(caches) else ScatterPlacement(caches, mover)
+        )
+        self._local = False  # the last load read the daemon's files directly
+
+    # ---- saves
+    def open(self, spec: SaveSpec, reserved: int = 0) -> GrpcSave:
+        stream = self.client.put_stream(
+            self.namespace,
+            spec.hashes,
+            self.specs,
+            parent_hash=spec.parent_hash,
+            timeout=self._save_timeout,
+            arena=False,  # this is the gRPC transport: the arena's saves are ArenaTransport's
+        )
+        return GrpcSave(spec, stream, time.perf_counter(), reserved)
+
+    def save_layer(self, saves: GrpcSaves, layer: str, kv: torch.Tensor) -> None:
+        if not saves.saves:
+            return
+        if saves.ids is None:
+            saves.ids = self.mover.index([b for s in saves.saves for b in s.spec.block_ids])
+        copy = self.mover.gather(kv, saves.ids)  # one indexed copy for every request
+        offset = 0
+        for save in saves.saves:
+            n = len(save.spec.block_ids)
+            save.layers.append(self._sender.submit(self._send_layer, save, layer, copy, offset, n))
+            offset += n
+
+    def _send_layer(self, save: GrpcSave, layer: str, copy: PendingCopy, offset: int, n: int) -> None:
+        host = copy.wait()
+        part = host[offset : offset + n].contiguous()
+        save.stream.write_layer(layer, part)
+        save.nbytes += part.numel() * part.element_size()
+
+    def commit(self, save: GrpcSave) -> Any:
+        """Wait for the save's layers, then commit it (the sender thread)."""
+        for layer in save.layers:
+            layer.result()
+        return save.stream.commit()
+
+    # ---- loads
+    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
+        """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
+        `done(layer_name, event)` is called as each layer is placed."""
+        stream = self._open_stream(spec.hashes, timeout)
+        self._on_stream(stream)
+        if stream.local != self._local:
+            self._local = stream.local
+            log.info(
+                "kvstore connector: loads read %s",
+                f"the daemon's files in {self.client.local_data_dir} (same host)"
+                if stream.local
+                else "over gRPC",
+            )
+        n = stream.num_blocks
+        if n and [(s.name, s.dtype, s.shape) for s in stream.layers] != [
+            (s.name, s.dtype, s.shape) for s in self.specs
+        ]:
+            stream.cancel()
+            raise KVStoreError("stored layers do not match this engine's KV cache layout")
+        self._placement.place(stream, spec.block_ids[:n], pending, done)
+        return n
+
+    def _take_stream(self, hashes: list[bytes], timeout: float) -> LayerStream:
+        return self.client.take_stream(
+            self.namespace, hashes, wait=1.0, transfer_timeout=timeout, allocate=self._host_buffer
+        )
+
+    def _get_stream(self, hashes: list[bytes], timeout: float) -> LayerStream:
+        return self.client.get_stream(self.namespace, hashes, timeout=timeout, allocate=self._host_buffer)
+
+    def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
+        return self.mover.host_buffer((num_blocks, *spec.shape), self.caches[spec.name].dtype)
