@@ -135,6 +135,49 @@ class StoreCollector(Collector):
         yield counter("kvstore_read_bytes", "KV payload of completed Get/DropSelect streams.", "bytes_read")
         yield counter("kvstore_evictions", "Blocks evicted, for capacity and by Evict calls.", "evictions")
         yield counter("kvstore_checksum_failures", "Layers failing checksums on read.", "checksum_failures")
+        if self.store.memory is not None:  # the memory tier
+            yield gauge(
+                "kvstore_memory_capacity_bytes", "Size of the memory tier (arena).", "memory_capacity_bytes"
+            )
+            yield gauge(
+                "kvstore_memory_used_bytes",
+                "Arena bytes in extents (blocks, reservations).",
+                "memory_used_bytes",
+            )
+            yield gauge("kvstore_memory_blocks", "Blocks resident in the memory tier.", "memory_blocks")
+            yield gauge("kvstore_memory_bytes", "KV bytes resident in the memory tier.", "memory_bytes")
+            yield gauge("kvstore_pinned_bytes", "Arena bytes pinned by loads in progress.", "pinned_bytes")
+            yield gauge(
+                "kvstore_reserved_bytes", "Arena bytes reserved by saves in progress.", "reserved_bytes"
+            )
+            yield gauge("kvstore_write_behind_blocks", "Committed blocks waiting for the persistent tier.",
+                        "write_behind_blocks")  # fmt: skip
+            yield gauge("kvstore_write_behind_bytes", "Their bytes.", "write_behind_bytes")
+            yield gauge(
+                "kvstore_memory_only_blocks", "Blocks the persistent tier will not get.", "memory_only_blocks"
+            )
+            yield counter("kvstore_written_behind_blocks", "Blocks written behind to the persistent tier.",
+                          "written_behind")  # fmt: skip
+            yield counter("kvstore_write_behind_dropped_blocks", "Commits kept in memory only.",
+                          "write_behind_dropped")  # fmt: skip
+            yield counter(
+                "kvstore_promotions", "Loads that promoted blocks from the persistent tier.", "promotions"
+            )
+            yield counter(
+                "kvstore_promoted_blocks", "Blocks promoted into the memory tier.", "promoted_blocks"
+            )
+            yield counter(
+                "kvstore_memory_hit_blocks", "Blocks loaded from the memory tier.", "memory_hit_blocks"
+            )
+            yield counter("kvstore_persistent_hit_blocks", "Blocks loaded from the persistent tier.",
+                          "persistent_hit_blocks")  # fmt: skip
+            yield counter("kvstore_commits", "Saves committed through the memory tier.", "commits")
+            yield counter(
+                "kvstore_leases_expired", "Reservations and pins reclaimed at lease end.", "leases_expired"
+            )
+            yield counter(
+                "kvstore_memory_evicted_blocks", "Blocks that left the memory tier.", "memory_evictions"
+            )
         yield GaugeMetricFamily(
             "kvstore_start_time_seconds", "Unix time the daemon started.", value=self.store.started_at
         )

@@ -169,3 +169,25 @@ def test_no_endpoint_unless_asked(daemon) -> None:
 def _store_id(samples: Samples) -> str:
     (labels,) = [dict(labels) for name, labels in samples if name == "kvstore_info"]
     return labels["store_id"]
+
+
+def test_memory_tier_metrics_follow_saves_and_loads_through_the_arena(make_server) -> None:
+    d = make_server(**METRICS)
+    hashes, layers = chain("metrics-arena", 4), make_layers(4, seed=9)
+    before = scrape(d.metrics_url)
+    with KVStoreClient(d.address) as kv:  # through the arena
+        kv.put(NS, hashes, layers)
+        assert kv.select(NS, hashes)
+        eventually(lambda: kv.stats()["write_behind_blocks"] == 0)
+    after = scrape(d.metrics_url)
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert value(after, "kvstore_memory_capacity_bytes") == 64 * 2**20 - 4096  # the header page
+    assert value(after, "kvstore_memory_blocks") == 4
+    assert value(after, "kvstore_memory_bytes") == 4 * block_bytes(layers)
+    assert (delta("kvstore_commits_total"), delta("kvstore_memory_hit_blocks_total")) == (1, 4)
+    assert delta("kvstore_written_behind_blocks_total") == 4
+    assert value(after, "kvstore_write_behind_blocks") == 0 and value(after, "kvstore_pinned_bytes") == 0
+    assert calls(after, "Reserve") == calls(after, "Commit") == calls(after, "Pin") == calls(after, "Release") == 1
