@@ -348,6 +348,8 @@ def print_split(row: Row, title: str, m: dict, parts: list, ceiling: float, ceil
     row(title, m["total"], f"{ceiling / m['total'] * 100:3.0f}% of the {ceiling_name}")
     for name, key in parts:
         part(name, m[key], m["total"])
+    top = max(parts, key=lambda nk: m[nk[1]])
+    print(f"      -> most of the time: {top[0]} ({m[top[1]] / m['total'] * 100:.0f}%)")
 
 
 def hot_child(args: argparse.Namespace) -> None:
@@ -633,8 +635,11 @@ def recompute(args: argparse.Namespace) -> dict[int, float]:
     model = model.to(device=d.dev, dtype=torch.bfloat16).eval()
     d.sync()
     params = sum(p.numel() for p in model.parameters())
+    # transformers draws the weights at construction (normal, std = initializer_range 0.02):
+    # printed, since all-zero weights would run faster than real ones
+    std = model.model.layers[0].self_attn.q_proj.weight.float().std().item()
     print(f"\n(recompute) random-weight Llama-3.1-8B shape in transformers "
-          f"({params / 1e9:.2f} B parameters, {args.model_layers} layers, sdpa, bf16), built in {now() - start:.1f}s")  # fmt: skip
+          f"({params / 1e9:.2f} B parameters, {args.model_layers} layers, sdpa, bf16, weight std {std:.3f}), built in {now() - start:.1f}s")  # fmt: skip
     out: dict[int, float] = {}
     for tokens in args.tokens:
         ids = torch.randint(0, cfg.vocab_size, (1, tokens), device=d.dev)
@@ -800,11 +805,12 @@ def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float]) 
         if rec:
             got = [f"hot {rec / hot:.1f}x" if hot else "", f"cold, LMDB in the page cache {rec / cold:.1f}x" if cold
                    else "", f"cold, LMDB from disk {rec / disk:.1f}x" if disk else ""]  # fmt: skip
-            lines.append(f"  {res['tokens']} tokens, block {res['bs']}: a hit is faster than recomputing "
+            lines.append(f"  {res['tokens']} tokens, block {res['bs']}: recompute time / load time "
                          f"({rec * 1e3:.0f} ms): {', '.join(g for g in got if g)}")  # fmt: skip
     print(
         "  %ceil: the ceiling's time / this time (save vs the gather ceiling, hot load vs the scatter ceiling)"
     )
+    print("  recompute time / load time: above 1 a hit is that many times faster than the prefill")
     for line in lines:
         print(line)
     print("  where the rest of the time goes: each end-to-end row's split above (RPCs, xxh3, copies, Python)")
