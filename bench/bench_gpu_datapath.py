@@ -332,12 +332,12 @@ SAVE_PARTS = [
     ("wait for the gathers and D2H copies", "copies"),
     ("checksums (xxh3, 4 threads, over the arena bytes)", "xxh3"),
     ("commit RPC", "commit_rpc"),
-    ("commit: rest (building the block-layer views to hash)", "commit_other"),
+    ("commit: rest (building the views to hash)", "commit_other"),
 ]
 LOAD_PARTS = [
     ("pin RPC", "pin_rpc"),
     ("verify (xxh3, 4 threads, per layer before its copy)", "verify"),
-    ("per-layer loop less xxh3: verify's block views, H2D+scatter enqueue", "issue"),
+    ("loop less xxh3: verify's views, H2D+scatter enqueue", "issue"),
     ("wait for the copies after the last layer was issued", "copies"),
     ("release RPC", "release_rpc"),
     ("rest", "other"),
