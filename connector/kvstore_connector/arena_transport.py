@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore_client import KVStoreClient, LayerSpec
+from kvstore_client.arena import checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
 
 if TYPE_CHECKING:
@@ -46,10 +47,10 @@ class ArenaSave:
     reservation: Reservation
     ids: torch.Tensor | None  # paged block ids of the blocks to write, in extent order
     started: float
-    copies: list[Any] = field(default_factory=list)  # PendingCopy per layer
+    copies: list[tuple[int, Any]] = field(default_factory=list)  # (layer index, PendingCopy)
 
     def wait(self) -> None:
-        for copy in self.copies:
+        for _index, copy in self.copies:
             copy.wait()
         self.copies = []
 
@@ -84,15 +85,21 @@ class ArenaTransport:
     def save_layer(self, save: ArenaSave, layer: str, kv: torch.Tensor) -> None:
         if save.ids is None:
             return
-        dest = save.reservation.layer(self._layer_index[layer])
-        save.copies.append(self.mover.gather_into(kv, save.ids, dest))
+        index = self._layer_index[layer]
+        save.copies.append((index, self.mover.gather_into(kv, save.ids, save.reservation.layer(index))))
 
     def commit(self, save: ArenaSave) -> Any:
         """Wait for the save's copies, then checksum and commit (the sender thread)."""
-        save.wait()
         if save.ids is None:  # every block was stored already: nothing reserved
+            save.wait()
             return None
-        return save.reservation.commit()
+        # hash each layer as soon as its copy has landed, while later layers' copies run
+        per_layer: dict[int, list[int]] = {}
+        for index, copy in save.copies:
+            copy.wait()
+            per_layer[index] = checksums(save.reservation.layer_pieces(index))
+        save.copies = []
+        return save.reservation.commit(save.reservation.checksums(per_layer))
 
     # ---- loads
     def load(self, spec: LoadSpec, pending: list[str], done: Any, timeout: float) -> int:
