@@ -347,7 +347,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
         backend=args.backend,
         capacity=str(capacity),
         # the arena in shared memory, as deployed; its size fits a pass (a clean stop removes it)
-        memory_size=str(w.total_bytes + (256 << 20)),
+        memory_size=str(w.total_bytes + (256 << 20) if args.memory is None else args.memory),
         memory_dir=Path(args.memory_dir),
         extra_args=extra,
         env=args.daemon_env,
@@ -425,8 +425,10 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
             # the memory tier: saves reserve, copy into the mapped arena and commit; loads pin,
             # verify and copy out (the bytes never cross gRPC)
             arena = PathResult(f"daemon ({args.backend}), arena")
-            with KVStoreClient(daemon.address, timeout=120.0) as ac:
-                if not ac.arena_available():
+            with KVStoreClient(daemon.address, timeout=120.0, arena=args.memory != "0") as ac:
+                if args.memory == "0":
+                    print("    (--memory 0: no arena rows)", flush=True)
+                elif not ac.arena_available():
                     raise RuntimeError("the client could not map the daemon's arena")
 
                 def arena_store() -> None:
@@ -439,32 +441,34 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
                     wait_written_behind(client)
                     fresh()
 
-                drained()
-                arena.store_cold = timed_pass(
-                    "store through the arena, first", nbytes, arena_store, arena.passes
-                )
-                arena.store_warm = best_of(
-                    "store through the arena", nbytes, arena_store, args.repeat, arena.passes, drained
-                )
-                arena.load_first = timed_pass(
-                    "load through the arena, first", nbytes, arena_load, arena.passes
-                )
-                arena.load_warm = best_of(
-                    "load through the arena", nbytes, arena_load, args.repeat, arena.passes
-                )
-                wait_written_behind(client)
-                client.evict(all=True)
-                daemon_store_pass(client, "bench", w, state["hashes"])  # over gRPC: persistent tier only
-                arena.notes.append(
-                    "load 1st here: blocks only in the persistent tier, promoted into the arena by the pin"
-                )
-                arena.load_first = timed_pass(
-                    "load through the arena, promoting from the persistent tier",
-                    nbytes,
-                    arena_load,
-                    arena.passes,
-                )
-            out.append(arena)
+                if args.memory != "0":
+                    drained()
+                    arena.store_cold = timed_pass(
+                        "store through the arena, first", nbytes, arena_store, arena.passes
+                    )
+                    arena.store_warm = best_of(
+                        "store through the arena", nbytes, arena_store, args.repeat, arena.passes, drained
+                    )
+                    arena.load_first = timed_pass(
+                        "load through the arena, first", nbytes, arena_load, arena.passes
+                    )
+                    arena.load_warm = best_of(
+                        "load through the arena", nbytes, arena_load, args.repeat, arena.passes
+                    )
+                    wait_written_behind(client)
+                    client.evict(all=True)
+                    daemon_store_pass(client, "bench", w, state["hashes"])  # over gRPC: persistent tier only
+                    arena.notes.append(
+                        "load 1st here: blocks only in the persistent tier, promoted into the arena by the pin"
+                    )
+                    arena.load_first = timed_pass(
+                        "load through the arena, promoting from the persistent tier",
+                        nbytes,
+                        arena_load,
+                        arena.passes,
+                    )
+            if args.memory != "0":
+                out.append(arena)
             out.append(bench_memcpy(args, w))
 
             if args.inflight > 1:
@@ -960,6 +964,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("lmdb", "disk"), default="lmdb")
     p.add_argument("--memory-dir", default="/dev/shm", help="where the daemon's arena lives (a tmpfs)")
+    p.add_argument(
+        "--memory", default=None, help="the daemon's memory tier size (default: a pass fits; 0: off)"
+    )
     p.add_argument("--total", type=parse_size, default="2GiB", help="bytes stored per pass (default 2GiB)")
     p.add_argument(
         "--block-bytes", type=parse_size, default="1MiB", help="bytes per block, all layers (1MiB)"
