@@ -1,7 +1,7 @@
 """Block records shared by the daemon, the client and the connector, defined once.
 
     BlockKey        (namespace, 32-byte hash)
-    checksum        a layer's xxh3-64, verified before its bytes are used
+    checksum        a layer's xxh3-64, verified before its bytes are used (CHECKSUMS: by kind)
     LayerSpec       one layer's per-block slice: name, dtype, shape (nbytes derived)
     BlockMeta       a stored block's metadata record (JSON, never pickle)
     StoredBlock     a block read back: its record and one view per layer
@@ -36,6 +36,37 @@ class StorageError(Exception):
 # A layer's checksum: xxh3-64 of its bytes (~13-20 GB/s, so verifying every read is
 # cheap). Bound directly, no wrapper: reads call it once per block and layer.
 checksum: Callable[[memoryview | bytes], int] = xxhash.xxh3_64_intdigest
+
+XXH3 = "xxh3"
+WSUM32 = "wsum32"
+_WEIGHTS: dict[int, Any] = {}
+
+
+def wsum32(data: memoryview | bytes) -> int:
+    """The GPU's checksum: sum((i + 1) * w_i) mod 2**64 over the bytes as little-endian
+    uint32 words w_0.. (a tail of 1-3 bytes is zero-padded to a word). A GPU computes it
+    for a whole layer's blocks in one kernel (kvstore_connector.transfer.wsum32_blocks),
+    where xxh3 on the host is the bottleneck of a load; the host computes it here, with
+    numpy, about 1 GB/s. Any single changed word changes it (the weights are odd or even
+    but never 0 mod 2**64 for a block's word count)."""
+    import numpy as np
+
+    raw = bytes(data) if len(data) % 4 else data
+    if len(raw) % 4:
+        raw = bytes(raw) + b"\0" * (4 - len(raw) % 4)
+    words = np.frombuffer(raw, dtype="<u4")
+    weights = _WEIGHTS.get(len(words))
+    if weights is None:
+        if len(_WEIGHTS) > 64:
+            _WEIGHTS.clear()
+        weights = _WEIGHTS[len(words)] = np.arange(1, len(words) + 1, dtype=np.uint64)
+    return int((words.astype(np.uint64) * weights).sum(dtype=np.uint64))
+
+
+CHECKSUMS: dict[str, Callable[[memoryview | bytes], int]] = {XXH3: checksum, WSUM32: wsum32}
+"""A block record's checksum kind -> how to compute it. The persistent tier holds xxh3
+only; wsum32 records live in the memory tier (saves from GPUs) and are rewritten to
+xxh3 when they are written behind."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +122,7 @@ class BlockMeta:
     layers: tuple[LayerSpec, ...]
     checksums: tuple[int, ...]
     created_at: float = field(default_factory=time.time)
+    checksum_kind: str = XXH3
 
     @property
     def key(self) -> BlockKey:
@@ -102,20 +134,20 @@ class BlockMeta:
 
     def to_json(self) -> bytes:
         """Canonical metadata record (JSON; no pickle on disk)."""
-        return json.dumps(
-            {
-                "v": 1,
-                "ns": self.namespace.hex(),
-                "hash": self.block_hash.hex(),
-                "parent": self.parent_hash.hex(),
-                "created": self.created_at,
-                "layers": [
-                    [layer.name, layer.dtype, list(layer.shape), layer.nbytes, f"{crc:016x}"]
-                    for layer, crc in zip(self.layers, self.checksums, strict=True)
-                ],
-            },
-            separators=(",", ":"),
-        ).encode()
+        doc: dict[str, Any] = {
+            "v": 1,
+            "ns": self.namespace.hex(),
+            "hash": self.block_hash.hex(),
+            "parent": self.parent_hash.hex(),
+            "created": self.created_at,
+            "layers": [
+                [layer.name, layer.dtype, list(layer.shape), layer.nbytes, f"{crc:016x}"]
+                for layer, crc in zip(self.layers, self.checksums, strict=True)
+            ],
+        }
+        if self.checksum_kind != XXH3:  # records of xxh3 (all persistent ones) stay as they were
+            doc["ck"] = self.checksum_kind
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> BlockMeta:
@@ -126,6 +158,9 @@ class BlockMeta:
         version = doc.get("v") if isinstance(doc, dict) else None
         if version != 1:
             raise StorageError(f"unknown block metadata version {version!r}")
+        kind = doc.get("ck", XXH3)
+        if kind not in CHECKSUMS:
+            raise StorageError(f"unknown checksum kind {kind!r}")
         entries = doc["layers"]
         key = tuple([(n, d, tuple(s), b) for n, d, s, b, _ in entries])
         layers = _LAYOUTS.get(key)
@@ -140,6 +175,7 @@ class BlockMeta:
             layers,
             tuple([int(entry[4], 16) for entry in entries]),
             float(doc["created"]),
+            kind,
         )
 
 
@@ -152,8 +188,9 @@ class StoredBlock:
 
     def corrupt_layer(self) -> int | None:
         """Index of the first layer whose bytes fail the checksum, or None."""
+        digest = CHECKSUMS[self.meta.checksum_kind]
         for i, (view, want) in enumerate(zip(self.layers, self.meta.checksums, strict=True)):
-            if len(view) != self.meta.layers[i].nbytes or checksum(view) != want:
+            if len(view) != self.meta.layers[i].nbytes or digest(view) != want:
                 return i
         return None
 

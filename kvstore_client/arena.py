@@ -46,6 +46,7 @@ import xxhash
 
 from kvstore import arena_format as fmt
 from kvstore import wire
+from kvstore.blocks import CHECKSUMS, XXH3
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 
@@ -245,8 +246,9 @@ class Reservation:
                 done[layer] = checksums(self.layer_pieces(layer))
         return [done[layer][block] for block in range(len(self.blocks)) for layer in range(len(self.layers))]
 
-    def commit(self, sums: Sequence[int] | None = None, *, timeout: float | None = None) -> Any:
-        """Checksum what was written (unless `sums` come precomputed) and commit."""
+    def commit(self, sums: Sequence[int] | None = None, *, kind: str = XXH3) -> Any:
+        """Checksum what was written (unless `sums` come precomputed, of `kind`: "xxh3", or
+        "wsum32" as a GPU computes it, see kvstore.blocks) and commit."""
         from kvstore_client.types import PutResult
 
         self.done = True
@@ -254,7 +256,8 @@ class Reservation:
             return PutResult(0, 0, 0, 0)
         if sums is None:
             sums = self.checksums()
-        resp = self._call("Commit", pb.CommitRequest(reservation_id=self.reservation_id, checksums=sums))
+        req = pb.CommitRequest(reservation_id=self.reservation_id, checksums=sums, checksum_kind=kind)
+        resp = self._call("Commit", req)
         return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
 
     def abort(self) -> None:
@@ -292,12 +295,19 @@ class Pinned:
         self.num_blocks: int = resp.num_blocks
         self.layers = [spec_type(s.name, s.dtype, tuple(s.shape)) for s in resp.layers]
         self.checksums = list(resp.checksums)
+        self.kinds = list(resp.checksum_kinds) or [XXH3] * self.num_blocks
+        """Each block's checksum kind (kvstore.blocks.CHECKSUMS)."""
         self._sizes = _layer_sizes(self.layers)
         runs, first = [], 0
         for r in resp.runs:
             runs.append(Run(first, r.count, r.offset, r.extent_blocks, r.first))
             first += r.count
-        if first != self.num_blocks or len(self.checksums) != self.num_blocks * len(self.layers):
+        if (
+            first != self.num_blocks
+            or len(self.checksums) != self.num_blocks * len(self.layers)
+            or len(self.kinds) != self.num_blocks
+            or any(kind not in CHECKSUMS for kind in self.kinds)
+        ):
             raise errors.StoreInternalError("Pin answer does not cover its blocks")
         self.runs = runs
         self.released = False
@@ -340,7 +350,11 @@ class Pinned:
                 for _first, view in self.views(layer)
                 for i in range(len(view) // size)
             ]
-            for block, digest in enumerate(checksums(pieces)):
+            if all(kind == XXH3 for kind in self.kinds):
+                digests = checksums(pieces)
+            else:
+                digests = [CHECKSUMS[kind](piece) for kind, piece in zip(self.kinds, pieces, strict=True)]
+            for block, digest in enumerate(digests):
                 if digest != self.checksums[block * width + layer]:
                     bad = block if bad is None else min(bad, block)
                     break
@@ -387,10 +401,8 @@ class ArenaSource:
                         raise errors.StoreTimeout("arena read cancelled")
                     for i in range(len(view) // size):
                         block = first + i
-                        if (
-                            _checksum(view[i * size : (i + 1) * size])
-                            != pinned.checksums[block * width + layer]
-                        ):
+                        digest = CHECKSUMS[pinned.kinds[block]]
+                        if digest(view[i * size : (i + 1) * size]) != pinned.checksums[block * width + layer]:
                             self._corrupt(block, layer)
                     yield wire.Chunk(layer, first, view)
         finally:

@@ -24,6 +24,7 @@ and the eviction rules with the rest, and read best next to them.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import threading
@@ -33,7 +34,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import PutResult
+from kvstore.blocks import CHECKSUMS, XXH3, PutResult
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
 from kvstore_server.tiers import (
@@ -132,6 +133,7 @@ class PinResult:
     checksums: list[int]  # block-major: block b, layer l at b * len(layers) + l
     num_blocks: int
     lease_seconds: float
+    kinds: list[str] = field(default_factory=list)  # each block's checksum kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -591,9 +593,14 @@ class Store:
         except ArenaError as exc:
             log.error("%s; %d blocks may come back from the memory tier at restart", exc, len(keys))
 
-    def commit(self, prefix: bytes, reservation_id: int, checksums: Sequence[int]) -> PutResult:
-        """Make a reservation's blocks visible, all or nothing; `checksums` block-major."""
+    def commit(
+        self, prefix: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
+    ) -> PutResult:
+        """Make a reservation's blocks visible, all or nothing; `checksums` block-major, of
+        `kind` (kvstore.blocks.CHECKSUMS)."""
         memory = self._tier()
+        if kind not in CHECKSUMS:
+            raise InvalidCommit(f"unknown checksum kind {kind!r}; known: {', '.join(CHECKSUMS)}")
         with self._commit_lock:
             with self._lock:
                 res = memory.reservations.get(reservation_id)
@@ -646,7 +653,8 @@ class Store:
                         res.layers,
                         tuple(checksums[i * width : (i + 1) * width]),
                         now,
-                    ),  # fmt: skip
+                        kind,
+                    ),
                     res.extent,
                     n,
                     i,
@@ -710,6 +718,7 @@ class Store:
         with self._lock:
             runs: list[Run] = []
             sums: list[int] = []
+            kinds: list[str] = []
             layers: tuple[LayerSpec, ...] = ()
             for key in keys:
                 placed = memory.resident.get(key)
@@ -728,6 +737,7 @@ class Store:
                 else:
                     runs.append(Run(placed.extent, placed.extent_blocks, placed.position, 1))
                 sums.extend(placed.meta.checksums)
+                kinds.append(placed.meta.checksum_kind)
             if not runs:
                 return PinResult(0, (), [], [], 0, memory.lease_seconds)
             extents = list(dict.fromkeys(run.extent for run in runs))
@@ -742,7 +752,7 @@ class Store:
             memory.counters.memory_hit_blocks += got - promoted
             memory.counters.persistent_hit_blocks += promoted
             self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
-        return PinResult(pin_id, layers, runs, sums, got, memory.lease_seconds)
+        return PinResult(pin_id, layers, runs, sums, got, memory.lease_seconds, kinds)
 
     def _promote(self, memory: MemoryTier, keys: list[BlockKey], now: float) -> None:
         """Copy the blocks of `keys` that only the persistent tier holds into one new extent,
@@ -854,10 +864,14 @@ class Store:
             writes, corrupt = [], []
             for placed in batch:
                 block = memory.block(placed)
-                if block.corrupt_layer() is None:
-                    writes.append(BlockWrite(block.meta, block.layers))
-                else:
+                if block.corrupt_layer() is not None:
                     corrupt.append(placed.meta.key)
+                    continue
+                meta = block.meta
+                if meta.checksum_kind != XXH3:  # the persistent tier holds xxh3 only
+                    sums = tuple(checksum(view) for view in block.layers)
+                    meta = dataclasses.replace(meta, checksums=sums, checksum_kind=XXH3)
+                writes.append(BlockWrite(meta, block.layers))
             keys = [w.meta.key for w in writes]
             try:
                 self.backend.write(writes)

@@ -127,7 +127,65 @@ class BlockMover:
         staged.record_stream(scatter_stream)
         return done
 
+    def on_copy_stream(self) -> Any:
+        """A context that queues work on the copy stream (behind its copies)."""
+        return torch.cuda.stream(cast(torch.cuda.Stream, self._stream))
+
+    def record(self) -> Any:
+        """A CUDA event recorded on the copy stream now."""
+        event = torch.cuda.Event()
+        event.record(cast(torch.cuda.Stream, self._stream))
+        return event
+
+    def stage(self, host: torch.Tensor) -> torch.Tensor:
+        """Host to device on the copy stream (the load's first half, see scatter_staged)."""
+        with self.on_copy_stream():
+            return host.to(self.device, non_blocking=True)
+
+    def scatter_staged(self, kv: torch.Tensor, ids: torch.Tensor, staged: torch.Tensor, ready: Any) -> Any:
+        """Write staged device blocks into `kv` at `ids` once `ready` (an event) has fired;
+        returns the event to wait on before using those blocks."""
+        scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
+        scatter_stream.wait_event(ready)
+        with torch.cuda.stream(scatter_stream):
+            kv.index_copy_(0, ids, staged)
+            done = torch.cuda.Event()
+            done.record(scatter_stream)
+        staged.record_stream(scatter_stream)
+        return done
+
     def wait_on_compute_stream(self, event: Any) -> None:
         """Make the compute stream wait (GPU-side, no host sync) for a scatter."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
+
+
+_WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def wsum32_blocks(blocks: torch.Tensor) -> torch.Tensor | None:
+    """kvstore.blocks.wsum32 of each block of a contiguous [n, ...] tensor, in one pass on
+    its device: an int64 tensor [n] holding the bits of each unsigned sum. None when a
+    block's bytes are not whole 32-bit words (callers then use xxh3 on the host)."""
+    n = blocks.shape[0]
+    raw = blocks.contiguous().view(torch.uint8).reshape(n, -1)
+    if raw.shape[1] % 4:
+        return None
+    words = raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    key = (words.shape[1], str(blocks.device))
+    weights = _WEIGHTS.get(key)
+    if weights is None:
+        if len(_WEIGHTS) > 16:
+            _WEIGHTS.clear()
+        weights = _WEIGHTS[key] = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=blocks.device)
+    return (words * weights).sum(dim=1)  # int64 arithmetic wraps: the sum mod 2**64
+
+
+def unsigned(value: int) -> int:
+    """An int64 tensor element as the unsigned 64-bit checksum it holds."""
+    return value & 0xFFFFFFFFFFFFFFFF
+
+
+def signed(value: int) -> int:
+    """An unsigned 64-bit checksum as an int64 tensor element."""
+    return value - (1 << 64) if value >= 1 << 63 else value

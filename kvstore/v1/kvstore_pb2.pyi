@@ -390,12 +390,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("reservation_id", "checksums")
+    __slots__ = ("reservation_id", "checksums", "checksum_kind")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    checksum_kind: str
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)
@@ -428,20 +430,22 @@ class ArenaRun(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., extent_blocks: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
-    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds")
+    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     RUNS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_KINDS_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     num_blocks: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     runs: _containers.RepeatedCompositeFieldContainer[ArenaRun]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     lease_seconds: float
-    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    checksum_kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("pin_id", "corrupt_block_hashes")

@@ -346,7 +346,10 @@ class Servicer:
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         self._memory_offered()
         result = self.store.commit(
-            self.scope.prefix(context), request.reservation_id, list(request.checksums)
+            self.scope.prefix(context),
+            request.reservation_id,
+            list(request.checksums),
+            request.checksum_kind or "xxh3",
         )
         return pb.PutResponse(
             blocks_written=result.blocks_written,
@@ -378,6 +381,7 @@ class Servicer:
             ],
             checksums=pin.checksums,
             lease_seconds=pin.lease_seconds,
+            checksum_kinds=pin.kinds,
         )
 
     @translated

@@ -16,6 +16,7 @@ from daemon import eventually
 from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt
+from kvstore.blocks import WSUM32, XXH3, wsum32
 from kvstore_client import KVStoreClient, LayerSpec, errors
 from kvstore_server.auth import tenant_prefix
 
@@ -299,3 +300,39 @@ def test_tenants_keep_the_arena_off_unless_asked(make_server, tmp_path: Path) ->
         assert save(kv, hashes, layers) == 2
         assert_same(kv.select(NS, hashes), layers)
         assert kv.arena_access().namespace_prefix == tenant_prefix("a")
+
+
+@both_backends
+def test_a_save_checksummed_on_a_gpu_is_verified_and_written_behind_as_xxh3(make_daemon) -> None:
+    """What the connector commits from CUDA: wsum32 sums (a GPU computes them on the gathered
+    blocks); every reader verifies them, the persistent tier gets xxh3 ones."""
+    d = make_daemon()
+    hashes, layers = chain("wsum", 4), make_layers(4)
+    with KVStoreClient(d.address) as kv:
+        res = kv.reserve(NS, hashes, specs(layers))
+        assert res is not None
+        for i, tensor in enumerate(layers.values()):
+            res.layer(i).copy_(tensor)
+        sums = [
+            wsum32(p) for block in range(4) for p in (res.layer_pieces(i)[block] for i in range(len(layers)))
+        ]
+        with pytest.raises(errors.InvalidRequest, match="checksum kind"):
+            res.commit(sums, kind="crc7")
+        assert res.commit(sums, kind=WSUM32).blocks_written == 4
+        pinned = kv.pin(NS, hashes)
+        assert pinned is not None and pinned.kinds == [WSUM32] * 4 and pinned.verify() is None
+        pinned.release()
+        assert_same(kv.select(NS, hashes), layers)  # verified with wsum32 on this path
+        eventually(lambda: kv.stats()["written_behind"] == 4)
+        path = kv.arena_path
+    with KVStoreClient(d.address, arena=False) as remote:
+        assert_same(remote.select(NS, hashes), layers)  # the daemon verifies them too
+    d.kill()
+    assert path is not None
+    path.unlink()  # only the persistent tier's copy is left: its records say xxh3
+    d.start()
+    with KVStoreClient(d.address) as kv:
+        pinned = kv.pin(NS, hashes)  # promoted from the persistent tier
+        assert pinned is not None and pinned.kinds == [XXH3] * 4 and pinned.verify() is None
+        pinned.release()
+        assert_same(kv.select(NS, hashes), layers)

@@ -190,4 +190,10 @@ def test_memory_tier_metrics_follow_saves_and_loads_through_the_arena(make_serve
     assert (delta("kvstore_commits_total"), delta("kvstore_memory_hit_blocks_total")) == (1, 4)
     assert delta("kvstore_written_behind_blocks_total") == 4
     assert value(after, "kvstore_write_behind_blocks") == 0 and value(after, "kvstore_pinned_bytes") == 0
-    assert calls(after, "Reserve") == calls(after, "Commit") == calls(after, "Pin") == calls(after, "Release") == 1
+    assert (
+        calls(after, "Reserve")
+        == calls(after, "Commit")
+        == calls(after, "Pin")
+        == calls(after, "Release")
+        == 1
+    )
