@@ -846,21 +846,29 @@ class Store:
 
     def write_behind_once(self, batch_bytes: int) -> bool:
         """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`),
-        verified; False when nothing was waiting."""
+        verified; False when nothing was waiting.
+
+        NOTE: the verify and the backend write run outside the commit lock (a write of a
+        batch takes tens of ms, and a save's commit would wait behind it); the batch's
+        extents are pinned meanwhile, so their bytes stay. A block removed from the index
+        during the write (evicted, taken, dropped) is deleted from the backend afterwards,
+        under the commit lock, as the removal's own deletion may have run first."""
         memory = self.memory
         if memory is None:
             return False
-        with self._commit_lock:
-            with self._lock:
-                batch: list[Placed] = []
-                size = 0
-                for key, nbytes in memory.dirty.items():
-                    if batch and size + nbytes > batch_bytes:
-                        break
-                    batch.append(memory.resident[key])
-                    size += nbytes
-                if not batch:
-                    return False
+        with self._lock:
+            batch: list[Placed] = []
+            size = 0
+            for key, nbytes in memory.dirty.items():
+                if batch and size + nbytes > batch_bytes:
+                    break
+                batch.append(memory.resident[key])
+                size += nbytes
+            if not batch:
+                return False
+            extents = list(dict.fromkeys(p.extent for p in batch))
+            memory.pin_extents(extents, time.time())
+        try:
             writes, corrupt = [], []
             for placed in batch:
                 block = memory.block(placed)
@@ -881,13 +889,20 @@ class Store:
                 log.warning(
                     "write-behind of %d blocks failed; they stay in memory only: %s", len(writes), exc
                 )
+        finally:
             with self._lock:
+                memory.unpin_extents(extents)
+        with self._commit_lock:
+            with self._lock:
+                stale = [key for key in keys if self._index.get(*key) is None]
                 if ok:
                     memory.written_behind(keys)
                 else:
                     memory.drop_behind(keys)
                 if corrupt:
                     self.counters.checksum_failures += len(corrupt)
+            if ok and stale:
+                self._reconcile(stale)
             for key in corrupt:
                 log.error("block %s fails its checksum in the memory tier: removed", key[1].hex())
                 self._remove_corrupt_locked(key)
