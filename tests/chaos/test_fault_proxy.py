@@ -131,7 +131,7 @@ def assert_typed_failure(
 
 
 def proxied(proxy: FaultProxy) -> KVStoreClient:
-    return KVStoreClient(proxy.address, timeout=CALL_TIMEOUT, channel_options=CHANNEL)
+    return KVStoreClient(proxy.address, timeout=CALL_TIMEOUT, channel_options=CHANNEL, arena=False)
 
 
 def close_bounded(what: str, kv: KVStoreClient) -> None:
@@ -237,7 +237,7 @@ def one_call(
 def test_put_through_resets(daemon: Daemon, backend: str) -> None:
     """Puts reset at each point: a typed error, none or all blocks stored, the daemon serving."""
     done: list[tuple[str, list[bytes], dict[str, torch.Tensor]]] = []
-    with KVStoreClient(daemon.address, timeout=20.0) as direct, FaultProxy(daemon.address) as proxy:
+    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct, FaultProxy(daemon.address) as proxy:
         for i, (point, fault) in enumerate(PUT_POINTS.items(), start=1):
             what = f"[{backend}] put, {fault.kind.value} {fault.direction.value} {point}"
             hashes, layers = put_layers(f"put-reset-{i}", seed=i)
@@ -261,7 +261,7 @@ def test_put_through_resets(daemon: Daemon, backend: str) -> None:
 def test_get_through_resets(daemon: Daemon, backend: str) -> None:
     """Gets (select, get_stream) reset at each point: typed errors, the stored blocks intact."""
     hashes, layers = put_layers("get-seed", seed=7)
-    with KVStoreClient(daemon.address, timeout=20.0) as direct, FaultProxy(daemon.address) as proxy:
+    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct, FaultProxy(daemon.address) as proxy:
         assert direct.put(NS, hashes, layers).blocks_written == N_BLOCKS
         for point, fault in GET_POINTS.items():
             for name, read in READERS.items():
@@ -309,7 +309,7 @@ def test_stalls_end_in_timeouts(daemon: Daemon, backend: str) -> None:
     in StoreTimeout by its deadline while the daemon serves another client; after the release,
     none or all of each put's blocks are stored (bit-exact), the Gets' blocks are intact."""
     seed_hashes, seed_layers = put_layers("stall-seed", seed=8)
-    with KVStoreClient(daemon.address, timeout=20.0) as direct, ExitStack() as stack:
+    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct, ExitStack() as stack:
         assert direct.put(NS, seed_hashes, seed_layers).blocks_written == N_BLOCKS
         cases: list[StallCase] = []
         for i, (op, point, both_ways) in enumerate(STALLS, start=1):
@@ -385,7 +385,7 @@ def test_close_after_a_stalled_put_returns(daemon: Daemon, backend: str) -> None
     fault = stall(PUT_POINTS["inside the put header"])
     what = f"[{backend}] put, stall {fault.direction.value} inside the put header, then close()"
     hashes, layers = put_layers("close-after-stall", seed=61)
-    with KVStoreClient(daemon.address, timeout=20.0) as direct:
+    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct:
         with FaultProxy(daemon.address, fault) as proxy:
             kv = proxied(proxy)
             closing = threading.Thread(target=kv.close, name="close", daemon=True)

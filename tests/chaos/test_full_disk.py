@@ -99,7 +99,7 @@ def test_a_full_filesystem_refuses_puts_keeps_serving_and_restarts(small_fs: Pat
     data_dir = small_fs  # (its log goes beside the mount point, not onto the full disk)
     daemon = Daemon(data_dir, backend=backend, capacity="1GiB").start()  # the filesystem is the limit
     try:
-        with KVStoreClient(daemon.address, timeout=30) as kv:
+        with KVStoreClient(daemon.address, timeout=30, arena=False) as kv:
             outcomes = [put(kv, f"fill-{i}") for i in range(PUTS)]
             assert set(outcomes) <= {"stored", "RESOURCE_EXHAUSTED"}, outcomes
             assert free_bytes(small_fs) < 2 * MiB  # the store did fill the filesystem
@@ -128,7 +128,7 @@ def test_a_full_filesystem_refuses_puts_keeps_serving_and_restarts(small_fs: Pat
         fill(small_fs / "other-tenant")  # full to the last block again
         assert daemon.stop() == 0  # the clean-stop record is written in place
         daemon.start()  # ... and the daemon starts on the full disk
-        with KVStoreClient(daemon.address, timeout=30) as kv:
+        with KVStoreClient(daemon.address, timeout=30, arena=False) as kv:
             assert kv.health() == "SERVING"
             assert kv.lookup(NS, chain("after-evict", 1)) == 1
             assert kv.select(NS, chain("after-evict", 1))

@@ -96,6 +96,12 @@ CASES = {
     "Describe": 220,
     "Watch": 48,
     "LocalAccess": 70,
+    "ArenaAccess": 40,
+    "Reserve": 160,
+    "Commit": 120,
+    "Abort": 60,
+    "Pin": 160,
+    "Release": 100,
 }
 
 # The fuzzed requests name these namespaces, never the seeded blocks' NS.
@@ -156,6 +162,36 @@ def unary_seeds() -> dict[str, list[Message]]:
             pb.WatchRequest(from_sequence=2, namespace=FUZZ_NS),
         ],
         "LocalAccess": [pb.LocalAccessRequest()],
+        "ArenaAccess": [pb.ArenaAccessRequest()],
+        "Reserve": [
+            pb.ReserveRequest(
+                namespace=FUZZ_NS2,
+                block_hashes=MISSING,
+                layers=[pb.LayerSpec(name="k", dtype="float16", shape=[4, 8])],
+            ),
+            pb.ReserveRequest(
+                namespace=FUZZ_NS,
+                block_hashes=STORED[:2] + MISSING[:1],
+                parent_hash=MISSING[2],
+                layers=[
+                    pb.LayerSpec(name="a", dtype="bfloat16", shape=[2, 16]),
+                    pb.LayerSpec(name="b", dtype="uint8", shape=[8]),
+                ],
+            ),
+        ],
+        "Commit": [
+            pb.CommitRequest(reservation_id=12345, checksums=[1, 2, 3]),
+            pb.CommitRequest(reservation_id=2**64 - 1, checksums=[], checksum_kind="wsum32"),
+        ],
+        "Abort": [pb.AbortRequest(reservation_id=1), pb.AbortRequest()],
+        "Pin": [
+            pb.PinRequest(namespace=FUZZ_NS, block_hashes=STORED),
+            pb.PinRequest(namespace=FUZZ_NS2, block_hashes=MISSING),
+        ],
+        "Release": [
+            pb.ReleaseRequest(pin_id=7, corrupt_block_hashes=[STORED[0]]),
+            pb.ReleaseRequest(pin_id=2**63),
+        ],
     }
 
 
@@ -725,7 +761,7 @@ def test_fuzz_every_rpc(daemon: Daemon) -> None:
         ("grpc.max_send_message_length", -1),
     ]
     with (
-        KVStoreClient(daemon.address, timeout=20.0) as kv,
+        KVStoreClient(daemon.address, timeout=20.0, arena=False) as kv,
         grpc.insecure_channel(daemon.address, options=options) as channel,
         ThreadPoolExecutor(WORKERS, thread_name_prefix="fuzz") as pool,
     ):

@@ -59,7 +59,7 @@ def test_rss_under_concurrent_put_and_get_load_stays_within_the_bound(tmp_path: 
     try:
         layers = make_layers(16, num_layers=16, shape=(64, 512), seed=3)  # 16 blocks x 1 MiB
         idle = daemon.memory()  # a fresh daemon: what the load must come back to
-        with KVStoreClient(daemon.address, timeout=60) as kv:
+        with KVStoreClient(daemon.address, timeout=60, arena=False) as kv:
             readable = chain("readable", 16)
             kv.put(NS, readable, layers)
         outcomes: dict[str, int] = {}
@@ -72,7 +72,7 @@ def test_rss_under_concurrent_put_and_get_load_stays_within_the_bound(tmp_path: 
                 anon_peak[0] = max(anon_peak[0], daemon.memory()["RssAnon"])
 
         def writer(i: int, round_: int) -> None:
-            with KVStoreClient(daemon.address, timeout=60) as kv:
+            with KVStoreClient(daemon.address, timeout=60, arena=False) as kv:
                 try:
                     kv.put(NS, chain(f"w{i}-{round_}", 16), layers)
                     outcome = "stored"
@@ -82,7 +82,7 @@ def test_rss_under_concurrent_put_and_get_load_stays_within_the_bound(tmp_path: 
                 outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
         def reader() -> None:
-            with KVStoreClient(daemon.address, timeout=60) as kv:
+            with KVStoreClient(daemon.address, timeout=60, arena=False) as kv:
                 for _ in range(3):
                     got = kv.select(NS, readable)
                     assert len(got) == 16 and got["layer.0"].shape[0] == 16
