@@ -14,7 +14,6 @@ No torch, no grpc; the on-disk layouts of the backends are in kvstore.layouts.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -112,6 +111,7 @@ class LayerSpec:
 # Blocks of one model share their layer layout: parse it once (every read parses metadata).
 _LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...], int], ...], tuple[LayerSpec, ...]] = {}
 _MAX_LAYOUTS = 256
+_ENTRIES: dict[tuple[LayerSpec, ...], list[tuple[str, str, list[int], int]]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,21 +133,29 @@ class BlockMeta:
         return sum(layer.nbytes for layer in self.layers)
 
     def to_json(self) -> bytes:
-        """Canonical metadata record (JSON; no pickle on disk)."""
+        """Canonical metadata record (JSON; no pickle on disk). orjson, and each layout's
+        layer entries built once: a commit of 512 blocks of 32 layers wrote its records in
+        170 ms with json.dumps."""
+        entries = _ENTRIES.get(self.layers)
+        if entries is None:
+            if len(_ENTRIES) >= _MAX_LAYOUTS:
+                _ENTRIES.clear()
+            entries = _ENTRIES[self.layers] = [
+                (layer.name, layer.dtype, list(layer.shape), layer.nbytes) for layer in self.layers
+            ]
+        if len(entries) != len(self.checksums):
+            raise ValueError(f"{len(self.checksums)} checksums for {len(entries)} layers")
         doc: dict[str, Any] = {
             "v": 1,
             "ns": self.namespace.hex(),
             "hash": self.block_hash.hex(),
             "parent": self.parent_hash.hex(),
             "created": self.created_at,
-            "layers": [
-                [layer.name, layer.dtype, list(layer.shape), layer.nbytes, f"{crc:016x}"]
-                for layer, crc in zip(self.layers, self.checksums, strict=True)
-            ],
+            "layers": [[*entry, f"{crc:016x}"] for entry, crc in zip(entries, self.checksums, strict=True)],
         }
         if self.checksum_kind != XXH3:  # records of xxh3 (all persistent ones) stay as they were
             doc["ck"] = self.checksum_kind
-        return json.dumps(doc, separators=(",", ":")).encode()
+        return orjson.dumps(doc)
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> BlockMeta:
