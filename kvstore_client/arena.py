@@ -49,6 +49,7 @@ from kvstore import wire
 from kvstore.blocks import CHECKSUMS, XXH3
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
+from kvstore_client.streams import LayerWrites
 
 if TYPE_CHECKING:
     import torch
@@ -525,25 +526,14 @@ class ArenaPutStream:
         self.layers = reservation.layers
         self.num_blocks = num_blocks
         self.timeout = timeout
-        self._index = {spec.name: i for i, spec in enumerate(self.layers)}
-        self._written: set[int] = set()
+        self._writes = LayerWrites(self.layers, num_blocks)
         self._ids: torch.Tensor | None = None
         self._done = False
 
     def write_layer(self, layer: str | int, tensor: torch.Tensor) -> None:
         import torch
 
-        from kvstore_client.tensors import dtype_name
-
-        index = self._index[layer] if isinstance(layer, str) else layer
-        spec = self.layers[index]
-        if index in self._written:
-            raise ValueError(f"layer {spec.name!r} was already written")
-        if tuple(tensor.shape) != (self.num_blocks, *spec.shape) or dtype_name(tensor.dtype) != spec.dtype:
-            raise ValueError(
-                f"layer {spec.name!r}: expected {spec.dtype} {[self.num_blocks, *spec.shape]}, "
-                f"got {dtype_name(tensor.dtype)} {list(tensor.shape)}"
-            )
+        index, _spec = self._writes.take(layer, tensor)
         blocks = self.reservation.blocks
         if blocks:
             dest = self.reservation.layer(index)
@@ -553,12 +543,11 @@ class ArenaPutStream:
                 if self._ids is None:
                     self._ids = torch.tensor(blocks, dtype=torch.long, device=tensor.device)
                 torch.index_select(tensor, 0, self._ids, out=dest)
-        self._written.add(index)
 
     def commit(self) -> Any:
         from kvstore_client.types import PutResult
 
-        missing = [s.name for i, s in enumerate(self.layers) if i not in self._written]
+        missing = self._writes.missing()
         if missing:
             self.abort()
             raise ValueError(f"commit without layers {missing[:4]}")

@@ -216,6 +216,35 @@ class LayerStream:
 _END = object()
 
 
+class LayerWrites:
+    """The bookkeeping of a put's layers: each written once, as a [num_blocks, *shape]
+    tensor of its spec; the commit needs them all. Shared by PutStream (gRPC) and
+    kvstore_client.arena.ArenaPutStream."""
+
+    def __init__(self, layers: Sequence[LayerSpec], num_blocks: int) -> None:
+        self.layers = list(layers)
+        self.num_blocks = num_blocks
+        self._index = {spec.name: i for i, spec in enumerate(self.layers)}
+        self._written: set[int] = set()
+
+    def take(self, layer: str | int, tensor: torch.Tensor) -> tuple[int, LayerSpec]:
+        """Check one layer's tensor and mark the layer written; its index and spec."""
+        index = self._index[layer] if isinstance(layer, str) else layer
+        spec = self.layers[index]
+        if index in self._written:
+            raise ValueError(f"layer {spec.name!r} was already written")
+        if tuple(tensor.shape) != (self.num_blocks, *spec.shape) or dtype_name(tensor.dtype) != spec.dtype:
+            raise ValueError(
+                f"layer {spec.name!r}: expected {spec.dtype} {[self.num_blocks, *spec.shape]}, "
+                f"got {dtype_name(tensor.dtype)} {list(tensor.shape)}"
+            )
+        self._written.add(index)
+        return index, spec
+
+    def missing(self) -> list[str]:
+        return [s.name for i, s in enumerate(self.layers) if i not in self._written]
+
+
 class PutStream:
     """An open Put: write each layer once (any order), then `commit()`.
 
@@ -244,8 +273,7 @@ class PutStream:
         self.layers = list(layers)
         self.num_blocks = num_blocks
         self.timeout = timeout
-        self._index = {spec.name: i for i, spec in enumerate(self.layers)}
-        self._written: set[int] = set()
+        self._writes = LayerWrites(self.layers, num_blocks)
         self._chunk_bytes = chunk_bytes
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._queue.put(pb.PutRequest(header=header))
@@ -289,27 +317,18 @@ class PutStream:
         """Send one layer's [num_blocks, *shape] CPU tensor. Returns at once.
 
         Raises StoreTimeout (and aborts) when the store has stalled on this stream."""
-        index = self._index[layer] if isinstance(layer, str) else layer
-        spec = self.layers[index]
-        if index in self._written:
-            raise ValueError(f"layer {spec.name!r} was already written")
-        if tuple(tensor.shape) != (self.num_blocks, *spec.shape) or dtype_name(tensor.dtype) != spec.dtype:
-            raise ValueError(
-                f"layer {spec.name!r}: expected {spec.dtype} {[self.num_blocks, *spec.shape]}, "
-                f"got {dtype_name(tensor.dtype)} {list(tensor.shape)}"
-            )
         self._check_progress()
+        index, spec = self._writes.take(layer, tensor)
         view = byte_view(tensor)
         per_block = spec.nbytes
         per_chunk = max(1, self._chunk_bytes // per_block)
         for first in range(0, self.num_blocks, per_chunk):
             end = min(self.num_blocks, first + per_chunk)
             self._queue.put((index, first, view[first * per_block : end * per_block]))
-        self._written.add(index)
 
     def commit(self) -> PutResult:
         """Commit and wait for the store's answer. Raises KVStoreError on failure."""
-        missing = [s.name for i, s in enumerate(self.layers) if i not in self._written]
+        missing = self._writes.missing()
         if missing:
             self.abort()
             raise ValueError(f"commit without layers {missing[:4]}")
