@@ -237,7 +237,10 @@ def one_call(
 def test_put_through_resets(daemon: Daemon, backend: str) -> None:
     """Puts reset at each point: a typed error, none or all blocks stored, the daemon serving."""
     done: list[tuple[str, list[bytes], dict[str, torch.Tensor]]] = []
-    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct, FaultProxy(daemon.address) as proxy:
+    with (
+        KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct,
+        FaultProxy(daemon.address) as proxy,
+    ):
         for i, (point, fault) in enumerate(PUT_POINTS.items(), start=1):
             what = f"[{backend}] put, {fault.kind.value} {fault.direction.value} {point}"
             hashes, layers = put_layers(f"put-reset-{i}", seed=i)
@@ -261,7 +264,10 @@ def test_put_through_resets(daemon: Daemon, backend: str) -> None:
 def test_get_through_resets(daemon: Daemon, backend: str) -> None:
     """Gets (select, get_stream) reset at each point: typed errors, the stored blocks intact."""
     hashes, layers = put_layers("get-seed", seed=7)
-    with KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct, FaultProxy(daemon.address) as proxy:
+    with (
+        KVStoreClient(daemon.address, timeout=20.0, arena=False) as direct,
+        FaultProxy(daemon.address) as proxy,
+    ):
         assert direct.put(NS, hashes, layers).blocks_written == N_BLOCKS
         for point, fault in GET_POINTS.items():
             for name, read in READERS.items():
