@@ -66,7 +66,7 @@ def main() -> None:
     }
     llm = {"max_model_len": args.tokens + 64, "max_num_batched_tokens": args.tokens + 64,
            "kv_cache_memory_bytes": 1 << 30}  # fmt: skip
-    daemon = Daemon(tmp / "data", capacity="8GiB").start()
+    daemon = Daemon(tmp / "data", capacity="8GiB", memory_size="1GiB", memory_dir=Path("/dev/shm")).start()
     try:
         common = {"prompts": prompts, "max_tokens": 1, "llm": llm, "one_by_one": True}
         print(
@@ -87,9 +87,10 @@ def main() -> None:
             file=sys.stderr,
         )
         hits = {
-            "kvstore hit": kv_config(daemon.address, "kv_consumer"),
+            "kvstore hit": kv_config(daemon.address, "kv_consumer"),  # through the daemon's arena
             "ExampleConnector hit": example,
-            "kvstore hit, gRPC": kv_config(daemon.address, "kv_consumer", local_reads=False),
+            "kvstore hit, files": kv_config(daemon.address, "kv_consumer", arena=False),
+            "kvstore hit, gRPC": kv_config(daemon.address, "kv_consumer", arena=False, local_reads=False),
         }
         # the hit engines take turns, round after round: slow drifts of the machine
         # reach them all alike
