@@ -50,10 +50,8 @@ def wsum32(data: memoryview | bytes) -> int:
     but never 0 mod 2**64 for a block's word count)."""
     import numpy as np
 
-    raw = bytes(data) if len(data) % 4 else data
-    if len(raw) % 4:
-        raw = bytes(raw) + b"\0" * (4 - len(raw) % 4)
-    words = np.frombuffer(raw, dtype="<u4")
+    tail = len(data) % 4
+    words = np.frombuffer(bytes(data) + b"\0" * (4 - tail) if tail else data, dtype="<u4")
     weights = _WEIGHTS.get(len(words))
     if weights is None:
         if len(_WEIGHTS) > 64:

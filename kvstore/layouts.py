@@ -21,9 +21,9 @@ import mmap
 import os
 from io import BufferedReader
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-from kvstore.blocks import BlockMeta
+from kvstore.blocks import BlockKey, BlockMeta, StorageError, StoredBlock
 from kvstore.wire import DTYPES
 
 log = logging.getLogger(__name__)
@@ -126,3 +126,47 @@ def parse_block_file(buf: mmap.mmap | bytearray) -> tuple[BlockMeta, list[memory
             raise ValueError(f"layer {layer.name!r} does not match its metadata")
         views.append(data[start:end])
     return meta, views
+
+
+# What a stored record that cannot be parsed raises (it is skipped, never served).
+BAD_RECORD = (ValueError, KeyError, TypeError, StorageError)
+
+
+def read_lmdb_block(txn: Any, meta_db: Any, data_db: Any, key: BlockKey) -> StoredBlock | None:
+    """One block in an open LMDB read transaction (buffers=True): its views point into
+    the map until the transaction ends. None when absent or unreadable (logged);
+    lmdb.Error propagates to the caller, which owns the transaction."""
+    raw_key = lmdb_key(*key)
+    raw_meta = txn.get(raw_key, db=meta_db)
+    data = txn.get(raw_key, db=data_db)
+    if raw_meta is None or data is None:
+        return None
+    try:
+        meta = BlockMeta.from_json(raw_meta)
+    except BAD_RECORD as exc:
+        log.warning("unreadable metadata for block %s: %s", key[1].hex(), exc)
+        return None
+    views = split_layers(data, meta)
+    if views is None:
+        log.warning("block %s: stored size does not match its metadata", key[1].hex())
+        return None
+    return StoredBlock(meta, views)
+
+
+def read_block_file(root: Path, key: BlockKey) -> StoredBlock | None:
+    """One block file of the disk backend, mapped (the views keep the mapping alive).
+    None when absent, unreadable or holding another block (logged)."""
+    path = block_path(root, *key)
+    try:
+        with open(path, "rb") as f:
+            buf = map_file(f)
+        meta, views = parse_block_file(buf)
+    except FileNotFoundError:
+        return None
+    except (OSError, *BAD_RECORD) as exc:
+        log.warning("unreadable block file %s: %s", path, exc)
+        return None
+    if meta.key != key:
+        log.warning("block file %s holds another block", path)
+        return None
+    return StoredBlock(meta, views)

@@ -157,7 +157,7 @@ def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
             log.warning("running without a memory tier: %s (set memory = 0 to say so)", exc)
     try:
         store = Store(backend, config.capacity, memory=memory)
-    except BaseException:
+    except Exception:  # the caller reports it; the files are closed first
         backend.close()
         if memory is not None:
             memory.close()

@@ -612,67 +612,19 @@ class Store:
                         f"{len(res.hashes) * len(res.layers)} checksums, not {len(checksums)}"
                     )
                 memory.take_reservation(reservation_id, prefix)
-                ns = res.namespace
-                fresh = [i for i, h in enumerate(res.hashes) if self._index.get(ns, h) is None]
-                try:
-                    if fresh and res.parent_hash:
-                        self._check_acyclic(ns, res.parent_hash, res.hashes)
-                except InvalidChain:
-                    memory.allocator.free(res.extent, res.nbytes)
-                    raise
-                block_bytes = sum(layer.nbytes for layer in res.layers)
-                incoming = block_bytes * len(fresh)
-                if incoming > self.capacity_bytes:  # (capacity is checked at reserve too)
-                    memory.allocator.free(res.extent, res.nbytes)
-                    raise CapacityError(
-                        f"commit of {incoming} bytes exceeds the store's capacity "
-                        f"of {self.capacity_bytes} bytes"
-                    )
-                chain = {(ns, h) for h in res.hashes} | (
-                    {(ns, res.parent_hash)} if res.parent_hash else set()
-                )
-                victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
-                self._emit_removed(victims)
-                self.counters.evictions += len(victims)
-                if self._index.bytes_used + incoming > self.capacity_bytes:
-                    memory.allocator.free(res.extent, res.nbytes)
-                    fits = False
-                else:
-                    fits = True
-            self._reconcile(victims)
-            if not fits:
-                raise CapacityError("not enough evictable data to make room for this commit")
-            now = time.time()
-            n, width = len(res.hashes), len(res.layers)
-            placed = [
-                Placed(
-                    BlockMeta(
-                        ns,
-                        res.hashes[i],
-                        res.parents[i],
-                        res.layers,
-                        tuple(checksums[i * width : (i + 1) * width]),
-                        now,
-                        kind,
-                    ),
-                    res.extent,
-                    n,
-                    i,
-                )
-                for i in fresh
-            ]
             try:
-                memory.index.put(placed)
-            except ArenaError:
-                with self._lock:
+                placed, victims, incoming = self._commit_records(memory, res, checksums, kind)
+            except Exception:
+                with self._lock:  # the reservation is gone: its space comes back
                     memory.allocator.free(res.extent, res.nbytes)
                 raise
+            ns, n = res.namespace, len(res.hashes)
             with self._lock:
                 if placed:
                     for p in placed:
                         m = p.meta
-                        self._index.add(ns, m.block_hash, m.parent_hash, block_bytes, now, width)
-                    memory.place(placed, now, dirty=True)
+                        self._index.add(ns, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
+                    memory.place(placed, placed[0].meta.created_at, dirty=True)
                     for listener in self._listeners:
                         listener("stored", ns, [p.meta.block_hash for p in placed],
                                  [p.meta.parent_hash for p in placed])  # fmt: skip
@@ -686,6 +638,52 @@ class Store:
         if self._writer is not None:
             self._writer.wake()
         return PutResult(len(placed), res.skipped + n - len(placed), incoming, len(victims))
+
+    def _commit_records(
+        self, memory: MemoryTier, res: Reservation, checksums: Sequence[int], kind: str
+    ) -> tuple[list[Placed], list[BlockKey], int]:
+        """A taken reservation's blocks the index lacks, made room for and recorded in the
+        arena's index: (their placements, the blocks evicted for them, their bytes). Raises
+        with nothing changed but the evictions."""
+        ns = res.namespace
+        with self._lock:
+            fresh = [i for i, h in enumerate(res.hashes) if self._index.get(ns, h) is None]
+            if fresh and res.parent_hash:
+                self._check_acyclic(ns, res.parent_hash, res.hashes)
+            incoming = sum(layer.nbytes for layer in res.layers) * len(fresh)
+            if incoming > self.capacity_bytes:  # (capacity is checked at reserve too)
+                raise CapacityError(
+                    f"commit of {incoming} bytes exceeds the store's capacity of {self.capacity_bytes} bytes"
+                )
+            chain = {(ns, h) for h in res.hashes} | ({(ns, res.parent_hash)} if res.parent_hash else set())
+            victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
+            self._emit_removed(victims)
+            self.counters.evictions += len(victims)
+            fits = self._index.bytes_used + incoming <= self.capacity_bytes
+        self._reconcile(victims)
+        if not fits:
+            raise CapacityError("not enough evictable data to make room for this commit")
+        now = time.time()
+        n, width = len(res.hashes), len(res.layers)
+        placed = [
+            Placed(
+                BlockMeta(
+                    ns,
+                    res.hashes[i],
+                    res.parents[i],
+                    res.layers,
+                    tuple(checksums[i * width : (i + 1) * width]),
+                    now,
+                    kind,
+                ),  # fmt: skip
+                res.extent,
+                n,
+                i,
+            )
+            for i in fresh
+        ]
+        memory.index.put(placed)
+        return placed, victims, incoming
 
     def abort(self, prefix: bytes, reservation_id: int) -> None:
         memory = self._tier()

@@ -74,18 +74,12 @@ class BlockMover:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
     def gather(self, kv: torch.Tensor, ids: torch.Tensor) -> PendingCopy:
-        """Copy blocks `ids` of a block-major view `kv` to host memory: [n, *kv.shape[1:]]."""
+        """Copy blocks `ids` of a block-major view `kv` to host memory: [n, *kv.shape[1:]]
+        (pinned on CUDA); see gather_into."""
         if not self.cuda:
             return PendingCopy(kv.index_select(0, ids))
-        gathered = kv.index_select(0, ids)  # on the compute stream, right after attention wrote it
-        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-        stream = cast(torch.cuda.Stream, self._stream)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            host.copy_(gathered, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return PendingCopy(host, event, gathered)
+        host = torch.empty((len(ids), *kv.shape[1:]), dtype=kv.dtype, pin_memory=True)
+        return self.gather_into(kv, ids, host)
 
     def gather_into(self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor) -> PendingCopy:
         """Copy blocks `ids` of `kv` into the host tensor `dest` ([len(ids), *kv.shape[1:]],

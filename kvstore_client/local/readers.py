@@ -21,7 +21,7 @@ from typing import Protocol
 
 import lmdb
 
-from kvstore.blocks import BlockKey, BlockMeta, StorageError, StoredBlock
+from kvstore.blocks import BlockKey, StorageError, StoredBlock
 from kvstore.layouts import (
     DATA_DB,
     LMDB_MAX_DBS,
@@ -30,15 +30,11 @@ from kvstore.layouts import (
     backend_dir,
     block_path,
     lmdb_key,
-    map_file,
-    parse_block_file,
-    split_layers,
+    read_block_file,
+    read_lmdb_block,
 )
 
 log = logging.getLogger(__name__)
-
-# What a stored record that is not one raises (see BlockMeta.from_json).
-_BAD_RECORD = (ValueError, KeyError, TypeError, StorageError)
 
 
 class Reader(Protocol):
@@ -105,26 +101,9 @@ class LmdbReader:
             txn = self._env.begin(buffers=True)
         with txn:
             blocks: list[StoredBlock | None] = []
-            for namespace, block_hash in keys:
-                key = lmdb_key(namespace, block_hash)
+            for key in keys:
                 with _lmdb_errors():
-                    raw_meta = txn.get(key, db=self._meta)
-                    data = txn.get(key, db=self._data)
-                if raw_meta is None or data is None:
-                    blocks.append(None)
-                    continue
-                try:
-                    meta = BlockMeta.from_json(raw_meta)
-                except _BAD_RECORD as exc:
-                    log.warning("unreadable metadata for block %s: %s", block_hash.hex(), exc)
-                    blocks.append(None)
-                    continue
-                views = split_layers(data, meta)
-                if views is None:
-                    log.warning("block %s: stored size does not match its metadata", block_hash.hex())
-                    blocks.append(None)
-                    continue
-                blocks.append(StoredBlock(meta, views))
+                    blocks.append(read_lmdb_block(txn, self._meta, self._data, key))
             yield blocks
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
@@ -149,26 +128,7 @@ class DiskReader:
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        blocks: list[StoredBlock | None] = []
-        for namespace, block_hash in keys:
-            path = block_path(self._root, namespace, block_hash)
-            try:
-                with open(path, "rb") as f:
-                    buf = map_file(f)
-                meta, views = parse_block_file(buf)
-            except FileNotFoundError:
-                blocks.append(None)
-                continue
-            except (OSError, *_BAD_RECORD) as exc:
-                log.warning("unreadable block file %s: %s", path, exc)
-                blocks.append(None)
-                continue
-            if meta.key != (namespace, block_hash):
-                log.warning("block file %s holds another block", path)
-                blocks.append(None)
-                continue
-            blocks.append(StoredBlock(meta, views))
-        yield blocks
+        yield [read_block_file(self._root, key) for key in keys]
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         for n, (namespace, block_hash) in enumerate(keys):

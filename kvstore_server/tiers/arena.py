@@ -288,6 +288,7 @@ class Extent:
     live: set[BlockKey] = field(default_factory=set)
     pins: int = 0
     last_use: float = 0.0
+    waiting: int = 0  # live blocks waiting for write-behind: the extent may not leave
 
 
 @dataclass
@@ -345,6 +346,7 @@ class MemoryTier:
         self.write_behind_limit = write_behind_bytes
         self.allocator = Allocator(fmt.DATA_OFFSET, file.size)
         self.resident: dict[BlockKey, Placed] = {}
+        self.resident_bytes = 0
         self.extents: dict[int, Extent] = {}
         self.reservations: dict[int, Reservation] = {}
         self.pins: dict[int, Pin] = {}
@@ -376,7 +378,8 @@ class MemoryTier:
 
     # ---- recovery
     def recover(self, records: Iterator[Placed]) -> list[Placed]:
-        """Claim the extents of recovered records; return those that fit and agree."""
+        """Claim the extents of recovered records; return those that fit and agree (the
+        caller places them: resident, and queued for write-behind where needed)."""
         kept: list[Placed] = []
         for placed in records:
             nbytes = fmt.extent_bytes(placed.meta.size, placed.extent_blocks)
@@ -399,8 +402,6 @@ class MemoryTier:
                     placed.meta.block_hash.hex(),
                 )
                 continue
-            extent.live.add(placed.meta.key)
-            self.resident[placed.meta.key] = placed
             kept.append(placed)
         return kept
 
@@ -413,7 +414,7 @@ class MemoryTier:
         for write-behind (memory-only blocks may go: the persistent tier refused them)."""
         best: Extent | None = None
         for extent in self.extents.values():
-            if extent.pins or any(key in self.dirty for key in extent.live):
+            if extent.pins or extent.waiting:
                 continue
             if best is None or extent.last_use < best.last_use:
                 best = extent
@@ -433,6 +434,7 @@ class MemoryTier:
             key = placed.meta.key
             extent.live.add(key)
             self.resident[key] = placed
+            self.resident_bytes += placed.meta.size
             if dirty:
                 if self.dirty_bytes + placed.meta.size > self.write_behind_limit:
                     self.memory_only.add(key)
@@ -440,20 +442,32 @@ class MemoryTier:
                 else:
                     self.dirty[key] = placed.meta.size
                     self.dirty_bytes += placed.meta.size
+                    extent.waiting += 1
+
+    def _undirty(self, key: BlockKey) -> bool:
+        """Take `key` off the write-behind queue; whether it was on it."""
+        size = self.dirty.pop(key, None)
+        if size is None:
+            return False
+        self.dirty_bytes -= size
+        extent = self.extents.get(self.resident[key].extent)
+        if extent is not None:
+            extent.waiting -= 1
+        return True
 
     def unplace(self, keys: Sequence[BlockKey]) -> list[BlockKey]:
         """Forget `keys` (evicted, taken, corrupt); free extents left empty. Returns the keys
         that were resident (their index records are the caller's to delete)."""
         gone = []
         for key in keys:
-            placed = self.resident.pop(key, None)
+            placed = self.resident.get(key)
             if placed is None:
                 continue
             gone.append(key)
             self.memory_only.discard(key)
-            size = self.dirty.pop(key, None)
-            if size is not None:
-                self.dirty_bytes -= size
+            self._undirty(key)
+            del self.resident[key]
+            self.resident_bytes -= placed.meta.size
             extent = self.extents.get(placed.extent)
             if extent is not None:
                 extent.live.discard(key)
@@ -467,17 +481,13 @@ class MemoryTier:
 
     def written_behind(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
-            size = self.dirty.pop(key, None)
-            if size is not None:
-                self.dirty_bytes -= size
+            if self._undirty(key):
                 self.counters.written_behind += 1
 
     def drop_behind(self, keys: Sequence[BlockKey]) -> None:
         """The persistent tier refused these: they stay in memory only."""
         for key in keys:
-            size = self.dirty.pop(key, None)
-            if size is not None:
-                self.dirty_bytes -= size
+            if self._undirty(key):
                 self.memory_only.add(key)
                 self.counters.write_behind_dropped += 1
 
@@ -547,7 +557,7 @@ class MemoryTier:
             "memory_capacity_bytes": self.allocator.total,
             "memory_used_bytes": self.allocator.total - self.allocator.free_bytes,
             "memory_blocks": len(self.resident),
-            "memory_bytes": sum(p.meta.size for p in self.resident.values()),
+            "memory_bytes": self.resident_bytes,
             "pinned_bytes": pinned,
             "reserved_bytes": sum(r.nbytes for r in self.reservations.values()),
             "write_behind_blocks": len(self.dirty),

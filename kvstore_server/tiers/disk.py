@@ -24,9 +24,7 @@ from pathlib import Path
 from kvstore.layouts import BLOCK_SUFFIX as _SUFFIX
 from kvstore.layouts import TMP_SUFFIX as _TMP_SUFFIX
 from kvstore.layouts import block_file_header as _header
-from kvstore.layouts import block_path
-from kvstore.layouts import map_file as _map_file
-from kvstore.layouts import parse_block_file as _parse
+from kvstore.layouts import block_path, read_block_file
 from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
@@ -129,26 +127,7 @@ class DiskBackend(Backend):
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        blocks: list[StoredBlock | None] = []
-        for namespace, block_hash in keys:
-            path = self._path(namespace, block_hash)
-            try:
-                with open(path, "rb") as f:
-                    buf = _map_file(f)
-                meta, views = _parse(buf)
-            except FileNotFoundError:
-                blocks.append(None)
-                continue
-            except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
-                log.warning("unreadable block file %s: %s", path, exc)
-                blocks.append(None)
-                continue
-            if meta.key != (namespace, block_hash):
-                log.warning("block file %s holds another block", path)
-                blocks.append(None)
-                continue
-            blocks.append(StoredBlock(meta, views))
-        yield blocks
+        yield [read_block_file(self._root, key) for key in keys]
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         for n, key in enumerate(keys):

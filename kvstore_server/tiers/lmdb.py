@@ -29,7 +29,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.layouts import DATA_DB, LMDB_MAX_DBS, LMDB_MAX_READERS, META_DB, split_layers
+from kvstore.layouts import BAD_RECORD, DATA_DB, LMDB_MAX_DBS, LMDB_MAX_READERS, META_DB, read_lmdb_block
 from kvstore.layouts import lmdb_key as _key
 from kvstore.memory import drop_mapped_pages
 from kvstore_server.tiers.base import (
@@ -144,7 +144,7 @@ class LmdbBackend(Backend):
             for key, raw in txn.cursor():
                 try:
                     yield BlockMeta.from_json(raw)
-                except (ValueError, KeyError, TypeError, StorageError) as exc:
+                except BAD_RECORD as exc:
                     log.warning("skipping unreadable metadata record %s: %s", bytes(key).hex(), exc)
 
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
@@ -260,24 +260,9 @@ class LmdbBackend(Backend):
             txn = self._env.begin(buffers=True)
         with txn:
             blocks: list[StoredBlock | None] = []
-            for namespace, block_hash in keys:
-                key = _key(namespace, block_hash)
+            for key in keys:
                 with _reading():
-                    raw_meta = txn.get(key, db=self._meta)
-                    data = txn.get(key, db=self._data)
-                if raw_meta is None or data is None:
-                    blocks.append(None)
-                    continue
-                try:
-                    meta = BlockMeta.from_json(raw_meta)
-                except (ValueError, KeyError, TypeError, StorageError) as exc:
-                    log.warning("unreadable metadata for block %s: %s", block_hash.hex(), exc)
-                    blocks.append(None)
-                    continue
-                views = split_layers(data, meta)
-                blocks.append(StoredBlock(meta, views) if views is not None else None)
-                if views is None:
-                    log.warning("block %s: stored size does not match its metadata", block_hash.hex())
+                    blocks.append(read_lmdb_block(txn, self._meta, self._data, key))
             yield blocks
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
