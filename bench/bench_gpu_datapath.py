@@ -165,10 +165,10 @@ def instrument(client: Any, probe: Probe) -> None:
     arena = client._arena
     call = arena._call
 
-    def timed_call(method: str, request: Any, timeout: float | None = None) -> Any:
+    def timed_call(method: str, request: Any, timeout: float | None = None, **kw: Any) -> Any:
         start = now()
         try:
-            return call(method, request, timeout)
+            return call(method, request, timeout, **kw)
         finally:
             probe.add(method, start)
 
@@ -336,10 +336,10 @@ SAVE_PARTS = [
 ]
 LOAD_PARTS = [
     ("pin RPC", "pin_rpc"),
-    ("verify (xxh3, 4 threads, per layer before its copy)", "verify"),
-    ("loop less xxh3: verify's views, H2D+scatter enqueue", "issue"),
+    ("verify on the host (xxh3; 0 when checked on the GPU)", "verify"),
+    ("H2D + check per group of layers, scatters issued", "issue"),
     ("wait for the copies after the last layer was issued", "copies"),
-    ("release RPC", "release_rpc"),
+    ("release (sent in the background when the pin held)", "release_rpc"),
     ("rest", "other"),
 ]
 

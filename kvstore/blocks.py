@@ -109,7 +109,58 @@ class LayerSpec:
 # Blocks of one model share their layer layout: parse it once (every read parses metadata).
 _LAYOUTS: dict[tuple[tuple[str, str, tuple[int, ...], int], ...], tuple[LayerSpec, ...]] = {}
 _MAX_LAYOUTS = 256
-_ENTRIES: dict[tuple[LayerSpec, ...], list[tuple[str, str, list[int], int]]] = {}
+_INTERNED: dict[tuple[LayerSpec, ...], tuple[LayerSpec, ...]] = {}
+
+
+def intern_layout(layers: tuple[LayerSpec, ...]) -> tuple[LayerSpec, ...]:
+    """The one tuple of this layout: blocks of a model then share it, so comparing two
+    blocks' layouts and the per-layout facts below (`layout_of`) cost one identity test,
+    not a walk over every layer (a commit of 512 blocks of 32 layers did that 16k times)."""
+    found = _INTERNED.get(layers)
+    if found is None:
+        if len(_INTERNED) >= _MAX_LAYOUTS:
+            _INTERNED.clear()
+        found = _INTERNED[layers] = layers
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Facts about one layer layout, computed once (see layout_of)."""
+
+    layers: tuple[LayerSpec, ...]
+    block_bytes: int  # one block, all layers
+    entries: list[tuple[str, str, list[int], int]]  # the JSON record's layer entries
+    record: bytes  # the entries as JSON: a layout stored once for many blocks
+    digest: bytes  # 8 bytes naming `record` (xxh3-64)
+
+    @classmethod
+    def of(cls, layers: tuple[LayerSpec, ...]) -> Layout:
+        entries = [(layer.name, layer.dtype, list(layer.shape), layer.nbytes) for layer in layers]
+        record = orjson.dumps(entries)
+        size = sum(layer.nbytes for layer in layers)
+        return cls(layers, size, entries, record, xxhash.xxh3_64_digest(record))
+
+    @staticmethod
+    def parse(record: bytes | memoryview) -> tuple[LayerSpec, ...]:
+        """The layers of a `record` (interned). Raises ValueError, TypeError."""
+        entries = orjson.loads(record)
+        return intern_layout(tuple(LayerSpec(str(n), str(d), tuple(s), int(b)) for n, d, s, b in entries))
+
+
+_BY_ID: dict[int, Layout] = {}
+
+
+def layout_of(layers: tuple[LayerSpec, ...]) -> Layout:
+    """The Layout of a layers tuple, found by the tuple's identity (interned layouts hit
+    every time; the cache holds the tuple, so its id is not reused while cached)."""
+    hit = _BY_ID.get(id(layers))
+    if hit is not None and hit.layers is layers:
+        return hit
+    if len(_BY_ID) >= _MAX_LAYOUTS:
+        _BY_ID.clear()
+    made = _BY_ID[id(layers)] = Layout.of(layers)
+    return made
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,19 +179,13 @@ class BlockMeta:
 
     @property
     def size(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return layout_of(self.layers).block_bytes
 
     def to_json(self) -> bytes:
         """Canonical metadata record (JSON; no pickle on disk). orjson, and each layout's
         layer entries built once: a commit of 512 blocks of 32 layers wrote its records in
         170 ms with json.dumps."""
-        entries = _ENTRIES.get(self.layers)
-        if entries is None:
-            if len(_ENTRIES) >= _MAX_LAYOUTS:
-                _ENTRIES.clear()
-            entries = _ENTRIES[self.layers] = [
-                (layer.name, layer.dtype, list(layer.shape), layer.nbytes) for layer in self.layers
-            ]
+        entries = layout_of(self.layers).entries
         if len(entries) != len(self.checksums):
             raise ValueError(f"{len(self.checksums)} checksums for {len(entries)} layers")
         doc: dict[str, Any] = {
@@ -173,7 +218,7 @@ class BlockMeta:
         if layers is None:
             if len(_LAYOUTS) >= _MAX_LAYOUTS:
                 _LAYOUTS.clear()
-            layers = _LAYOUTS[key] = tuple(LayerSpec(*spec) for spec in key)
+            layers = _LAYOUTS[key] = intern_layout(tuple(LayerSpec(*spec) for spec in key))
         return cls(
             bytes.fromhex(doc["ns"]),
             bytes.fromhex(doc["hash"]),

@@ -13,6 +13,8 @@ Used by both the daemon and the client; imports neither torch nor numpy.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -85,6 +87,25 @@ _TAG_CHUNK: Final = 0x12
 _TAG_LAYER: Final = 0x08  # LayerChunk.layer_index, varint
 _TAG_FIRST: Final = 0x10  # LayerChunk.first_block, varint
 _TAG_DATA: Final = 0x1A  # LayerChunk.data, length-delimited
+
+
+def pack_checksums(values: Sequence[int]) -> bytes:
+    """Checksums as CommitRequest/PinResponse carry them: little-endian uint64s, packed."""
+    packed = array("Q", values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_checksums(data: bytes) -> array[int]:
+    """The uint64s of a packed checksums field (ValueError unless whole 8-byte words)."""
+    if len(data) % 8:
+        raise ValueError(f"packed checksums of {len(data)} bytes: not a whole number of uint64s")
+    values = array("Q")
+    values.frombytes(data)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values
 
 
 class Chunk(NamedTuple):

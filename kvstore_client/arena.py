@@ -67,7 +67,9 @@ _PARALLEL_PIECE = (64 << 10) + 1
 _HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 Call = Callable[..., Any]
-"""call(method, request, timeout=None) -> response: a unary KVStore RPC (raises KVStoreError)."""
+"""call(method, request, timeout=None) -> response: a unary KVStore RPC (raises
+KVStoreError); call(method, request, background=True) sends it and returns None at once
+(a failure is logged)."""
 
 
 class ArenaUnavailable(Exception):
@@ -247,9 +249,10 @@ class Reservation:
                 done[layer] = checksums(self.layer_pieces(layer))
         return [done[layer][block] for block in range(len(self.blocks)) for layer in range(len(self.layers))]
 
-    def commit(self, sums: Sequence[int] | None = None, *, kind: str = XXH3) -> Any:
+    def commit(self, sums: Sequence[int] | bytes | None = None, *, kind: str = XXH3) -> Any:
         """Checksum what was written (unless `sums` come precomputed, of `kind`: "xxh3", or
-        "wsum32" as a GPU computes it, see kvstore.blocks) and commit."""
+        "wsum32" as a GPU computes it, see kvstore.blocks; block-major, as ints or already
+        packed as little-endian uint64s) and commit."""
         from kvstore_client.types import PutResult
 
         self.done = True
@@ -257,7 +260,8 @@ class Reservation:
             return PutResult(0, 0, 0, 0)
         if sums is None:
             sums = self.checksums()
-        req = pb.CommitRequest(reservation_id=self.reservation_id, checksums=sums, checksum_kind=kind)
+        packed = sums if isinstance(sums, bytes) else wire.pack_checksums(sums)
+        req = pb.CommitRequest(reservation_id=self.reservation_id, checksums=packed, checksum_kind=kind)
         resp = self._call("Commit", req)
         return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
 
@@ -289,13 +293,23 @@ class Pinned:
     in order: each view is one contiguous run in the arena.
     """
 
-    def __init__(self, call: Call, mapping: Mapping, resp: pb.PinResponse, spec_type: Any) -> None:
+    def __init__(
+        self, call: Call, mapping: Mapping, resp: pb.PinResponse, spec_type: Any, sent: float | None = None
+    ) -> None:
         self._call = call
         self.mapping = mapping
         self.pin_id: int = resp.pin_id
+        # The daemon's lease starts when the Pin arrived, after `sent` (both monotonic, one
+        # host): before this deadline the pin certainly holds.
+        self.deadline = (time.monotonic() if sent is None else sent) + resp.lease_seconds
         self.num_blocks: int = resp.num_blocks
         self.layers = [spec_type(s.name, s.dtype, tuple(s.shape)) for s in resp.layers]
-        self.checksums = list(resp.checksums)
+        self.packed_checksums: bytes = resp.checksums
+        """The checksums as the daemon sent them: little-endian uint64s, block-major."""
+        try:
+            self.checksums = wire.unpack_checksums(resp.checksums)
+        except ValueError as exc:
+            raise errors.StoreInternalError(f"Pin answer: {exc}") from exc
         self.kinds = list(resp.checksum_kinds) or [XXH3] * self.num_blocks
         """Each block's checksum kind (kvstore.blocks.CHECKSUMS)."""
         self._sizes = _layer_sizes(self.layers)
@@ -318,6 +332,26 @@ class Pinned:
         return run.offset + fmt.block_layer_offset(
             self._sizes, run.extent_blocks, layer, run.position + block
         )
+
+    @property
+    def layer_bytes(self) -> list[int]:
+        """One block's bytes of each layer."""
+        return self._sizes
+
+    def spans(self, run: Run, layers: range) -> list[tuple[range, torch.Tensor]]:
+        """The bytes of `layers` (consecutive) of one run as uint8 tensors over the arena:
+        one span when they lie back to back (the run is its whole extent, layer-major),
+        else one per layer. Within a span, layer `layers[k]`'s `run.count` blocks follow
+        layer `layers[k - 1]`'s."""
+        whole = run.position == 0 and run.count == run.extent_blocks
+        parts = [layers] if whole else [range(layer, layer + 1) for layer in layers]
+        arena = self.mapping.tensor()
+        out = []
+        for part in parts:
+            at = self._at(run, part.start, 0)
+            nbytes = sum(self._sizes[part.start : part.stop]) * run.count
+            out.append((part, arena[at : at + nbytes]))
+        return out
 
     def pieces(self, layer: int) -> list[tuple[int, torch.Tensor]]:
         spec = self.layers[layer]
@@ -361,9 +395,27 @@ class Pinned:
                     break
         return bad
 
+    def held(self) -> bool:
+        """Whether the pin certainly still holds: its lease has not run out and the daemon
+        that granted it still owns the arena (a restarted daemon forgets its pins)."""
+        return time.monotonic() < self.deadline and self.mapping.current()
+
+    def finish(self) -> bool:
+        """End the pin once its bytes have been copied out; False: it may have lapsed
+        during the copy (treat the load as failed). When it certainly held, the Release is
+        sent without waiting for its answer (a load does not pay its round trip); else
+        this waits for the daemon's word, as release() does."""
+        if self.released or not self.pin_id:
+            return True
+        if self.held():
+            self.released = True
+            self._call("Release", pb.ReleaseRequest(pin_id=self.pin_id), background=True)
+            return True
+        return self.release()
+
     def release(self, corrupt: Sequence[bytes] = ()) -> bool:
-        """End the pin; False if its lease had already run out (the bytes read may have
-        been reused: treat the load as failed). Safe to call twice."""
+        """End the pin and wait for the answer; False if its lease had already run out (the
+        bytes read may have been reused: treat the load as failed). Safe to call twice."""
         if self.released or not self.pin_id:
             return True
         self.released = True
@@ -407,7 +459,7 @@ class ArenaSource:
                             self._corrupt(block, layer)
                     yield wire.Chunk(layer, first, view)
         finally:
-            if not pinned.released and not pinned.release():
+            if not pinned.released and not pinned.finish():
                 raise errors.StoreTimeout("the pin's lease ran out during the read; read again")
 
     def _corrupt(self, block: int, layer: int) -> NoReturn:
@@ -503,12 +555,13 @@ class Arena:
         mapping = self.mapping()
         if mapping is None:
             return None
+        sent = time.monotonic()
         try:
             resp = self._call("Pin", pb.PinRequest(namespace=namespace, block_hashes=hashes), timeout)
         except errors.NotOffered:
             self._off()
             return None
-        return Pinned(self._call, mapping, resp, self._spec_type)
+        return Pinned(self._call, mapping, resp, self._spec_type, sent)
 
     def _off(self) -> None:
         with self._lock:

@@ -120,9 +120,14 @@ class KVStoreClient:
         self._closed = threading.Event()
         self._arena = Arena(self._arena_call, LayerSpec) if arena else None
 
-    def _arena_call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+    def _arena_call(
+        self, method: str, request: Any, timeout: float | None = None, *, background: bool = False
+    ) -> Any:
         if method == "ArenaAccess":
             timeout = min(self.timeout, 2.0)
+        if background:
+            self._rpc.send(self._rpc.arena[method], request, timeout or self.timeout)
+            return None
         return self._rpc.unary(self._rpc.arena[method], request, timeout or self.timeout)
 
     # ---- lifecycle

@@ -5,19 +5,22 @@ Saves (per step): one reservation per request, opened at the step's first saved
 layer. Each layer's blocks of a request are one contiguous run in its extent,
 so `save_layer` issues one indexed gather per request and layer straight into
 the reservation (on CUDA: gather and device-to-host copy on a side stream that
-waits for the compute stream; the compute stream never waits for it). The
-commit runs on the sender thread once that request's copies have completed:
-checksums (xxh3, threads) of the arena bytes, then Commit.
+waits for the compute stream; the compute stream never waits for it), and on
+CUDA the layer's wsum32 checksums on the device behind that copy. The commit
+runs on the sender thread once that request's copies have completed (on CPU:
+xxh3 on threads over the arena bytes first), then Commit.
 
-Loads: Pin, then per layer verify the layer's checksums and copy each pinned run
-(contiguous, ≥ 64 KiB for real models) into the paged blocks (on CUDA:
-host-to-device and scatter on side streams, the layer's event handed to the
-layer gate so the compute stream waits GPU-side only). The pin is released when
-the copies are done; a pin whose lease ran out meanwhile fails the load.
+Loads: Pin, then copy the pinned runs (contiguous, >= 64 KiB for real models)
+into the paged blocks. On CUDA (blocks saved from a GPU): in groups of layers,
+host to device, checked on the device, then scattered, each group's event handed
+to the layer gates so the compute stream waits GPU-side only. On CPU: per layer
+verified in the arena, then copied. The pin ends when the copies are done; a pin
+that may have lapsed meanwhile fails the load.
 
-NOTE: bytes are verified in the arena before the copy. A process that maps the
-arena could still change them between the check and the copy; the arena is
-shared only with processes trusted with the KV (see kvstore_client.arena).
+NOTE: on the CPU path bytes are verified in the arena before the copy. A process
+that maps the arena could still change them between the check and the copy; the
+arena is shared only with processes trusted with the KV (see kvstore_client.arena).
+The staged (CUDA) path checks what it copied.
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
 from kvstore.blocks import WSUM32
 from kvstore_client import KVStoreClient, LayerSpec
-from kvstore_client.arena import Pinned, checksums
+from kvstore_client.arena import Pinned, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
-from kvstore_connector.transfer import signed, unsigned, wsum32_blocks
+from kvstore_client.tensors import torch_dtype
+from kvstore_connector.transfer import wsum32_blocks
 
 if TYPE_CHECKING:
     from kvstore_client.arena import Reservation
@@ -59,7 +63,19 @@ class ArenaSave:
         self.copies = []
 
 
+# A staged load checks and copies this much of a request's KV at a time (consecutive
+# layers of one block size): each group is one host-to-device copy per run, one checksum
+# pass and one host wait. Per layer that was ~10 launches and a wait: ~0.4 ms of a
+# 2048-token load's 17 ms on an H200 (bench_gpu_datapath.py).
+_GROUP_BYTES = 64 << 20
+
+
 class ArenaTransport:
+    """`device_checksums` (default: on CUDA): saves compute wsum32 on the mover's device
+    after each layer's copy, and loads of wsum32 blocks are staged on the device and
+    verified there before they are scattered. Off (CPU engines): xxh3 on host threads,
+    verified in the arena."""
+
     def __init__(
         self,
         client: KVStoreClient,
@@ -67,12 +83,14 @@ class ArenaTransport:
         specs: list[LayerSpec],
         caches: dict[str, torch.Tensor],
         mover: BlockMover,
+        device_checksums: bool | None = None,
     ) -> None:
         self.client = client
         self.namespace = namespace
         self.specs = specs
         self.caches = caches
         self.mover = mover
+        self.device_checksums = mover.cuda if device_checksums is None else device_checksums
         self._layer_index = {spec.name: i for i, spec in enumerate(specs)}
 
     # ---- saves
@@ -92,11 +110,11 @@ class ArenaTransport:
         index = self._layer_index[layer]
         copy = self.mover.gather_into(kv, save.ids, save.reservation.layer(index))
         save.copies.append((index, copy))
-        if self.mover.cuda and copy.keep is not None:
-            # the checksums on the GPU, behind the layer's copy on the same side stream:
+        if self.device_checksums:
+            # the checksums on the device, behind the layer's copy on the same side stream:
             # xxh3 on the host would cost ~10x the copy (bench_gpu_datapath.py)
             with self.mover.on_copy_stream():
-                sums = wsum32_blocks(copy.keep)
+                sums = wsum32_blocks(copy.keep if copy.keep is not None else copy.host)
             if sums is not None:
                 save.gpu_sums.append((index, sums, self.mover.record()))
 
@@ -107,15 +125,14 @@ class ArenaTransport:
             return None
         if save.gpu_sums and len(save.gpu_sums) == len(self.specs):
             for _index, _sums, event in save.gpu_sums:
-                event.synchronize()
-            on_host = torch.stack([sums for _i, sums, _e in save.gpu_sums]).cpu().tolist()
-            by_layer = {
-                index: [unsigned(v) for v in row]
-                for (index, _s, _e), row in zip(save.gpu_sums, on_host, strict=True)
-            }
+                if event is not None:
+                    event.synchronize()
+            by_layer = sorted(save.gpu_sums, key=lambda item: item[0])
+            # [blocks, layers]: block-major, as Commit takes them; int64 bits = uint64 bits
+            packed = torch.stack([sums for _i, sums, _e in by_layer], dim=1).cpu().contiguous()
             save.wait()
             save.gpu_sums = []
-            return save.reservation.commit(save.reservation.checksums(by_layer), kind=WSUM32)
+            return save.reservation.commit(packed.numpy().tobytes(), kind=WSUM32)
         # hash each layer as soon as its copy has landed, while later layers' copies run
         per_layer: dict[int, list[int]] = {}
         for index, copy in save.copies:
@@ -140,76 +157,112 @@ class ArenaTransport:
             ]:
                 raise KVStoreError("stored layers do not match this engine's KV cache layout")
             ids = self.mover.index(spec.block_ids[:n])
-            if self.mover.cuda and all(kind == WSUM32 for kind in pinned.kinds):
-                self._load_verified_on_gpu(spec, pinned, ids, pending, done)
-                return n
-            events = []
-            for index, layer_spec in enumerate(pinned.layers):
-                bad = pinned.verify([index])
-                if bad is not None:
-                    block_hash = spec.hashes[bad]
-                    pinned.release([block_hash])
-                    raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum in the arena")
-                kv = self.caches[layer_spec.name]
-                event = None
-                for first, view in pinned.pieces(index):
-                    event = self.mover.scatter(kv, ids[first : first + view.shape[0]], view)
-                events.append(event)
-                pending.remove(layer_spec.name)
-                done(layer_spec.name, event)
+            if self.device_checksums and all(kind == WSUM32 for kind in pinned.kinds):
+                events = self._load_staged(spec, pinned, ids, pending, done)
+            else:
+                events = self._load_verified_in_arena(spec, pinned, ids, pending, done)
             for event in events:
                 if event is not None:
                     event.synchronize()  # the loader thread, never the compute stream
-            if not pinned.release():
+            if not pinned.finish():
                 raise StoreTimeout("the pin's lease ran out during the load")
             return n
         finally:
             if not pinned.released:
                 pinned.release()
 
-    def _load_verified_on_gpu(
+    def _load_verified_in_arena(
         self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
-    ) -> None:
-        """CUDA, blocks saved from a GPU (wsum32): every run goes host to device on the copy
-        stream and is checksummed there, on the device, after it landed (so what is checked
-        is what will be used); each layer is scattered into the paged cache only once its
-        sums matched (the loader thread waits for that layer's check, never the compute
-        stream). A mismatch fails the load before a byte of that layer is used."""
+    ) -> list[Any]:
+        """Per layer: verify its checksums in the arena, then copy each pinned run into the
+        paged blocks (see the NOTE above on what that trusts)."""
+        events = []
+        for index, layer_spec in enumerate(pinned.layers):
+            bad = pinned.verify([index])
+            if bad is not None:
+                self._corrupt(spec, pinned, bad, "in the arena")
+            kv = self.caches[layer_spec.name]
+            event = None
+            for first, view in pinned.pieces(index):
+                event = self.mover.scatter(kv, ids[first : first + view.shape[0]], view)
+            events.append(event)
+            pending.remove(layer_spec.name)
+            done(layer_spec.name, event)
+        return events
+
+    def _load_staged(
+        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
+    ) -> list[Any]:
+        """Blocks saved with device checksums (wsum32): in groups of layers (_GROUP_BYTES),
+        each run goes host to device on the copy stream in one copy and is checksummed there,
+        after it landed (what is checked is what will be used); a group is scattered into
+        the paged cache only once its sums matched (the loader thread waits for that
+        group's check, never the compute stream). A mismatch fails the load before a byte
+        of that group is used. All groups' copies are queued first, so later groups land
+        while earlier ones are checked and scattered."""
         width = len(pinned.layers)
         device = ids.device
-        expected = torch.tensor([signed(v) for v in pinned.checksums], dtype=torch.int64).view(-1, width)
-        expected = expected.to(device, non_blocking=True)
-        staged: list[tuple[int, list[tuple[int, torch.Tensor]], torch.Tensor, Any]] = []
-        for index in range(width):
-            pieces, bad = [], torch.zeros((), dtype=torch.bool, device=device)
-            for first, view in pinned.pieces(index):
-                on_device = self.mover.stage(view)
-                with self.mover.on_copy_stream():
-                    got = wsum32_blocks(on_device)
-                    if got is None:
-                        raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
-                    bad |= (got != expected[first : first + view.shape[0], index]).any()
-                pieces.append((first, on_device))
-            staged.append((index, pieces, bad, self.mover.record()))
+        sizes = pinned.layer_bytes
+        expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
+        expected = expected.view(-1, width).to(device, non_blocking=True)
+        staged: list[tuple[range, list[tuple[Run, range, torch.Tensor]], torch.Tensor, Any]] = []
+        for group in _layer_groups(sizes, pinned.num_blocks):
+            chunks, bad = [], torch.zeros((), dtype=torch.bool, device=device)
+            for run in pinned.runs:
+                for layers, span in pinned.spans(run, group):
+                    on_device = self.mover.stage(span)
+                    with self.mover.on_copy_stream():
+                        # rows: layer-major block-layers of this span
+                        got = wsum32_blocks(on_device.view(len(layers) * run.count, -1))
+                        if got is None:
+                            raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
+                        want = expected[run.first : run.first + run.count, layers.start : layers.stop]
+                        bad |= (got != want.t().reshape(-1)).any()
+                    chunks.append((run, layers, on_device))
+            staged.append((group, chunks, bad, self.mover.record()))
         events = []
-        for index, pieces, bad, checked in staged:  # the later layers' copies run meanwhile
-            checked.synchronize()
+        for group, chunks, bad, checked in staged:  # the later groups' copies run meanwhile
+            if checked is not None:
+                checked.synchronize()
             if bool(bad.item()):
-                block = pinned.verify([index])  # which one (on the host: the error path only)
-                block_hash = spec.hashes[block if block is not None else 0]
-                pinned.release([block_hash])
-                raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum on the GPU")
-            name = pinned.layers[index].name
-            event = None
-            for first, on_device in pieces:
-                event = self.mover.scatter_staged(
-                    self.caches[name], ids[first : first + on_device.shape[0]], on_device, checked
-                )
+                block = pinned.verify(list(group))  # which one (on the host: the error path only)
+                self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
+            writes = []
+            for run, layers, on_device in chunks:
+                at = 0
+                for layer in layers:
+                    layer_spec = pinned.layers[layer]
+                    nbytes = sizes[layer] * run.count
+                    view = on_device[at : at + nbytes].view(torch_dtype(layer_spec.dtype))
+                    writes.append((
+                        self.caches[layer_spec.name],
+                        ids[run.first : run.first + run.count],
+                        view.view(run.count, *layer_spec.shape),
+                    ))  # fmt: skip
+                    at += nbytes
+            event = self.mover.scatter_staged(writes, checked)
+            for layer in group:
+                name = pinned.layers[layer].name
+                pending.remove(name)
+                done(name, event)
             events.append(event)
-            pending.remove(name)
-            done(name, event)
-        for event in events:
-            if event is not None:
-                event.synchronize()  # the loader thread, never the compute stream
-        if not pinned.release():
-            raise StoreTimeout("the pin's lease ran out during the load")
+        return events
+
+    def _corrupt(self, spec: LoadSpec, pinned: Pinned, block: int, where: str) -> NoReturn:
+        block_hash = spec.hashes[block]
+        pinned.release([block_hash])
+        raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum {where}")
+
+
+def _layer_groups(sizes: list[int], num_blocks: int) -> list[range]:
+    """Consecutive layers of one block size, about _GROUP_BYTES of the request each."""
+    groups, start = [], 0
+    for layer in range(1, len(sizes) + 1):
+        if (
+            layer == len(sizes)
+            or sizes[layer] != sizes[start]
+            or (layer - start) * sizes[start] * num_blocks >= _GROUP_BYTES
+        ):
+            groups.append(range(start, layer))
+            start = layer
+    return groups

@@ -14,6 +14,7 @@ for the copies that touch blocks it is about to use.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -42,6 +43,10 @@ def contiguous_cpu(caches: dict[str, torch.Tensor]) -> bool:
     blocks straight into their pages, on the forward thread (see WorkerSide.start_load)."""
     first = next(iter(caches.values()))
     return first.device.type == "cpu" and all(v.is_contiguous() for v in caches.values())
+
+
+Write = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(kv, ids, staged): staged blocks to write into a paged view at ids (scatter_staged)."""
 
 
 @dataclass
@@ -121,31 +126,47 @@ class BlockMover:
         staged.record_stream(scatter_stream)
         return done
 
+    # Staged loads (see ArenaTransport): host -> device on the copy stream, checks there,
+    # then scatters. On CPU the same calls run in order on this thread (stage is a copy),
+    # so the path is the same code on both.
     def on_copy_stream(self) -> Any:
         """A context that queues work on the copy stream (behind its copies)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
         return torch.cuda.stream(cast(torch.cuda.Stream, self._stream))
 
     def record(self) -> Any:
-        """A CUDA event recorded on the copy stream now."""
+        """A CUDA event recorded on the copy stream now (None on CPU: all done already)."""
+        if not self.cuda:
+            return None
         event = torch.cuda.Event()
         event.record(cast(torch.cuda.Stream, self._stream))
         return event
 
     def stage(self, host: torch.Tensor) -> torch.Tensor:
         """Host to device on the copy stream (the load's first half, see scatter_staged)."""
+        if not self.cuda:
+            return host.clone()
         with self.on_copy_stream():
             return host.to(self.device, non_blocking=True)
 
-    def scatter_staged(self, kv: torch.Tensor, ids: torch.Tensor, staged: torch.Tensor, ready: Any) -> Any:
-        """Write staged device blocks into `kv` at `ids` once `ready` (an event) has fired;
-        returns the event to wait on before using those blocks."""
+    def scatter_staged(self, writes: list[Write], ready: Any) -> Any:
+        """Each (kv, ids, staged): write the staged device blocks into `kv` at `ids`, once
+        `ready` (an event) has fired; returns one event to wait on before using any of
+        them (None on CPU: written already)."""
+        if not self.cuda:
+            for kv, ids, staged in writes:
+                kv.index_copy_(0, ids, staged)
+            return None
         scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
         scatter_stream.wait_event(ready)
         with torch.cuda.stream(scatter_stream):
-            kv.index_copy_(0, ids, staged)
+            for kv, ids, staged in writes:
+                kv.index_copy_(0, ids, staged)
             done = torch.cuda.Event()
             done.record(scatter_stream)
-        staged.record_stream(scatter_stream)
+        for _kv, _ids, staged in writes:
+            staged.record_stream(scatter_stream)
         return done
 
     def wait_on_compute_stream(self, event: Any) -> None:

@@ -395,9 +395,9 @@ class CommitRequest(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KIND_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
-    checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksums: bytes
     checksum_kind: str
-    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[_Iterable[int]] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
+    def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)
@@ -442,10 +442,10 @@ class PinResponse(_message.Message):
     num_blocks: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     runs: _containers.RepeatedCompositeFieldContainer[ArenaRun]
-    checksums: _containers.RepeatedScalarFieldContainer[int]
+    checksums: bytes
     lease_seconds: float
     checksum_kinds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[_Iterable[int]] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("pin_id", "corrupt_block_hashes")

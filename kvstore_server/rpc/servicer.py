@@ -345,11 +345,12 @@ class Servicer:
     @translated
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         self._memory_offered()
+        try:
+            checksums = wire.unpack_checksums(request.checksums)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
         result = self.store.commit(
-            self.scope.prefix(context),
-            request.reservation_id,
-            list(request.checksums),
-            request.checksum_kind or "xxh3",
+            self.scope.prefix(context), request.reservation_id, checksums, request.checksum_kind or "xxh3"
         )
         return pb.PutResponse(
             blocks_written=result.blocks_written,
@@ -379,7 +380,7 @@ class Servicer:
                 pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
                 for r in pin.runs
             ],
-            checksums=pin.checksums,
+            checksums=wire.pack_checksums(pin.checksums),
             lease_seconds=pin.lease_seconds,
             checksum_kinds=pin.kinds,
         )

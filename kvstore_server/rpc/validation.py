@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvstore import wire
+from kvstore.blocks import intern_layout
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server.rpc.status import InvalidRequest
 from kvstore_server.tiers import BlockMeta, LayerSpec
@@ -68,7 +69,7 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
                 f"layer {name!r}: {nbytes} bytes per block; the limit is {wire.MAX_CHUNK_BYTES}"
             )
         out.append(LayerSpec(name, spec.dtype, shape, nbytes))
-    return tuple(out)
+    return intern_layout(tuple(out))
 
 
 def check_record_size(namespace: bytes, block_hash: bytes, layers: Sequence[LayerSpec]) -> None:

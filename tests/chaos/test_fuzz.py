@@ -180,8 +180,8 @@ def unary_seeds() -> dict[str, list[Message]]:
             ),
         ],
         "Commit": [
-            pb.CommitRequest(reservation_id=12345, checksums=[1, 2, 3]),
-            pb.CommitRequest(reservation_id=2**64 - 1, checksums=[], checksum_kind="wsum32"),
+            pb.CommitRequest(reservation_id=12345, checksums=bytes(24)),
+            pb.CommitRequest(reservation_id=2**64 - 1, checksums=b"\x01\x02\x03", checksum_kind="wsum32"),
         ],
         "Abort": [pb.AbortRequest(reservation_id=1), pb.AbortRequest()],
         "Pin": [

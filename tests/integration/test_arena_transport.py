@@ -1,0 +1,127 @@
+"""The connector's arena transport with device checksums (wsum32), on CPU.
+
+On a GPU the transport saves wsum32 checksums computed on the device and loads by
+staging groups of layers on the device and checking them there before scattering;
+the BlockMover runs the same calls in order on CPU, so this is the code a CUDA
+worker runs, against an in-process daemon and its real arena: groups of layers,
+runs that are whole extents (one copy per group) or parts of one (one per layer),
+several runs, layers of different sizes, and a flipped byte."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from daemon import eventually
+from kvstore_connector import arena_transport
+from kvstore_connector.arena_transport import ArenaTransport
+from kvstore_connector.transfer import BlockMover
+from support.inproc import InProcServer
+
+from kvstore.blocks import WSUM32
+from kvstore_client import KVStoreClient, LayerSpec, errors
+
+from .helpers import NS, chain
+
+POOL = 16
+# two layers of one shape, then one of another (a group never spans two block sizes)
+SHAPES = {"layer.0": (2, 4, 8), "layer.1": (2, 4, 8), "layer.2": (3, 4, 8)}
+
+
+def paged(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randint(-(2**15), 2**15, (POOL, *shape), generator=g, dtype=torch.int16).view(
+            torch.bfloat16
+        )
+        for name, shape in SHAPES.items()
+    }
+
+
+def transport(kv: KVStoreClient, caches: dict[str, torch.Tensor]) -> ArenaTransport:
+    specs = [LayerSpec.of(name, t) for name, t in caches.items()]
+    return ArenaTransport(kv, NS, specs, caches, BlockMover(torch.device("cpu")), device_checksums=True)
+
+
+def save(t: ArenaTransport, hashes: list[bytes], ids: list[int], parent: bytes = b"") -> int:
+    spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=ids, parent_hash=parent)
+    save = t.open(spec, timeout=10)  # type: ignore[arg-type]
+    assert save is not None, "the arena is not in use"
+    for name, kv in t.caches.items():
+        t.save_layer(save, name, kv)
+    result = t.commit(save)
+    return 0 if result is None else int(result.blocks_written)
+
+
+def load(t: ArenaTransport, hashes: list[bytes], ids: list[int]) -> tuple[int, list[str]]:
+    spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=ids)
+    pending, done = list(t.caches), []
+    n = t.load(spec, pending, lambda name, _event: done.append(name), timeout=10)  # type: ignore[arg-type]
+    assert not pending
+    return n, done
+
+
+@pytest.fixture
+def kv(server: InProcServer):
+    with KVStoreClient(server.address, timeout=20.0, arena=True) as client:
+        assert client.arena_available()
+        yield client
+
+
+@pytest.mark.parametrize("group_bytes", [1, 1 << 30], ids=["a-layer-a-group", "one-group-per-size"])
+def test_device_checked_loads_are_bit_exact_over_whole_and_partial_extents(
+    kv: KVStoreClient, monkeypatch: pytest.MonkeyPatch, group_bytes: int
+) -> None:
+    monkeypatch.setattr(arena_transport, "_GROUP_BYTES", group_bytes)
+    hashes = chain("staged", 8)
+    source = paged(1)
+    saver = transport(kv, source)
+    src_ids = [3, 9, 1, 14, 0, 7, 12, 5]
+    # two saves: blocks 0-4 in one extent, 5-7 in another (two runs on load)
+    assert save(saver, hashes[:5], src_ids[:5]) == 5
+    assert save(saver, hashes[5:], src_ids[5:], parent=hashes[4]) == 3
+    pinned = kv.pin(NS, hashes)
+    assert pinned is not None and set(pinned.kinds) == {WSUM32} and len(pinned.runs) == 2
+    pinned.release()
+
+    for wanted in (8, 3):  # the whole chain; a prefix: part of the first extent only
+        target = paged(2)
+        loader = transport(kv, target)
+        dst_ids = [15, 2, 8, 6, 11, 4, 13, 10][:wanted]
+        n, done = load(loader, hashes[:wanted], dst_ids)
+        assert n == wanted and sorted(done) == sorted(SHAPES)
+        for name in SHAPES:
+            assert torch.equal(
+                target[name][dst_ids].view(torch.int16), source[name][src_ids[:wanted]].view(torch.int16)
+            ), name
+            untouched = [i for i in range(POOL) if i not in dst_ids]
+            assert torch.equal(
+                target[name][untouched].view(torch.int16), paged(2)[name][untouched].view(torch.int16)
+            )
+    # each load's pin ended with a Release sent in the background (finish())
+    eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+
+
+def test_layer_groups_follow_block_sizes_and_the_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    groups = arena_transport._layer_groups
+    assert groups([4, 4, 4, 8, 8], 10) == [range(0, 3), range(3, 5)]
+    monkeypatch.setattr(arena_transport, "_GROUP_BYTES", 80)  # two 40-byte layers per group
+    assert groups([4, 4, 4, 8, 8], 10) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+
+
+def test_a_byte_flipped_after_the_save_fails_the_device_check_and_drops_the_block(kv: KVStoreClient) -> None:
+    hashes = chain("staged-flip", 4)
+    source = paged(3)
+    assert save(transport(kv, source), hashes, [0, 1, 2, 3]) == 4
+    pinned = kv.pin(NS, hashes)
+    assert pinned is not None
+    pinned.block_view(2, 2)[7] ^= 0x10  # a stray write by any process that maps the arena
+    pinned.release()
+    target = paged(4)
+    before = {name: t.clone() for name, t in target.items()}
+    with pytest.raises(errors.LocalDataCorrupt, match="on the device"):
+        load(transport(kv, target), hashes, [4, 5, 6, 7])
+    assert kv.lookup(NS, hashes) == 2  # the daemon verified the report and dropped block 2
+    # nothing of the failing group reached the paged cache
+    assert torch.equal(target["layer.2"].view(torch.int16), before["layer.2"].view(torch.int16))
