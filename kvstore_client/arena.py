@@ -234,6 +234,10 @@ class Reservation:
         i = self._index[layer] if isinstance(layer, str) else layer
         return _typed(self.mapping, self.offset + self._starts[i], len(self.blocks), self.layers[i])
 
+    def layer_start(self, layer: int) -> int:
+        """Where `layer`'s blocks start, relative to the extent (layers lie back to back)."""
+        return self._starts[layer]
+
     def layer_pieces(self, layer: int) -> list[memoryview]:
         """Each written block's bytes of one layer, in block order."""
         view, size = self.mapping.view, self._sizes[layer]

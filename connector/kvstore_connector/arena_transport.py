@@ -54,8 +54,9 @@ class ArenaSave:
     ids: torch.Tensor | None  # paged block ids of the blocks to write, in extent order
     started: float
     copies: list[tuple[int, Any]] = field(default_factory=list)  # (layer index, PendingCopy)
-    # CUDA: per layer, its blocks' wsum32 computed on the GPU and the event after it
-    gpu_sums: list[tuple[int, torch.Tensor, Any]] = field(default_factory=list)
+    # device checksums: every layer's gathered blocks, layer-major as in the extent, on the
+    # device (the gather writes here, the copy to the arena reads here, commit sums it)
+    staging: torch.Tensor | None = None
 
     def wait(self) -> None:
         for _index, copy in self.copies:
@@ -101,38 +102,38 @@ class ArenaTransport:
         )
         if res is None:
             return None
-        ids = self.mover.index([spec.block_ids[i] for i in res.blocks]) if res.blocks else None
-        return ArenaSave(spec, res, ids, time.perf_counter())
+        if not res.blocks:
+            return ArenaSave(spec, res, None, time.perf_counter())
+        ids = self.mover.index([spec.block_ids[i] for i in res.blocks])
+        staging = None
+        if self.device_checksums:
+            nbytes = sum(spec.nbytes for spec in self.specs) * len(res.blocks)
+            staging = torch.empty(nbytes, dtype=torch.uint8, device=self.mover.device)
+        return ArenaSave(spec, res, ids, time.perf_counter(), staging=staging)
 
     def save_layer(self, save: ArenaSave, layer: str, kv: torch.Tensor) -> None:
         if save.ids is None:
             return
         index = self._layer_index[layer]
-        copy = self.mover.gather_into(kv, save.ids, save.reservation.layer(index))
-        save.copies.append((index, copy))
-        if self.device_checksums:
-            # the checksums on the device, behind the layer's copy on the same side stream:
-            # xxh3 on the host would cost ~10x the copy (bench_gpu_datapath.py)
-            with self.mover.on_copy_stream():
-                sums = wsum32_blocks(copy.keep if copy.keep is not None else copy.host)
-            if sums is not None:
-                save.gpu_sums.append((index, sums, self.mover.record()))
+        dest = save.reservation.layer(index)
+        via = None
+        if save.staging is not None:
+            at = save.reservation.layer_start(index)
+            via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
+        save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via)))
 
     def commit(self, save: ArenaSave) -> Any:
         """Wait for the save's copies, then checksum and commit (the sender thread)."""
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None
-        if save.gpu_sums and len(save.gpu_sums) == len(self.specs):
-            for _index, _sums, event in save.gpu_sums:
-                if event is not None:
-                    event.synchronize()
-            by_layer = sorted(save.gpu_sums, key=lambda item: item[0])
-            # [blocks, layers]: block-major, as Commit takes them; int64 bits = uint64 bits
-            packed = torch.stack([sums for _i, sums, _e in by_layer], dim=1).cpu().contiguous()
-            save.wait()
-            save.gpu_sums = []
-            return save.reservation.commit(packed.numpy().tobytes(), kind=WSUM32)
+        if save.staging is not None and len(save.copies) == len(self.specs):
+            save.wait()  # every layer gathered and copied (the host waited for the copy stream)
+            with self.mover.on_copy_stream():  # not the default stream: it waits for the forward pass
+                sums = self._device_sums(save.staging, save.reservation.num_blocks).cpu()
+            save.staging = None
+            return save.reservation.commit(sums.numpy().tobytes(), kind=WSUM32)
+        save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
         per_layer: dict[int, list[int]] = {}
         for index, copy in save.copies:
@@ -140,6 +141,20 @@ class ArenaTransport:
             per_layer[index] = checksums(save.reservation.layer_pieces(index))
         save.copies = []
         return save.reservation.commit(save.reservation.checksums(per_layer))
+
+    def _device_sums(self, staging: torch.Tensor, n: int) -> torch.Tensor:
+        """wsum32 of every block-layer of a staged save, [n, layers] (block-major, as Commit
+        takes them; int64 bits = the uint64 sums): one pass per run of equal-sized layers."""
+        sizes = [spec.nbytes for spec in self.specs]
+        parts, at = [], 0
+        for group in _layer_groups(sizes, n, limit=None):
+            nbytes = sizes[group.start] * n * len(group)
+            got = wsum32_blocks(staging[at : at + nbytes].view(len(group) * n, -1))
+            if got is None:
+                raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
+            parts.append(got.view(len(group), n))
+            at += nbytes
+        return torch.cat(parts).t().contiguous()
 
     # ---- loads
     def load(self, spec: LoadSpec, pending: list[str], done: Any, timeout: float) -> int:
@@ -254,14 +269,16 @@ class ArenaTransport:
         raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum {where}")
 
 
-def _layer_groups(sizes: list[int], num_blocks: int) -> list[range]:
-    """Consecutive layers of one block size, about _GROUP_BYTES of the request each."""
+def _layer_groups(sizes: list[int], num_blocks: int, limit: int | None = -1) -> list[range]:
+    """Consecutive layers of one block size, about `limit` bytes of the request each
+    (default _GROUP_BYTES; None: no limit)."""
+    limit = _GROUP_BYTES if limit == -1 else limit
     groups, start = [], 0
     for layer in range(1, len(sizes) + 1):
         if (
             layer == len(sizes)
             or sizes[layer] != sizes[start]
-            or (layer - start) * sizes[start] * num_blocks >= _GROUP_BYTES
+            or (limit is not None and (layer - start) * sizes[start] * num_blocks >= limit)
         ):
             groups.append(range(start, layer))
             start = layer

@@ -86,15 +86,22 @@ class BlockMover:
         host = torch.empty((len(ids), *kv.shape[1:]), dtype=kv.dtype, pin_memory=True)
         return self.gather_into(kv, ids, host)
 
-    def gather_into(self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor) -> PendingCopy:
+    def gather_into(
+        self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, via: torch.Tensor | None = None
+    ) -> PendingCopy:
         """Copy blocks `ids` of `kv` into the host tensor `dest` ([len(ids), *kv.shape[1:]],
         e.g. an arena reservation): on CPU one indexed copy; on CUDA the gather runs on the
         compute stream (right after attention wrote the blocks, before anything can reuse
-        them: ~0.1 ms per 256 MB on an H200) and the device-to-host copy on the side stream."""
+        them: ~0.1 ms per 256 MB on an H200) and the device-to-host copy on the side stream.
+        `via` (dest's shape, on the device): gather there, copy from there (and keep it)."""
         if not self.cuda:
-            torch.index_select(kv, 0, ids, out=dest)
+            if via is None:
+                torch.index_select(kv, 0, ids, out=dest)
+            else:
+                torch.index_select(kv, 0, ids, out=via)
+                dest.copy_(via)
             return PendingCopy(dest)
-        gathered = kv.index_select(0, ids)
+        gathered = kv.index_select(0, ids) if via is None else torch.index_select(kv, 0, ids, out=via)
         stream = cast(torch.cuda.Stream, self._stream)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
