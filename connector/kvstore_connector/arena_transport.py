@@ -57,6 +57,7 @@ class ArenaSave:
     # device checksums: every layer's gathered blocks, layer-major as in the extent, on the
     # device (the gather writes here, the copy to the arena reads here, commit sums it)
     staging: torch.Tensor | None = None
+    layers_saved: int = 0
 
     def wait(self) -> None:
         for _index, copy in self.copies:
@@ -121,13 +122,14 @@ class ArenaTransport:
             at = save.reservation.layer_start(index)
             via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
         save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via)))
+        save.layers_saved += 1
 
     def commit(self, save: ArenaSave) -> Any:
         """Wait for the save's copies, then checksum and commit (the sender thread)."""
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None
-        if save.staging is not None and len(save.copies) == len(self.specs):
+        if save.staging is not None and save.layers_saved == len(self.specs):
             save.wait()  # every layer gathered and copied (the host waited for the copy stream)
             with self.mover.on_copy_stream():  # not the default stream: it waits for the forward pass
                 sums = self._device_sums(save.staging, save.reservation.num_blocks).cpu()

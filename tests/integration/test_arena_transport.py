@@ -50,6 +50,7 @@ def save(t: ArenaTransport, hashes: list[bytes], ids: list[int], parent: bytes =
     assert save is not None, "the arena is not in use"
     for name, kv in t.caches.items():
         t.save_layer(save, name, kv)
+    save.wait()  # as a caller may (the bench does): the copies are done, the sums still to take
     result = t.commit(save)
     return 0 if result is None else int(result.blocks_written)
 
