@@ -714,28 +714,29 @@ class Store:
         if cold:
             self._promote(memory, keys, now)
         with self._lock:
-            runs: list[Run] = []
+            # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
+            spans: list[list[int]] = []
             sums: list[int] = []
             kinds: list[str] = []
             layers: tuple[LayerSpec, ...] = ()
+            resident = memory.resident
             for key in keys:
-                placed = memory.resident.get(key)
-                if placed is None or self._index.get(*key) is None:
+                placed = resident.get(key)
+                if placed is None or (cold and self._index.get(*key) is None):  # (gone meanwhile)
                     break
-                if layers and placed.meta.layers != layers:
-                    break
-                layers = placed.meta.layers
-                last = runs[-1] if runs else None
-                if (
-                    last is not None
-                    and last.extent == placed.extent
-                    and last.first + last.count == placed.position
-                ):
-                    runs[-1] = Run(last.extent, last.extent_blocks, last.first, last.count + 1)
+                meta = placed.meta
+                if layers is not meta.layers:  # layouts are interned: one tuple per layout
+                    if layers and meta.layers != layers:
+                        break
+                    layers = meta.layers
+                last = spans[-1] if spans else None
+                if last is not None and last[0] == placed.extent and last[2] + last[3] == placed.position:
+                    last[3] += 1
                 else:
-                    runs.append(Run(placed.extent, placed.extent_blocks, placed.position, 1))
-                sums.extend(placed.meta.checksums)
-                kinds.append(placed.meta.checksum_kind)
+                    spans.append([placed.extent, placed.extent_blocks, placed.position, 1])
+                sums.extend(meta.checksums)
+                kinds.append(meta.checksum_kind)
+            runs = [Run(*span) for span in spans]
             if not runs:
                 return PinResult(0, (), [], [], 0, memory.lease_seconds)
             extents = list(dict.fromkeys(run.extent for run in runs))

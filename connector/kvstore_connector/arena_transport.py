@@ -173,7 +173,7 @@ class ArenaTransport:
                 (s.name, s.dtype, tuple(s.shape)) for s in self.specs
             ]:
                 raise KVStoreError("stored layers do not match this engine's KV cache layout")
-            ids = self.mover.index(spec.block_ids[:n])
+            ids = self.mover.to_device_for_load(torch.tensor(spec.block_ids[:n], dtype=torch.long))
             if self.device_checksums and all(kind == WSUM32 for kind in pinned.kinds):
                 events = self._load_staged(spec, pinned, ids, pending, done)
             else:
@@ -221,7 +221,7 @@ class ArenaTransport:
         device = ids.device
         sizes = pinned.layer_bytes
         expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
-        expected = expected.view(-1, width).to(device, non_blocking=True)
+        expected = self.mover.to_device_for_load(expected.view(-1, width))
         staged: list[tuple[range, list[tuple[Run, range, torch.Tensor]], torch.Tensor, Any]] = []
         for group in _layer_groups(sizes, pinned.num_blocks):
             chunks, bad = [], torch.zeros((), dtype=torch.bool, device=device)

@@ -78,6 +78,16 @@ class BlockMover:
     def index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
+    def to_device_for_load(self, host: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (block ids, checksums) on the device for a load, copied on the
+        copy stream, which the load's scatters follow; from another thread the default
+        stream would wait for the forward pass in flight."""
+        if not self.cuda:
+            return host
+        pinned = host.pin_memory()  # the caching host allocator keeps it until the copy ran
+        with self.on_copy_stream():
+            return pinned.to(self.device, non_blocking=True)
+
     def gather(self, kv: torch.Tensor, ids: torch.Tensor) -> PendingCopy:
         """Copy blocks `ids` of a block-major view `kv` to host memory: [n, *kv.shape[1:]]
         (pinned on CUDA); see gather_into."""

@@ -41,6 +41,7 @@ from kvstore_server.store import (
     ShuttingDown,
     Store,
 )
+from kvstore_server.tiers import LayerSpec
 from kvstore_server.tiers.arena import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -375,7 +376,7 @@ class Servicer:
         return pb.PinResponse(
             pin_id=pin.pin_id,
             num_blocks=pin.num_blocks,
-            layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in pin.layers],
+            layers=_layer_messages(pin.layers),
             runs=[
                 pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
                 for r in pin.runs
@@ -442,7 +443,7 @@ def _stream(result: ReadResult, chunk_bytes: int) -> Iterator[pb.GetResponse | b
     yield pb.GetResponse(
         header=pb.GetHeader(
             num_blocks=result.num_blocks,
-            layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in result.layers],
+            layers=_layer_messages(result.layers),
         )
     )
     for index, spec in enumerate(result.layers):
@@ -509,3 +510,19 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     ):
         handlers[name] = unary(getattr(servicer, name), _decoder(request), response.SerializeToString)
     return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+_LAYER_MESSAGES: dict[int, tuple[tuple[LayerSpec, ...], list[pb.LayerSpec]]] = {}
+
+
+def _layer_messages(layers: tuple[LayerSpec, ...]) -> list[pb.LayerSpec]:
+    """A layout's LayerSpec messages, made once per (interned) layout: a Pin answers with
+    its blocks' layout, 32+ messages, on every load."""
+    hit = _LAYER_MESSAGES.get(id(layers))
+    if hit is not None and hit[0] is layers:
+        return hit[1]
+    if len(_LAYER_MESSAGES) >= 256:
+        _LAYER_MESSAGES.clear()
+    msgs = [pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers]
+    _LAYER_MESSAGES[id(layers)] = (layers, msgs)
+    return msgs
