@@ -2,6 +2,7 @@
 
     python bench/bench_gpu_datapath.py [--tokens 2048,8192] [--block-sizes 16,32] [--repeat 5]
         [--memory 40GiB] [--cold-repeat 3] [--disk-repeat 2] [--no-daemon] [--no-legacy] [--no-recompute]
+        [--profile]
 
 Shape: 32 layers, 8 KV heads, head dim 128, bf16, the paged view per layer
 [num_blocks, 8, block_size, 256]: 2048 tokens = 268 MB of KV, 8192 = 1074 MB.
@@ -505,6 +506,31 @@ def arena_part(
     print_split(row, "load, hot (memory tier): pin .. release returned", ml, LOAD_PARTS,
                 res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
     row("(daemon) write-behind to LMDB after a save, until idle", res["write_behind_s"], "(not in the save)")
+    if args.profile:
+        profile_once(transport, probe, d, side, caches, bs, tokens, block_ids)
+
+
+def profile_once(transport, probe, d: Device, side, caches, bs: int, tokens: int, block_ids: list) -> None:
+    """One more save and hot load under cProfile: this process's Python and torch calls
+    (the daemon's side of the RPCs shows as the time the calls wait)."""
+    import cProfile
+    import io
+    import pstats
+
+    hashes = hashes_for("hot", bs, tokens, 10_000)
+    side.quiesce()
+    for what, run in (
+        ("save", lambda: arena_save(transport, probe, d, caches, hashes, block_ids)),
+        ("hot load", lambda: arena_load(transport, probe, d, hashes, block_ids)),
+    ):
+        prof = cProfile.Profile()
+        prof.runcall(run)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+        body = out.getvalue()
+        print(f"  (profile) one {what}, by own time:")
+        print("\n".join("    " + line for line in body[body.index("ncalls") :].splitlines() if line.strip()))
+        side.quiesce()
 
 
 def legacy_part(args, d: Device, mover, caches, ids, specs, side, bs, tokens, row: Row, res) -> None:
@@ -835,6 +861,7 @@ def main() -> None:
     p.add_argument("--no-daemon", dest="daemon", action="store_false", help="only the ceilings and recompute")
     p.add_argument("--no-legacy", dest="legacy", action="store_false", help="skip (b)")
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--profile", action="store_true", help="cProfile one hot save and load per size")
     p.add_argument("--phase", default="", help=argparse.SUPPRESS)
     p.add_argument("--address", default="", help=argparse.SUPPRESS)
     p.add_argument("--results", default="", help=argparse.SUPPRESS)

@@ -11,7 +11,6 @@ Every grpc.RpcError is turned into a kvstore_client.errors exception here
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 
-log = logging.getLogger(__name__)
 _SERVICE = "/kvstore.v1.KVStore/"
 # Initial metadata of a Watch stream (see WatchRequest in the proto).
 WATCH_STORE_ID = "kvstore-store-id"
@@ -220,16 +218,6 @@ class Channel:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from exc
-
-    @staticmethod
-    def send(method: Any, request: Any, timeout: float) -> None:
-        """Start a unary call and return at once; its failure is logged, its answer dropped."""
-
-        def done(call: Any) -> None:
-            if call.code() != grpc.StatusCode.OK:
-                log.info("%s failed: %s", request.DESCRIPTOR.name, errors.from_rpc_error(call))
-
-        method.future(request, timeout=timeout).add_done_callback(done)
 
     def get(self, request: pb.GetRequest, timeout: float) -> ServerStream:
         return ServerStream(self._get(request, timeout=timeout))

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAX_TOUCHES = 1024
+_MAX_BACKGROUND = 1024
 
 
 def _ns(namespace: str | bytes) -> bytes:
@@ -107,15 +107,15 @@ class KVStoreClient:
             if local_reads
             else None
         )
-        # Lookups answered from the files, on their way to the daemon (one thread sends
-        # them; best effort: beyond _MAX_TOUCHES waiting, e.g. while the daemon stalls,
-        # new ones are dropped, and close() flushes for at most `timeout` seconds)
-        self._touches: queue.Queue[tuple[pb.LookupRequest, float] | None] = queue.Queue(_MAX_TOUCHES)
-        self._touch_deadline = float("inf")
-        self._toucher: threading.Thread | None = None
-        if local_reads:
-            self._toucher = threading.Thread(target=self._send_touches, name="kvstore-touch", daemon=True)
-            self._toucher.start()
+        # Calls whose answer nobody waits for, on their way to the daemon: Lookups answered
+        # from the files (the daemon's recency), Releases of pins that certainly held. One
+        # thread sends them; best effort: beyond _MAX_BACKGROUND waiting, e.g. while the
+        # daemon stalls, new ones are dropped (a dropped Release: the pin's lease ends it),
+        # and close() flushes for at most `timeout` seconds.
+        self._background: queue.Queue[tuple[Any, Any, float] | None] = queue.Queue(_MAX_BACKGROUND)
+        self._flush_deadline = float("inf")
+        self._sender: threading.Thread | None = None
+        self._sender_lock = threading.Lock()
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
         self._arena = Arena(self._arena_call, LayerSpec) if arena else None
@@ -126,7 +126,7 @@ class KVStoreClient:
         if method == "ArenaAccess":
             timeout = min(self.timeout, 2.0)
         if background:
-            self._rpc.send(self._rpc.arena[method], request, timeout or self.timeout)
+            self._send_later(self._rpc.arena[method], request, timeout or self.timeout)
             return None
         return self._rpc.unary(self._rpc.arena[method], request, timeout or self.timeout)
 
@@ -139,10 +139,12 @@ class KVStoreClient:
         self._inserts.shutdown(wait=True)
         if self._local is not None:
             self._local.close()
-        if self._toucher is not None:  # send what is queued, for `timeout` seconds at most
-            self._touch_deadline = time.monotonic() + self.timeout
-            self._touches.put(None)
-            self._toucher.join()
+        with self._sender_lock:
+            sender, self._sender = self._sender, None
+        if sender is not None:  # send what is queued, for `timeout` seconds at most
+            self._flush_deadline = time.monotonic() + self.timeout
+            self._background.put(None)
+            sender.join()
         self._rpc.close()
 
     def __enter__(self) -> KVStoreClient:
@@ -177,27 +179,35 @@ class KVStoreClient:
         if self._local is not None and not self._closed.is_set():
             n = self._local.lookup(spaces, block_hashes)
             if n is not None:
-                self._touch(req, timeout or self.timeout)
+                self._send_later(self._rpc.lookup, req, timeout or self.timeout)
                 return n
         return int(self._unary(self._rpc.lookup, req, timeout).num_blocks)
 
-    def _touch(self, req: pb.LookupRequest, timeout: float) -> None:
+    def _send_later(self, method: Any, request: Any, timeout: float) -> None:
+        """Queue a unary call for the background sender (started on first use)."""
+        with self._sender_lock:
+            if self._sender is None and not self._closed.is_set():
+                self._sender = threading.Thread(
+                    target=self._send_queued, name="kvstore-background", daemon=True
+                )
+                self._sender.start()
         try:
-            self._touches.put_nowait((req, timeout))
+            self._background.put_nowait((method, request, timeout))
         except queue.Full:
-            log.debug("background Lookups are backed up; dropping one")
+            log.debug("background calls are backed up; dropping a %s", request.DESCRIPTOR.name)
 
-    def _send_touches(self) -> None:
-        while (item := self._touches.get()) is not None:
-            req, timeout = item
-            left = self._touch_deadline - time.monotonic()
+    def _send_queued(self) -> None:
+        while (item := self._background.get()) is not None:
+            method, request, timeout = item
+            left = self._flush_deadline - time.monotonic()
             if left <= 0:
                 continue  # closing, out of time: drop the rest
             try:
-                self._rpc.unary(self._rpc.lookup, req, min(timeout, left))
+                self._rpc.unary(method, request, min(timeout, left))
             except errors.KVStoreError as exc:
-                # the answer came from the files; the daemon only missed a recency update
-                log.debug("background Lookup failed: %s", exc.code)
+                # a Lookup's answer came from the files: the daemon only missed a recency
+                # update; a Release's pin ends with its lease
+                log.debug("background %s failed: %s", request.DESCRIPTOR.name, exc.code)
 
     def put_stream(
         self,
