@@ -57,7 +57,9 @@ class ArenaSave:
     # device checksums: every layer's gathered blocks, layer-major as in the extent, on the
     # device (the gather writes here, the copy to the arena reads here, commit sums it)
     staging: torch.Tensor | None = None
-    layers_saved: int = 0
+    groups: list[range] = field(default_factory=list)  # of layers, each summed once all are saved
+    unsaved: list[int] = field(default_factory=list)  # per group: its layers not saved yet
+    sums: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [len(group), n] wsum32
 
     def wait(self) -> None:
         for _index, copy in self.copies:
@@ -106,34 +108,49 @@ class ArenaTransport:
         if not res.blocks:
             return ArenaSave(spec, res, None, time.perf_counter())
         ids = self.mover.index([spec.block_ids[i] for i in res.blocks])
-        staging = None
+        save = ArenaSave(spec, res, ids, time.perf_counter())
         if self.device_checksums:
-            nbytes = sum(spec.nbytes for spec in self.specs) * len(res.blocks)
-            staging = torch.empty(nbytes, dtype=torch.uint8, device=self.mover.device)
-        return ArenaSave(spec, res, ids, time.perf_counter(), staging=staging)
+            sizes = [layer.nbytes for layer in self.specs]
+            save.staging = torch.empty(
+                sum(sizes) * len(res.blocks), dtype=torch.uint8, device=self.mover.device
+            )
+            save.groups = _layer_groups(sizes, len(res.blocks))
+            save.unsaved = [len(group) for group in save.groups]
+        return save
 
     def save_layer(self, save: ArenaSave, layer: str, kv: torch.Tensor) -> None:
         if save.ids is None:
             return
         index = self._layer_index[layer]
         dest = save.reservation.layer(index)
-        via = None
-        if save.staging is not None:
-            at = save.reservation.layer_start(index)
-            via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
+        if save.staging is None:
+            save.copies.append((index, self.mover.gather_into(kv, save.ids, dest)))
+            return
+        at = save.reservation.layer_start(index)
+        via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
         save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via)))
-        save.layers_saved += 1
+        group = next(g for g, layers in enumerate(save.groups) if index in layers)
+        save.unsaved[group] -= 1
+        if not save.unsaved[group]:  # sum the group now, on the check stream, while copies run
+            layers, n = save.groups[group], save.reservation.num_blocks
+            start = save.reservation.layer_start(layers.start)
+            nbytes = self.specs[layers.start].nbytes * n * len(layers)
+            with self.mover.on_check_stream(after_compute=True):
+                got = wsum32_blocks(save.staging[start : start + nbytes].view(len(layers) * n, -1))
+            if got is not None:
+                save.sums[group] = got.view(len(layers), n)
 
     def commit(self, save: ArenaSave) -> Any:
         """Wait for the save's copies, then checksum and commit (the sender thread)."""
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None
-        if save.staging is not None and save.layers_saved == len(self.specs):
-            save.wait()  # every layer gathered and copied (the host waited for the copy stream)
-            with self.mover.on_copy_stream():  # not the default stream: it waits for the forward pass
-                sums = self._device_sums(save.staging, save.reservation.num_blocks).cpu()
-            save.staging = None
+        if save.staging is not None and len(save.sums) == len(save.groups):
+            save.wait()  # every layer copied (the host waited for the copy stream)
+            with self.mover.on_check_stream():  # not the default stream: it waits for the forward pass
+                parts = [save.sums[group] for group in range(len(save.groups))]
+                sums = torch.cat(parts).t().contiguous().cpu()  # [n, layers]: block-major
+            save.staging, save.sums = None, {}
             return save.reservation.commit(sums.numpy().tobytes(), kind=WSUM32)
         save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
@@ -143,20 +160,6 @@ class ArenaTransport:
             per_layer[index] = checksums(save.reservation.layer_pieces(index))
         save.copies = []
         return save.reservation.commit(save.reservation.checksums(per_layer))
-
-    def _device_sums(self, staging: torch.Tensor, n: int) -> torch.Tensor:
-        """wsum32 of every block-layer of a staged save, [n, layers] (block-major, as Commit
-        takes them; int64 bits = the uint64 sums): one pass per run of equal-sized layers."""
-        sizes = [spec.nbytes for spec in self.specs]
-        parts, at = [], 0
-        for group in _layer_groups(sizes, n, limit=None):
-            nbytes = sizes[group.start] * n * len(group)
-            got = wsum32_blocks(staging[at : at + nbytes].view(len(group) * n, -1))
-            if got is None:
-                raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
-            parts.append(got.view(len(group), n))
-            at += nbytes
-        return torch.cat(parts).t().contiguous()
 
     # ---- loads
     def load(self, spec: LoadSpec, pending: list[str], done: Any, timeout: float) -> int:
@@ -211,8 +214,8 @@ class ArenaTransport:
         self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
     ) -> list[Any]:
         """Blocks saved with device checksums (wsum32): in groups of layers (_GROUP_BYTES),
-        each run goes host to device on the copy stream in one copy and is checksummed there,
-        after it landed (what is checked is what will be used); a group is scattered into
+        each run goes host to device on the copy stream in one copy and is checksummed on the
+        check stream once it landed (what is checked is what will be used); a group is scattered into
         the paged cache only once its sums matched (the loader thread waits for that
         group's check, never the compute stream). A mismatch fails the load before a byte
         of that group is used. All groups' copies are queued first, so later groups land
@@ -224,19 +227,21 @@ class ArenaTransport:
         expected = self.mover.to_device_for_load(expected.view(-1, width))
         staged: list[tuple[range, list[tuple[Run, range, torch.Tensor]], torch.Tensor, Any]] = []
         for group in _layer_groups(sizes, pinned.num_blocks):
-            chunks, bad = [], torch.zeros((), dtype=torch.bool, device=device)
-            for run in pinned.runs:
-                for layers, span in pinned.spans(run, group):
-                    on_device = self.mover.stage(span)
-                    with self.mover.on_copy_stream():
-                        # rows: layer-major block-layers of this span
-                        got = wsum32_blocks(on_device.view(len(layers) * run.count, -1))
-                        if got is None:
-                            raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
-                        want = expected[run.first : run.first + run.count, layers.start : layers.stop]
-                        bad |= (got != want.t().reshape(-1)).any()
-                    chunks.append((run, layers, on_device))
-            staged.append((group, chunks, bad, self.mover.record()))
+            chunks = [
+                (run, layers, self.mover.stage(span))
+                for run in pinned.runs
+                for layers, span in pinned.spans(run, group)
+            ]
+            # checked on the check stream once landed: the copy stream goes on to the next group
+            with self.mover.on_check_stream(after=self.mover.record()):
+                bad = torch.zeros((), dtype=torch.bool, device=device)
+                for run, layers, on_device in chunks:  # rows: layer-major block-layers of this span
+                    got = wsum32_blocks(on_device.view(len(layers) * run.count, -1))
+                    if got is None:
+                        raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
+                    want = expected[run.first : run.first + run.count, layers.start : layers.stop]
+                    bad |= (got != want.t().reshape(-1)).any()
+            staged.append((group, chunks, bad, self.mover.record(on_check=True)))
         events = []
         for group, chunks, bad, checked in staged:  # the later groups' copies run meanwhile
             if checked is not None:

@@ -15,6 +15,7 @@ for the copies that touch blocks it is about to use.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -68,12 +69,29 @@ class BlockMover:
     """Gathers and scatters blocks of one device's KV buffers."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # an index: torch's stream lookups then take its fast path
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         # D2H and H2D copies on one stream, scatters on another: the copy engine
         # never waits for a scatter kernel before starting the next layer's copy.
         self._stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._scatter_stream = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def _current(self) -> torch.cuda.Stream:
+        """The calling thread's current stream on this device."""
+        return torch.cuda.current_stream(self.device.index)
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.cuda.Stream) -> Iterator[None]:
+        """torch.cuda.stream(stream) for a stream of this device, without its per-call device
+        lookups (~20 us each; a save and a load enter these once or twice per layer)."""
+        previous = self._current()
+        torch.cuda.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(previous)
 
     def index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
@@ -113,8 +131,8 @@ class BlockMover:
             return PendingCopy(dest)
         gathered = kv.index_select(0, ids) if via is None else torch.index_select(kv, 0, ids, out=via)
         stream = cast(torch.cuda.Stream, self._stream)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        stream.wait_stream(self._current())
+        with self._on(stream):
             dest.copy_(gathered, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
@@ -131,12 +149,12 @@ class BlockMover:
             return None
         copy_stream = cast(torch.cuda.Stream, self._stream)
         scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
-        with torch.cuda.stream(copy_stream):
+        with self._on(copy_stream):
             staged = host.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(copy_stream)
         scatter_stream.wait_event(copied)
-        with torch.cuda.stream(scatter_stream):
+        with self._on(scatter_stream):
             kv.index_copy_(0, ids, staged)
             done = torch.cuda.Event()
             done.record(scatter_stream)
@@ -150,14 +168,28 @@ class BlockMover:
         """A context that queues work on the copy stream (behind its copies)."""
         if not self.cuda:
             return contextlib.nullcontext()
-        return torch.cuda.stream(cast(torch.cuda.Stream, self._stream))
+        return self._on(cast(torch.cuda.Stream, self._stream))
 
-    def record(self) -> Any:
-        """A CUDA event recorded on the copy stream now (None on CPU: all done already)."""
+    def on_check_stream(self, after: Any = None, *, after_compute: bool = False) -> Any:
+        """A context that queues work on the check stream (the scatters' stream: checks of a
+        load, then its scatters; checksums of a save), behind event `after`, or behind
+        what the calling thread's current (compute) stream has queued so far."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        stream = cast(torch.cuda.Stream, self._scatter_stream)
+        if after is not None:
+            stream.wait_event(after)
+        if after_compute:
+            stream.wait_stream(self._current())
+        return self._on(stream)
+
+    def record(self, *, on_check: bool = False) -> Any:
+        """A CUDA event recorded now on the copy stream (or the check stream); None on CPU,
+        where all is done already."""
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(cast(torch.cuda.Stream, self._stream))
+        event.record(cast(torch.cuda.Stream, self._scatter_stream if on_check else self._stream))
         return event
 
     def stage(self, host: torch.Tensor) -> torch.Tensor:
@@ -176,8 +208,9 @@ class BlockMover:
                 kv.index_copy_(0, ids, staged)
             return None
         scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
-        scatter_stream.wait_event(ready)
-        with torch.cuda.stream(scatter_stream):
+        if ready is not None:
+            scatter_stream.wait_event(ready)
+        with self._on(scatter_stream):
             for kv, ids, staged in writes:
                 kv.index_copy_(0, ids, staged)
             done = torch.cuda.Event()
@@ -189,7 +222,7 @@ class BlockMover:
     def wait_on_compute_stream(self, event: Any) -> None:
         """Make the compute stream wait (GPU-side, no host sync) for a scatter."""
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self._current().wait_event(event)
 
 
 _WEIGHTS: dict[tuple[int, str], torch.Tensor] = {}
