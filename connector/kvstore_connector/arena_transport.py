@@ -221,12 +221,15 @@ class ArenaTransport:
         of that group is used. All groups' copies are queued first, so later groups land
         while earlier ones are checked and scattered."""
         width = len(pinned.layers)
-        device = ids.device
         sizes = pinned.layer_bytes
         expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
         expected = self.mover.to_device_for_load(expected.view(-1, width))
-        staged: list[tuple[range, list[tuple[Run, range, torch.Tensor]], torch.Tensor, Any]] = []
-        for group in _layer_groups(sizes, pinned.num_blocks):
+        groups = _layer_groups(sizes, pinned.num_blocks)
+        # each group's verdict lands here (pinned: read by the host once its event fired,
+        # no synchronising call on any stream)
+        failed = torch.zeros(len(groups), dtype=torch.bool, pin_memory=self.mover.cuda)
+        staged: list[tuple[int, range, list[tuple[Run, range, torch.Tensor]], Any]] = []
+        for g, group in enumerate(groups):
             chunks = [
                 (run, layers, self.mover.stage(span))
                 for run in pinned.runs
@@ -234,19 +237,21 @@ class ArenaTransport:
             ]
             # checked on the check stream once landed: the copy stream goes on to the next group
             with self.mover.on_check_stream(after=self.mover.record()):
-                bad = torch.zeros((), dtype=torch.bool, device=device)
+                verdicts = []
                 for run, layers, on_device in chunks:  # rows: layer-major block-layers of this span
                     got = wsum32_blocks(on_device.view(len(layers) * run.count, -1))
                     if got is None:
                         raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
                     want = expected[run.first : run.first + run.count, layers.start : layers.stop]
-                    bad |= (got != want.t().reshape(-1)).any()
-            staged.append((group, chunks, bad, self.mover.record(on_check=True)))
+                    verdicts.append((got != want.t().reshape(-1)).any())
+                verdict = verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).any()
+                failed[g].copy_(verdict, non_blocking=True)
+            staged.append((g, group, chunks, self.mover.record(on_check=True)))
         events = []
-        for group, chunks, bad, checked in staged:  # the later groups' copies run meanwhile
+        for g, group, chunks, checked in staged:  # the later groups' copies run meanwhile
             if checked is not None:
                 checked.synchronize()
-            if bool(bad.item()):
+            if bool(failed[g]):
                 block = pinned.verify(list(group))  # which one (on the host: the error path only)
                 self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
             writes = []

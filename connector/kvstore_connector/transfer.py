@@ -73,10 +73,12 @@ class BlockMover:
         if self.cuda and device.index is None:  # an index: torch's stream lookups then take its fast path
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        # D2H and H2D copies on one stream, scatters on another: the copy engine
-        # never waits for a scatter kernel before starting the next layer's copy.
+        # D2H and H2D copies on one stream, scatters on another, checksums on a third: the
+        # copy engine never waits for a kernel before starting the next copy, and a load's
+        # scatter of one group never queues behind the checks of groups still landing.
         self._stream = torch.cuda.Stream(device=device) if self.cuda else None
         self._scatter_stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._check_stream = torch.cuda.Stream(device=device) if self.cuda else None
 
     def _current(self) -> torch.cuda.Stream:
         """The calling thread's current stream on this device."""
@@ -171,12 +173,12 @@ class BlockMover:
         return self._on(cast(torch.cuda.Stream, self._stream))
 
     def on_check_stream(self, after: Any = None, *, after_compute: bool = False) -> Any:
-        """A context that queues work on the check stream (the scatters' stream: checks of a
-        load, then its scatters; checksums of a save), behind event `after`, or behind
-        what the calling thread's current (compute) stream has queued so far."""
+        """A context that queues work on the check stream (a load's checks, a save's
+        checksums), behind event `after`, or behind what the calling thread's current
+        (compute) stream has queued so far."""
         if not self.cuda:
             return contextlib.nullcontext()
-        stream = cast(torch.cuda.Stream, self._scatter_stream)
+        stream = cast(torch.cuda.Stream, self._check_stream)
         if after is not None:
             stream.wait_event(after)
         if after_compute:
@@ -189,7 +191,7 @@ class BlockMover:
         if not self.cuda:
             return None
         event = torch.cuda.Event()
-        event.record(cast(torch.cuda.Stream, self._scatter_stream if on_check else self._stream))
+        event.record(cast(torch.cuda.Stream, self._check_stream if on_check else self._stream))
         return event
 
     def stage(self, host: torch.Tensor) -> torch.Tensor:
