@@ -26,6 +26,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
 @functools.cache
@@ -80,3 +81,17 @@ def drop_mapped_pages(address: int, length: int) -> bool:
     if madvise is None or not address or not length:
         return False
     return madvise(address, length, _MADV_DONTNEED) == 0
+
+
+def populate_mapping(address: int, length: int, chunk: int = 64 << 20) -> bool:
+    """Fault a shared writable mapping's pages into this process's page tables now
+    (MADV_POPULATE_WRITE), `chunk` bytes per call; the GIL is released during each call
+    (ctypes), so a thread can do it beside the process's work. False where the kernel
+    or libc cannot (pages then fault in as they are first touched)."""
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is None or not address or not length:
+        return False
+    for offset in range(0, length, chunk):
+        if madvise(address + offset, min(chunk, length - offset), _MADV_POPULATE_WRITE) != 0:
+            return False
+    return True

@@ -47,6 +47,7 @@ import xxhash
 from kvstore import arena_format as fmt
 from kvstore import wire
 from kvstore.blocks import CHECKSUMS, XXH3
+from kvstore.memory import populate_mapping
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client.streams import LayerWrites
@@ -99,6 +100,7 @@ class Mapping:
         self.view = memoryview(self._mmap)
         self._tensor: torch.Tensor | None = None
         self._cuda = False
+        self._prefaulted = False
         self._lock = threading.Lock()
         if not self.current():
             raise ArenaUnavailable(
@@ -121,6 +123,23 @@ class Mapping:
 
                 self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
             return self._tensor
+
+    def prefault(self) -> None:
+        """Fault the whole mapping into this process's page tables, on a background thread
+        (the daemon allocated the pages; each first touch here would still cost a fault:
+        a first copy into a fresh 64 MiB extent ran at a fifth of the speed of a second)."""
+
+        with self._lock:
+            if self._prefaulted:
+                return
+            self._prefaulted = True
+
+        def run() -> None:
+            started = time.perf_counter()
+            if populate_mapping(self.tensor().data_ptr(), self.size):
+                log.debug("arena pre-faulted in %.2fs", time.perf_counter() - started)
+
+        threading.Thread(target=run, name="kvstore-arena-prefault", daemon=True).start()
 
     def register_cuda(self) -> None:
         """Register the mapping with CUDA (once per process), so copies to and from the GPU
@@ -519,7 +538,9 @@ class Arena:
         if opened is not None:
             self._reason = None
             if self.cuda:
-                opened.register_cuda()
+                opened.register_cuda()  # which faults every page in, too
+            else:
+                opened.prefault()
         return opened
 
     def _open(self) -> Mapping:
