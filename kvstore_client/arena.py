@@ -611,12 +611,14 @@ class ArenaPutStream:
     def write_layer(self, layer: str | int, tensor: torch.Tensor) -> None:
         import torch
 
+        from kvstore_client.tensors import copy_into
+
         index, _spec = self._writes.take(layer, tensor)
         blocks = self.reservation.blocks
         if blocks:
             dest = self.reservation.layer(index)
             if len(blocks) == self.num_blocks:
-                dest.copy_(tensor)
+                copy_into(dest, tensor)
             else:
                 if self._ids is None:
                     self._ids = torch.tensor(blocks, dtype=torch.long, device=tensor.device)
