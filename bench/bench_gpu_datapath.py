@@ -14,8 +14,8 @@ For each token count and block size, in one run:
     (scatter ceiling); and BlockMover.gather / scatter over pinned buffers;
 (arena) saves and loads through the connector's ArenaTransport and a daemon this
     bench starts (--memory arena under a private /dev/shm folder): save = reserve,
-    32 x save_layer, commit (checksums + Commit RPC); hot load = pin, per layer
-    verify + H2D + scatter, events done, release; cold load = the same after the
+    32 x save_layer, commit (checksums + Commit RPC); hot load = pin, per group of
+    layers H2D + check on the GPU + scatter, events done, release; cold load = the same after the
     daemon was killed (-9), its arena file deleted and restarted, so the Pin RPC
     promotes the blocks from LMDB: first with LMDB's file in the page cache, then
     (where /proc/sys/vm/drop_caches can be written) read from the disk;
@@ -328,12 +328,12 @@ def medians(runs: list[dict]) -> dict:
 
 SAVE_PARTS = [
     ("reserve RPC", "reserve_rpc"),
-    ("open: rest (block ids to the GPU, views)", "open_other"),
-    ("issue 32 x gather_into (index_select + D2H enqueue)", "issue"),
+    ("open: rest (block ids, the device staging buffer)", "open_other"),
+    ("issue 32 x save_layer (gather, D2H; GPU sums per group)", "issue"),
     ("wait for the gathers and D2H copies", "copies"),
-    ("checksums (xxh3, 4 threads, over the arena bytes)", "xxh3"),
+    ("checksums on the host (xxh3; 0 when summed on the GPU)", "xxh3"),
     ("commit RPC", "commit_rpc"),
-    ("commit: rest (building the views to hash)", "commit_other"),
+    ("commit: rest (the GPU's sums to the host)", "commit_other"),
 ]
 LOAD_PARTS = [
     ("pin RPC", "pin_rpc"),

@@ -11,7 +11,7 @@ only the control messages:
     res.layer("layer.0").copy_(t0[res.blocks])  # [len(res.blocks), *shape] views
     res.commit()                                # xxh3 per block-layer, then visible
     pin = kv.pin(ns, hashes)                    # pin.pieces(layer) -> [(first, view)]
-    ...copy out, pin.verify(), pin.release()
+    ...copy out, pin.verify(), pin.finish()         # or release(): waits for the answer
 
 Who may map the arena: a process that can open the file the daemon names (same
 host and the same /dev/shm: in containers, `ipc: service:kvstore` or a shared shm
