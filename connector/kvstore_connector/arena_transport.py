@@ -5,10 +5,12 @@ Saves (per step): one reservation per request, opened at the step's first saved
 layer. Each layer's blocks of a request are one contiguous run in its extent,
 so `save_layer` issues one indexed gather per request and layer straight into
 the reservation (on CUDA: gather and device-to-host copy on a side stream that
-waits for the compute stream; the compute stream never waits for it), and on
-CUDA the layer's wsum32 checksums on the device behind that copy. The commit
-runs on the sender thread once that request's copies have completed (on CPU:
-xxh3 on threads over the arena bytes first), then Commit.
+waits for the compute stream; the compute stream never waits for it). On CUDA
+the gather lands in a device staging buffer the copy reads (the request's KV
+once more on the GPU until its commit), and each group of layers is summed
+(wsum32) on a check stream as soon as its blocks are gathered. The commit runs
+on the sender thread once that request's copies have completed (on CPU: xxh3 on
+threads over the arena bytes first), then Commit.
 
 Loads: Pin, then copy the pinned runs (contiguous, >= 64 KiB for real models)
 into the paged blocks. On CUDA (blocks saved from a GPU): in groups of layers,
@@ -55,7 +57,7 @@ class ArenaSave:
     started: float
     copies: list[tuple[int, Any]] = field(default_factory=list)  # (layer index, PendingCopy)
     # device checksums: every layer's gathered blocks, layer-major as in the extent, on the
-    # device (the gather writes here, the copy to the arena reads here, commit sums it)
+    # device (the gather writes here, the copy to the arena and the group sums read here)
     staging: torch.Tensor | None = None
     groups: list[range] = field(default_factory=list)  # of layers, each summed once all are saved
     unsaved: list[int] = field(default_factory=list)  # per group: its layers not saved yet
@@ -75,10 +77,11 @@ _GROUP_BYTES = 64 << 20
 
 
 class ArenaTransport:
-    """`device_checksums` (default: on CUDA): saves compute wsum32 on the mover's device
-    after each layer's copy, and loads of wsum32 blocks are staged on the device and
-    verified there before they are scattered. Off (CPU engines): xxh3 on host threads,
-    verified in the arena."""
+    """`device_checksums` (default: on CUDA): saves compute wsum32 on the mover's device,
+    per group of layers once gathered, and loads of wsum32 blocks are staged on the
+    device and verified there before they are scattered. Off (CPU engines): xxh3 on
+    host threads, verified in the arena. (On CPU, on, it runs the CUDA path's code in
+    order on one thread: the tests do.)"""
 
     def __init__(
         self,
