@@ -284,16 +284,14 @@ class ArenaTransport:
         raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum {where}")
 
 
-def _layer_groups(sizes: list[int], num_blocks: int, limit: int | None = -1) -> list[range]:
-    """Consecutive layers of one block size, about `limit` bytes of the request each
-    (default _GROUP_BYTES; None: no limit)."""
-    limit = _GROUP_BYTES if limit == -1 else limit
+def _layer_groups(sizes: list[int], num_blocks: int) -> list[range]:
+    """Consecutive layers of one block size, about _GROUP_BYTES of the request each."""
     groups, start = [], 0
     for layer in range(1, len(sizes) + 1):
         if (
             layer == len(sizes)
             or sizes[layer] != sizes[start]
-            or (limit is not None and (layer - start) * sizes[start] * num_blocks >= limit)
+            or (layer - start) * sizes[start] * num_blocks >= _GROUP_BYTES
         ):
             groups.append(range(start, layer))
             start = layer
