@@ -72,9 +72,8 @@ class ArenaSave:
 # A staged load checks and copies this much of a request's KV at a time (consecutive
 # layers of one block size): each group is one host-to-device copy per run, one checksum
 # pass and one host wait. Per layer that was ~10 launches and a wait: ~0.4 ms of a
-# 2048-token load's 17 ms on an H200 (bench_gpu_datapath.py); what is left after the
-# last copy landed (its group's check and scatter) grows with the group.
-_GROUP_BYTES = 16 << 20
+# 2048-token load's 17 ms on an H200 (bench_gpu_datapath.py).
+_GROUP_BYTES = 64 << 20
 
 
 class ArenaTransport:
@@ -132,10 +131,9 @@ class ArenaTransport:
             return
         at = save.reservation.layer_start(index)
         via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
+        save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via)))
         group = next(g for g, layers in enumerate(save.groups) if index in layers)
         save.unsaved[group] -= 1
-        last = not any(save.unsaved)  # one event, after the last copy, covers them all
-        save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via, record=last)))
         if not save.unsaved[group]:  # sum the group now, on the check stream, while copies run
             layers, n = save.groups[group], save.reservation.num_blocks
             start = save.reservation.layer_start(layers.start)
@@ -157,10 +155,6 @@ class ArenaTransport:
                 sums = torch.cat(parts).t().contiguous().cpu()  # [n, layers]: block-major
             save.staging, save.sums = None, {}
             return save.reservation.commit(sums.numpy().tobytes(), kind=WSUM32)
-        if save.staging is not None:  # not every layer was saved, or summed: xxh3 after all
-            landed = self.mover.record()  # after every copy queued so far (some have no event)
-            if landed is not None:
-                landed.synchronize()
         save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
         per_layer: dict[int, list[int]] = {}
@@ -185,11 +179,11 @@ class ArenaTransport:
                 (s.name, s.dtype, tuple(s.shape)) for s in self.specs
             ]:
                 raise KVStoreError("stored layers do not match this engine's KV cache layout")
-            block_ids = torch.tensor(spec.block_ids[:n], dtype=torch.long)
+            ids = self.mover.to_device_for_load(torch.tensor(spec.block_ids[:n], dtype=torch.long))
             if self.device_checksums and all(kind == WSUM32 for kind in pinned.kinds):
-                events = self._load_staged(spec, pinned, block_ids, pending, done)
+                events = self._load_staged(spec, pinned, ids, pending, done)
             else:
-                events = self._load_verified_in_arena(spec, pinned, block_ids, pending, done)
+                events = self._load_verified_in_arena(spec, pinned, ids, pending, done)
             for event in events:
                 if event is not None:
                     event.synchronize()  # the loader thread, never the compute stream
@@ -201,11 +195,10 @@ class ArenaTransport:
                 pinned.release()
 
     def _load_verified_in_arena(
-        self, spec: LoadSpec, pinned: Pinned, block_ids: torch.Tensor, pending: list[str], done: Any
+        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
     ) -> list[Any]:
         """Per layer: verify its checksums in the arena, then copy each pinned run into the
         paged blocks (see the NOTE above on what that trusts)."""
-        ids = self.mover.to_device_for_load(block_ids)
         events = []
         for index, layer_spec in enumerate(pinned.layers):
             bad = pinned.verify([index])
@@ -221,7 +214,7 @@ class ArenaTransport:
         return events
 
     def _load_staged(
-        self, spec: LoadSpec, pinned: Pinned, block_ids: torch.Tensor, pending: list[str], done: Any
+        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
     ) -> list[Any]:
         """Blocks saved with device checksums (wsum32): in groups of layers (_GROUP_BYTES),
         each run goes host to device on the copy stream in one copy and is checksummed on the
@@ -232,27 +225,21 @@ class ArenaTransport:
         while earlier ones are checked and scattered."""
         width = len(pinned.layers)
         sizes = pinned.layer_bytes
+        expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
+        expected = self.mover.to_device_for_load(expected.view(-1, width))
         groups = _layer_groups(sizes, pinned.num_blocks)
-        # every group's copies first: the copy engine starts at once and runs back to back
-        landed: list[tuple[range, list[tuple[Run, range, torch.Tensor]], Any]] = []
-        for group in groups:
+        # each group's verdict lands here (pinned: read by the host once its event fired,
+        # no synchronising call on any stream)
+        failed = torch.zeros(len(groups), dtype=torch.bool, pin_memory=self.mover.cuda)
+        staged: list[tuple[int, range, list[tuple[Run, range, torch.Tensor]], Any]] = []
+        for g, group in enumerate(groups):
             chunks = [
                 (run, layers, self.mover.stage(span))
                 for run in pinned.runs
                 for layers, span in pinned.spans(run, group)
             ]
-            landed.append((group, chunks, self.mover.record()))
-        # the small inputs of the checks and scatters go on the check stream, beside those
-        expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
-        expected = self.mover.to_device_for_load(expected.view(-1, width), on_check=True)
-        ids = self.mover.to_device_for_load(block_ids, on_check=True)
-        # each group's verdict lands here (pinned: read by the host once its event fired,
-        # no synchronising call on any stream)
-        failed = torch.zeros(len(groups), dtype=torch.bool, pin_memory=self.mover.cuda)
-        staged: list[tuple[int, range, list[tuple[Run, range, torch.Tensor]], Any]] = []
-        for g, (group, chunks, copied) in enumerate(landed):
-            # checked on the check stream once landed, while the copy stream goes on
-            with self.mover.on_check_stream(after=copied):
+            # checked on the check stream once landed: the copy stream goes on to the next group
+            with self.mover.on_check_stream(after=self.mover.record()):
                 verdicts = []
                 for run, layers, on_device in chunks:  # rows: layer-major block-layers of this span
                     got = wsum32_blocks(on_device.view(len(layers) * run.count, -1))

@@ -98,16 +98,14 @@ class BlockMover:
     def index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long, device=self.device)
 
-    def to_device_for_load(self, host: torch.Tensor, *, on_check: bool = False) -> torch.Tensor:
+    def to_device_for_load(self, host: torch.Tensor) -> torch.Tensor:
         """A small host tensor (block ids, checksums) on the device for a load, copied on the
-        copy stream (which the scatters of a load verified in the arena follow) or the
-        check stream (which a staged load's scatters follow; the copy stream is then busy
-        with the bulk copies); from another thread the default stream would wait for the
-        forward pass in flight."""
+        copy stream, which the load's scatters follow; from another thread the default
+        stream would wait for the forward pass in flight."""
         if not self.cuda:
             return host
         pinned = host.pin_memory()  # the caching host allocator keeps it until the copy ran
-        with self.on_check_stream() if on_check else self.on_copy_stream():
+        with self.on_copy_stream():
             return pinned.to(self.device, non_blocking=True)
 
     def gather(self, kv: torch.Tensor, ids: torch.Tensor) -> PendingCopy:
@@ -119,21 +117,13 @@ class BlockMover:
         return self.gather_into(kv, ids, host)
 
     def gather_into(
-        self,
-        kv: torch.Tensor,
-        ids: torch.Tensor,
-        dest: torch.Tensor,
-        via: torch.Tensor | None = None,
-        *,
-        record: bool = True,
+        self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, via: torch.Tensor | None = None
     ) -> PendingCopy:
         """Copy blocks `ids` of `kv` into the host tensor `dest` ([len(ids), *kv.shape[1:]],
         e.g. an arena reservation): on CPU one indexed copy; on CUDA the gather runs on the
         compute stream (right after attention wrote the blocks, before anything can reuse
         them: ~0.1 ms per 256 MB on an H200) and the device-to-host copy on the side stream.
-        `via` (dest's shape, on the device): gather there, copy from there (and keep it).
-        record=False: no event of its own (a later copy's event, on the same stream, covers
-        it: the caller waits for that one)."""
+        `via` (dest's shape, on the device): gather there, copy from there (and keep it)."""
         if not self.cuda:
             if via is None:
                 torch.index_select(kv, 0, ids, out=dest)
@@ -146,10 +136,8 @@ class BlockMover:
         stream.wait_stream(self._current())
         with self._on(stream):
             dest.copy_(gathered, non_blocking=True)
-        if not record:
-            return PendingCopy(dest, None, gathered)
-        event = torch.cuda.Event()
-        event.record(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
         return PendingCopy(dest, event, gathered)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
