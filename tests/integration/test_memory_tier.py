@@ -155,6 +155,22 @@ def test_a_client_killed_mid_save_leaves_nothing_visible_and_no_space_lost(make_
         assert kv.stats()["leases_expired"] == 1
 
 
+def test_finish_ends_a_held_pin_in_the_background_and_reports_a_lapsed_one(make_server) -> None:
+    d = make_server(lease_seconds=1.0)
+    hashes, layers = chain("finish", 2), make_layers(2)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 2
+        held = kv.pin(NS, hashes)
+        assert held is not None and held.held()
+        assert held.finish()  # no wait for the daemon's answer...
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)  # ...which ends the pin all the same
+        lapsed = kv.pin(NS, hashes)
+        assert lapsed is not None
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)  # its lease ran out at the daemon
+        assert not lapsed.held()  # the client's deadline counts from before the Pin was sent
+        assert not lapsed.finish()  # so it asks, and hears the pin was gone
+
+
 def test_pins_hold_off_eviction_until_released_or_expired(make_server) -> None:
     # an arena of 16 pages (one is the header): room for two extents of 7 pages
     d = make_server(memory=16 * fmt.ALIGN, lease_seconds=1.5)
