@@ -178,8 +178,12 @@ def test_pins_hold_off_eviction_until_released_or_expired(make_server) -> None:
     with KVStoreClient(d.address, arena=True) as kv:
         a, b, c = chain("pin-a", 7), chain("pin-b", 7), chain("pin-c", 7)
         assert save(kv, a, layers) == 7
+        # the write-behind queue holds 8 pages (half the arena): a must be written behind
+        # before b is committed, or most of b would stay in memory only
+        eventually(lambda: kv.stats()["write_behind_blocks"] == 0)
         assert save(kv, b, make_layers(7, num_layers=1, shape=(fmt.ALIGN,), dtype=torch.uint8, seed=2)) == 7
         eventually(lambda: kv.stats()["write_behind_blocks"] == 0)  # both may leave the arena now
+        assert kv.stats()["write_behind_dropped"] == 0
         pinned = kv.pin(NS, a)
         assert pinned is not None and pinned.num_blocks == 7
         other = kv.pin(NS, b)
