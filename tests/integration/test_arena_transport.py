@@ -111,18 +111,19 @@ def test_layer_groups_follow_block_sizes_and_the_byte_budget(monkeypatch: pytest
     assert groups([4, 4, 4, 8, 8], 10) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
 
 
-def test_a_byte_flipped_after_the_save_fails_the_device_check_and_drops_the_block(kv: KVStoreClient) -> None:
+def test_a_byte_flipped_after_the_save_fails_the_device_check_and_drops_the_block(make_server) -> None:
+    d = make_server(write_behind_bytes=1)  # only the arena has them: write-behind would find the flip first
     hashes = chain("staged-flip", 4)
-    source = paged(3)
-    assert save(transport(kv, source), hashes, [0, 1, 2, 3]) == 4
-    pinned = kv.pin(NS, hashes)
-    assert pinned is not None
-    pinned.block_view(2, 2)[7] ^= 0x10  # a stray write by any process that maps the arena
-    pinned.release()
-    target = paged(4)
-    before = {name: t.clone() for name, t in target.items()}
-    with pytest.raises(errors.LocalDataCorrupt, match="on the device"):
-        load(transport(kv, target), hashes, [4, 5, 6, 7])
-    assert kv.lookup(NS, hashes) == 2  # the daemon verified the report and dropped block 2
-    # nothing of the failing group reached the paged cache
-    assert torch.equal(target["layer.2"].view(torch.int16), before["layer.2"].view(torch.int16))
+    with KVStoreClient(d.address, timeout=20.0, arena=True) as kv:
+        assert save(transport(kv, paged(3)), hashes, [0, 1, 2, 3]) == 4
+        pinned = kv.pin(NS, hashes)
+        assert pinned is not None
+        pinned.block_view(2, 2)[7] ^= 0x10  # a stray write by any process that maps the arena
+        pinned.release()
+        target = paged(4)
+        before = {name: t.clone() for name, t in target.items()}
+        with pytest.raises(errors.LocalDataCorrupt, match="on the device"):
+            load(transport(kv, target), hashes, [4, 5, 6, 7])
+        assert kv.lookup(NS, hashes) == 2  # the daemon verified the report and dropped block 2
+        # nothing of the failing group reached the paged cache
+        assert torch.equal(target["layer.2"].view(torch.int16), before["layer.2"].view(torch.int16))
