@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
 import xxhash
@@ -148,19 +148,32 @@ class Layout:
         return intern_layout(tuple(LayerSpec(str(n), str(d), tuple(s), int(b)) for n, d, s, b in entries))
 
 
-_BY_ID: dict[int, Layout] = {}
+T = TypeVar("T")
+
+
+Layers = tuple[LayerSpec, ...]
+
+
+def per_layout(cache: dict[int, tuple[Layers, T]], layers: Layers, make: Callable[[Layers], T]) -> T:
+    """`make(layers)`, once per layers tuple, found in `cache` by the tuple's identity
+    (interned layouts hit every time; the cache holds the tuple, so its id is not reused
+    while cached): cheaper than hashing a tuple of specs on every block."""
+    hit = cache.get(id(layers))
+    if hit is not None and hit[0] is layers:
+        return hit[1]
+    if len(cache) >= _MAX_LAYOUTS:
+        cache.clear()
+    made = make(layers)
+    cache[id(layers)] = (layers, made)
+    return made
+
+
+_BY_ID: dict[int, tuple[tuple[LayerSpec, ...], Layout]] = {}
 
 
 def layout_of(layers: tuple[LayerSpec, ...]) -> Layout:
-    """The Layout of a layers tuple, found by the tuple's identity (interned layouts hit
-    every time; the cache holds the tuple, so its id is not reused while cached)."""
-    hit = _BY_ID.get(id(layers))
-    if hit is not None and hit.layers is layers:
-        return hit
-    if len(_BY_ID) >= _MAX_LAYOUTS:
-        _BY_ID.clear()
-    made = _BY_ID[id(layers)] = Layout.of(layers)
-    return made
+    """The Layout of a layers tuple (see per_layout)."""
+    return per_layout(_BY_ID, layers, Layout.of)
 
 
 @dataclass(frozen=True, slots=True)

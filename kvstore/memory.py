@@ -26,7 +26,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _MADV_DONTNEED = 4
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a whole writable mapping in now
 
 
 @functools.cache
@@ -92,6 +92,6 @@ def populate_mapping(address: int, length: int, chunk: int = 64 << 20) -> bool:
     if madvise is None or not address or not length:
         return False
     for offset in range(0, length, chunk):
-        if madvise(address + offset, min(chunk, length - offset), _MADV_POPULATE_WRITE) != 0:
+        if madvise(address + offset, min(chunk, length - offset), MADV_POPULATE_WRITE) != 0:
             return False
     return True

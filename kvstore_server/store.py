@@ -612,12 +612,14 @@ class Store:
                         f"{len(res.hashes) * len(res.layers)} checksums, not {len(checksums)}"
                     )
                 memory.take_reservation(reservation_id, prefix)
+            recorded = False
             try:
                 placed, victims, incoming = self._commit_records(memory, res, checksums, kind)
-            except Exception:
-                with self._lock:  # the reservation is gone: its space comes back
-                    memory.allocator.free(res.extent, res.nbytes)
-                raise
+                recorded = True
+            finally:
+                if not recorded:  # whatever failed, the reservation is gone: its space comes back
+                    with self._lock:
+                        memory.allocator.free(res.extent, res.nbytes)
             ns, n = res.namespace, len(res.hashes)
             with self._lock:
                 if placed:
@@ -722,7 +724,7 @@ class Store:
             resident = memory.resident
             for key in keys:
                 placed = resident.get(key)
-                if placed is None or (cold and self._index.get(*key) is None):  # (gone meanwhile)
+                if placed is None or self._index.get(*key) is None:  # gone since the prefix was found
                     break
                 meta = placed.meta
                 if layers is not meta.layers:  # layouts are interned: one tuple per layout

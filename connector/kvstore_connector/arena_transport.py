@@ -60,6 +60,7 @@ class ArenaSave:
     # device (the gather writes here, the copy to the arena and the group sums read here)
     staging: torch.Tensor | None = None
     groups: list[range] = field(default_factory=list)  # of layers, each summed once all are saved
+    group_of: list[int] = field(default_factory=list)  # per layer: its group
     unsaved: list[int] = field(default_factory=list)  # per group: its layers not saved yet
     sums: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [len(group), n] wsum32
 
@@ -118,6 +119,7 @@ class ArenaTransport:
                 sum(sizes) * len(res.blocks), dtype=torch.uint8, device=self.mover.device
             )
             save.groups = _layer_groups(sizes, len(res.blocks))
+            save.group_of = [g for g, layers in enumerate(save.groups) for _ in layers]
             save.unsaved = [len(group) for group in save.groups]
         return save
 
@@ -132,7 +134,7 @@ class ArenaTransport:
         at = save.reservation.layer_start(index)
         via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
         save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via)))
-        group = next(g for g, layers in enumerate(save.groups) if index in layers)
+        group = save.group_of[index]
         save.unsaved[group] -= 1
         if not save.unsaved[group]:  # sum the group now, on the check stream, while copies run
             layers, n = save.groups[group], save.reservation.num_blocks

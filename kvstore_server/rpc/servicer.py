@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from kvstore import wire
+from kvstore.blocks import per_layout
 from kvstore.host import pid_namespace
 from kvstore.memory import trim_heap
 from kvstore.v1 import kvstore_pb2 as pb
@@ -518,11 +519,8 @@ _LAYER_MESSAGES: dict[int, tuple[tuple[LayerSpec, ...], list[pb.LayerSpec]]] = {
 def _layer_messages(layers: tuple[LayerSpec, ...]) -> list[pb.LayerSpec]:
     """A layout's LayerSpec messages, made once per (interned) layout: a Pin answers with
     its blocks' layout, 32+ messages, on every load."""
-    hit = _LAYER_MESSAGES.get(id(layers))
-    if hit is not None and hit[0] is layers:
-        return hit[1]
-    if len(_LAYER_MESSAGES) >= 256:
-        _LAYER_MESSAGES.clear()
-    msgs = [pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers]
-    _LAYER_MESSAGES[id(layers)] = (layers, msgs)
-    return msgs
+    return per_layout(_LAYER_MESSAGES, layers, _make_layer_messages)
+
+
+def _make_layer_messages(layers: tuple[LayerSpec, ...]) -> list[pb.LayerSpec]:
+    return [pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers]

@@ -40,11 +40,11 @@ import lmdb
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, XXH3, Layout, layout_of
+from kvstore.memory import MADV_POPULATE_WRITE
 from kvstore_server.tiers.base import NO_SPACE, BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock
 
 log = logging.getLogger(__name__)
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the whole mapping in now
 # A block's record in the index (binary: a commit of 512 blocks of 32 layers took 60 ms
 # to write as JSON): extent offset, blocks in the extent, position, created, checksum
 # kind, its layout's digest, the parent hash's length; then the parent hash and one
@@ -120,7 +120,7 @@ class ArenaFile:
         os.close(fd)
         started = time.perf_counter()
         try:
-            self._map.madvise(_MADV_POPULATE_WRITE)
+            self._map.madvise(MADV_POPULATE_WRITE)
         except OSError as exc:  # older kernels: pages fault in as they are first used
             log.debug("memory tier not pre-faulted in this process: %s", exc)
         log.debug("memory tier mapped in %.2fs", time.perf_counter() - started)
