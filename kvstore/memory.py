@@ -19,6 +19,7 @@ import ctypes.util
 import functools
 import logging
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,20 @@ def drop_mapped_pages(address: int, length: int) -> bool:
     return madvise(address, length, _MADV_DONTNEED) == 0
 
 
-def populate_mapping(address: int, length: int, chunk: int = 64 << 20) -> bool:
+def populate_mapping(
+    address: int, length: int, chunk: int = 64 << 20, stop: Callable[[], bool] | None = None
+) -> bool:
     """Fault a shared writable mapping's pages into this process's page tables now
     (MADV_POPULATE_WRITE), `chunk` bytes per call; the GIL is released during each call
     (ctypes), so a thread can do it beside the process's work. False where the kernel
-    or libc cannot (pages then fault in as they are first touched)."""
+    or libc cannot (pages then fault in as they are first touched), or when `stop()`
+    said so between two chunks."""
     madvise = getattr(_libc(), "madvise", None)
     if madvise is None or not address or not length:
         return False
     for offset in range(0, length, chunk):
+        if stop is not None and stop():
+            return False
         if madvise(address + offset, min(chunk, length - offset), MADV_POPULATE_WRITE) != 0:
             return False
     return True

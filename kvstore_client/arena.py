@@ -79,7 +79,12 @@ class ArenaUnavailable(Exception):
 
 # ---- the mapping, once per process -----------------------------------------------------
 class Mapping:
-    """One arena file mapped into this process (shared by every client in it)."""
+    """One arena file mapped into this process, shared by every client in it that uses
+    this daemon run's arena (`_acquire`/`_release` count them). When the last one lets go
+    (closed, or moved on to a restarted daemon's arena), the mapping is unregistered from
+    CUDA and leaves the registry; it is unmapped once no view of it is left (a pinned
+    view handed to the caller keeps it). Until then, the pages of an arena file the
+    daemon already removed stay allocated (in /dev/shm: memory)."""
 
     def __init__(self, path: Path, size: int, store_id: str) -> None:
         try:
@@ -100,8 +105,12 @@ class Mapping:
         self.view = memoryview(self._mmap)
         self._tensor: torch.Tensor | None = None
         self._cuda = False
-        self._prefaulted = False
+        self._registered: list[tuple[int, int]] = []  # (address, size) registered with CUDA
+        self._prefaulter: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
+        self._cuda_lock = threading.Lock()
+        self.users = 0  # clients using it (under _MAPPINGS_LOCK)
         if not self.current():
             raise ArenaUnavailable(
                 f"{path} belongs to another daemon run than the one at this address "
@@ -129,56 +138,90 @@ class Mapping:
         (the daemon allocated the pages; each first touch here would still cost a fault:
         a first copy into a fresh 64 MiB extent ran at a fifth of the speed of a second)."""
 
-        with self._lock:
-            if self._prefaulted:
-                return
-            self._prefaulted = True
-
         def run() -> None:
             started = time.perf_counter()
-            if populate_mapping(self.tensor().data_ptr(), self.size):
+            if populate_mapping(self.tensor().data_ptr(), self.size, stop=lambda: self._closed):
                 log.debug("arena pre-faulted in %.2fs", time.perf_counter() - started)
 
-        threading.Thread(target=run, name="kvstore-arena-prefault", daemon=True).start()
+        with self._lock:
+            if self._prefaulter is not None or self._closed:
+                return
+            self._prefaulter = threading.Thread(target=run, name="kvstore-arena-prefault", daemon=True)
+            self._prefaulter.start()
 
     def register_cuda(self) -> None:
         """Register the mapping with CUDA (once per process), so copies to and from the GPU
         run at pinned-memory speed. A failure is logged; copies then still work, slower."""
-        with self._lock:
-            if self._cuda:
-                return
-            self._cuda = True
         import torch
 
-        base = self.tensor().data_ptr()
-        cudart = torch.cuda.cudart()
-        started = time.perf_counter()
-        for offset in range(0, self.size, _CUDA_REGISTER_CHUNK):
-            size = min(_CUDA_REGISTER_CHUNK, self.size - offset)
-            err = cudart.cudaHostRegister(base + offset, size, 0)
-            if int(err) != 0:
-                log.warning("cudaHostRegister of the arena failed (%s); copies will be slower", err)
+        with self._cuda_lock:  # not self._lock: tensor() stays free during the registration
+            if self._cuda or self._closed:
                 return
+            self._cuda = True
+            base = self.tensor().data_ptr()
+            cudart = torch.cuda.cudart()
+            started = time.perf_counter()
+            for offset in range(0, self.size, _CUDA_REGISTER_CHUNK):
+                size = min(_CUDA_REGISTER_CHUNK, self.size - offset)
+                err = cudart.cudaHostRegister(base + offset, size, 0)
+                if int(err) != 0:
+                    log.warning("cudaHostRegister of the arena failed (%s); copies will be slower", err)
+                    return
+                self._registered.append((base + offset, size))
         log.info(
             "registered the %d MiB arena with CUDA in %.2fs", self.size >> 20, time.perf_counter() - started
         )
+
+    def close(self) -> None:
+        """Its last client let go: stop pre-faulting and unregister it from CUDA (copies
+        through views still alive then run at pageable speed). The pages are unmapped when
+        the last view of them goes."""
+        with self._lock:
+            self._closed = True
+            prefaulter = self._prefaulter
+        if prefaulter is not None:
+            prefaulter.join()  # it stops after the chunk in progress
+        with self._cuda_lock:
+            registered, self._registered = self._registered, []
+            if registered:
+                import torch
+
+                cudart = torch.cuda.cudart()
+                for address, _size in registered:
+                    err = cudart.cudaHostUnregister(address)
+                    if int(err) != 0:
+                        log.warning("cudaHostUnregister of the arena failed (%s)", err)
 
 
 _MAPPINGS: dict[tuple[str, str], Mapping] = {}
 _MAPPINGS_LOCK = threading.Lock()
 
 
-def _mapping(path: Path, size: int, store_id: str) -> Mapping:
+def _acquire(path: Path, size: int, store_id: str) -> Mapping:
+    """The process's mapping of this daemon run's arena, mapped if no client has it yet;
+    the caller `_release`s it when done."""
     key = (str(path), store_id)
     with _MAPPINGS_LOCK:
         mapping = _MAPPINGS.get(key)
         if mapping is None:
-            # an older run's mapping of this path is of no use now: forget it (it is unmapped
-            # once no view of it is left)
+            # an older run's mapping of this path is of no use to new clients: its users
+            # release it as they notice the restart
             for old in [k for k in _MAPPINGS if k[0] == key[0]]:
                 del _MAPPINGS[old]
             mapping = _MAPPINGS[key] = Mapping(path, size, store_id)
+        mapping.users += 1
         return mapping
+
+
+def _release(mapping: Mapping) -> None:
+    with _MAPPINGS_LOCK:
+        mapping.users -= 1
+        if mapping.users > 0:
+            return
+        key = (str(mapping.path), mapping.store_id)
+        if _MAPPINGS.get(key) is mapping:
+            del _MAPPINGS[key]
+    mapping.close()
 
 
 # ---- views over extents ------------------------------------------------------------------
@@ -510,21 +553,28 @@ class Arena:
         self._negotiating = False
         self._next_try = 0.0
         self._reason: str | None = None
+        self._closed = False
         self.cuda = False  # register mappings with CUDA
 
     def mapping(self) -> Mapping | None:
         """The arena, mapped; None while it cannot be used (then use gRPC)."""
+        stale = None
         with self._lock:
             mapping = self._mapping
-            if mapping is not None:
-                if mapping.current():
-                    return mapping
-                self._mapping = None  # the daemon restarted: ask again now
+            if mapping is not None and mapping.current():
+                return mapping
+            if mapping is not None:  # the daemon restarted: ask again now
+                stale, self._mapping = mapping, None
                 self._next_try = 0.0
-            if self._negotiating or time.monotonic() < self._next_try:
-                return None
-            self._negotiating = True
-            self._next_try = time.monotonic() + self._retry_interval
+            if self._negotiating or self._closed or time.monotonic() < self._next_try:
+                opening = False
+            else:
+                opening = self._negotiating = True
+                self._next_try = time.monotonic() + self._retry_interval
+        if stale is not None:
+            _release(stale)
+        if not opening:
+            return None
         opened = None
         try:
             opened = self._open()
@@ -534,7 +584,12 @@ class Arena:
                 log.info("arena off, using gRPC: %s", exc)
         with self._lock:
             self._negotiating = False
-            self._mapping = opened
+            if self._closed and opened is not None:
+                stale, opened = opened, None
+            else:
+                stale, self._mapping = None, opened
+        if stale is not None:
+            _release(stale)
         if opened is not None:
             self._reason = None
             if self.cuda:
@@ -548,7 +603,7 @@ class Arena:
             resp = self._call("ArenaAccess", pb.ArenaAccessRequest())
         except errors.KVStoreError as exc:
             raise ArenaUnavailable(f"the daemon does not offer its arena: {exc}") from exc
-        return _mapping(Path(resp.path), resp.size_bytes, resp.store_id)
+        return _acquire(Path(resp.path), resp.size_bytes, resp.store_id)
 
     def reserve(
         self,
@@ -590,8 +645,18 @@ class Arena:
 
     def _off(self) -> None:
         with self._lock:
-            self._mapping = None
+            mapping, self._mapping = self._mapping, None
             self._next_try = time.monotonic() + self._retry_interval
+        if mapping is not None:
+            _release(mapping)
+
+    def close(self) -> None:
+        """Let go of the mapping (its client is closing); later calls use no arena."""
+        with self._lock:
+            self._closed = True
+            mapping, self._mapping = self._mapping, None
+        if mapping is not None:
+            _release(mapping)
 
 
 class ArenaPutStream:

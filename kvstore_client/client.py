@@ -139,6 +139,8 @@ class KVStoreClient:
         self._inserts.shutdown(wait=True)
         if self._local is not None:
             self._local.close()
+        if self._arena is not None:
+            self._arena.close()
         with self._sender_lock:
             sender, self._sender = self._sender, None
         if sender is not None:  # send what is queued, for `timeout` seconds at most

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from daemon import eventually
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.scheduler import SchedulerSide
@@ -294,6 +295,8 @@ def test_a_corrupt_block_in_the_arena_is_recomputed_and_dropped(daemon, backend:
         src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16))
     run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [1, 2, 3], b"")]), src)
     with KVStoreClient(daemon.address) as kv:
+        # written behind first: else write-behind may find the flip before the load does
+        eventually(lambda: kv.stats()["write_behind_blocks"] == 0)
         pinned = kv.pin(NS, hashes)
         assert pinned is not None and pinned.num_blocks == 3
         pinned.block_view(1, 1)[100] ^= 0x40  # a stray write into the arena

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -303,6 +304,33 @@ def test_the_arena_file_is_private_to_the_daemons_user(arena_kv: KVStoreClient) 
     path = arena_kv.arena_path
     assert path is not None and path.stat().st_mode & 0o777 == 0o600
     assert fmt.Header.unpack(path.read_bytes()[: fmt.HEADER_BYTES]).size == path.stat().st_size
+
+
+def mappings(path: Path) -> int:
+    """How many mappings of `path` this process has (removed file or not)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().removesuffix(" (deleted)").endswith(str(path)))
+
+
+def test_clients_share_one_mapping_and_the_last_to_let_go_unmaps_it(make_daemon) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = make_daemon(extra_args=["--listen", f"127.0.0.1:{port}"])  # restarts keep the address
+    hashes, layers = chain("unmap", 3), make_layers(3)
+    with KVStoreClient(d.address, arena=True) as a, KVStoreClient(d.address, arena=True) as b:
+        assert save(a, hashes, layers) == 3
+        assert_same(b.select(NS, hashes), layers)
+        path = a.arena_path
+        assert path is not None and b.arena_path == path
+        assert mappings(path) == 1  # one per process
+        a.close()
+        assert mappings(path) == 1  # b still uses it
+        d.restart()  # a new daemon run: the same file, a new run id
+        assert_same(b.select(NS, hashes), layers)
+        assert b.arena_path == path
+        assert mappings(path) == 1  # b let go of the previous run's mapping
+    assert mappings(path) == 0  # and closing b unmapped this run's
 
 
 def test_tenants_keep_the_arena_off_unless_asked(make_server, tmp_path: Path) -> None:
