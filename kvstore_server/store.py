@@ -4,33 +4,31 @@
 takes validated Python values and raises the errors below; translating them to
 gRPC status codes is the servicer's job.
 
-Tiers: the memory tier (`tiers.arena`, optional) in front of the persistent
-tier (`backend`: LMDB or disk). The index holds every visible block, whichever
-tier has it, and `capacity_bytes` bounds them all: the persistent tier gets
-every block in the end (written behind from the arena). Saves through the arena
-(reserve -> the client writes -> commit) land in the memory tier and are
-written behind by `tiers.writeback`; gRPC Puts go to the persistent tier. Loads
+Tiers (`tiers.chain.TierChain`): the memory tier (`tiers.arena`, optional) in
+front of the persistent tier (`backend`: LMDB or disk). The index holds every
+visible block, whichever tier has it, and `capacity_bytes` bounds them all: the
+persistent tier gets every block in the end (written behind from the arena).
+Saves through the arena (reserve -> the client writes -> commit) land in the
+memory tier and are written behind; gRPC Puts go to the persistent tier. Loads
 pin blocks in the arena, promoting those only the persistent tier holds; gRPC
-reads take each block from the first tier that has it.
+reads take each block from the first tier that has it. The chain moves blocks
+between tiers; the store decides what is stored (the index, capacity,
+eviction, the chains' shape, reservations and pins, events).
 
 Locks: `_lock` guards the index, the memory tier's state and the counters, and
 is held only for in-memory work. `_commit_lock` serialises everything that
 changes a tier's contents (puts, commits, promotions, write-behind, evictions,
-drop-selects), so the index and the tiers change together.
-
-NOTE: over 500 lines: the memory tier's operations share the index, the locks
-and the eviction rules with the rest, and read best next to them.
+drop-selects), so the index and the tiers change together. The chain shares both.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from kvstore import arena_format as fmt
@@ -48,8 +46,11 @@ from kvstore_server.tiers import (
     StoredBlock,
     checksum,
 )
-from kvstore_server.tiers.arena import ArenaError, MemoryTier, Pin, Placed, Reservation
+from kvstore_server.tiers.arena import MemoryTier, Pin, Placed, Reservation
+from kvstore_server.tiers.chain import NoRoom, ReadResult, TierChain, verified_prefix
 from kvstore_server.tiers.writeback import WriteBehind
+
+__all__ = ["ReadResult", "Store"]
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +105,6 @@ class Counters:
 
 
 @dataclass(frozen=True, slots=True)
-class ReadResult:
-    """A stored prefix being read: `blocks` are valid inside the context only."""
-
-    layers: tuple[LayerSpec, ...]
-    blocks: list[StoredBlock] = field(default_factory=list)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass(frozen=True, slots=True)
 class Run:
     """`count` blocks of a pinned prefix, at positions first.. of the extent at `extent`."""
 
@@ -164,6 +153,7 @@ class Store:
         self._closed = False  # no more writes
         self._listeners: list[Listener] = []
         self._eviction_helps = True  # see _write
+        self.tiers = TierChain(backend, memory, lock=self._lock, commit_lock=self._commit_lock, owner=self)
         for meta in backend.scan():
             self._index.add(
                 meta.namespace,
@@ -176,11 +166,11 @@ class Store:
         if memory is not None:
             self._recover_memory(memory)
         self._index.sort_leaves()
-        self._writer = WriteBehind(self) if memory is not None else None
+        self._writer = WriteBehind(self.tiers) if memory is not None else None
         if self._index.bytes_used > capacity_bytes:
             with self._commit_lock, self._lock:
                 victims = eviction.down_to(self._index, capacity_bytes)
-            self._reconcile(victims)
+            self.tiers.delete(victims)
             log.info("evicted %d blocks to fit the configured capacity", len(victims))
         log.info(
             "loaded %d blocks (%d bytes) in %d namespaces from the %s backend",
@@ -237,7 +227,7 @@ class Store:
                 self.counters.evictions += len(victims)
                 fits = self._index.bytes_used + incoming <= self.capacity_bytes
             if not fits:
-                self._reconcile(victims)
+                self.tiers.delete(victims)
                 raise CapacityError("not enough evictable data to make room for this put")
             now = time.time()
             writes = [
@@ -311,10 +301,10 @@ class Store:
         except StorageFullError as exc:
             full = exc
         except StorageError:
-            self._reconcile(victims)
+            self.tiers.delete(victims)
             raise
         if not writes:  # only the victims' deletion failed: nothing needs room
-            self._reconcile(victims)
+            self.tiers.delete(victims)
             return []
         incoming = sum(w.meta.size for w in writes)
         with self._lock:
@@ -332,7 +322,7 @@ class Store:
                 self._emit_removed(extra)
                 self.counters.evictions += len(extra)
         if reason:
-            self._reconcile(victims)
+            self.tiers.delete(victims)
             raise CapacityError(f"no room for this put ({full}); {reason}") from full
         log.warning("%s; evicted %d more blocks to make room for a put", full, len(extra))
         try:
@@ -340,26 +330,12 @@ class Store:
             return extra
         except StorageFullError as exc:
             self._eviction_helps = False
-            self._reconcile(victims + extra)
+            self.tiers.delete(victims + extra)
             log.warning("no room after evicting %d blocks: full puts fail without eviction now", len(extra))
             raise CapacityError(f"no room for this put after evicting {len(extra)} blocks: {exc}") from exc
         except StorageError:
-            self._reconcile(victims + extra)
+            self.tiers.delete(victims + extra)
             raise
-
-    def _reconcile(self, victims: list[BlockKey]) -> None:
-        """Delete from the tiers what the index already dropped. A backend that cannot
-        (a failing disk) is logged: the blocks are not served, and return at restart."""
-        if not victims:
-            return
-        if self.memory is not None:
-            with self._lock:
-                gone = self.memory.unplace(victims)
-            self._forget_records(self.memory, gone)
-        try:
-            self.backend.delete(victims)
-        except StorageError as exc:
-            log.error("could not delete %d evicted blocks; they return at restart: %s", len(victims), exc)
 
     @contextmanager
     def read(self, namespace: bytes, hashes: Sequence[bytes]) -> Iterator[ReadResult]:
@@ -368,34 +344,10 @@ class Store:
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n])
         keys = [(namespace, h) for h in hashes[:n]]
-        with self._read_tiers(keys) as blocks:
+        with self.tiers.read(keys) as blocks:
             result = self._verified_prefix(blocks, keys)
             yield result
         self._count_read(result)
-
-    @contextmanager
-    def _read_tiers(self, keys: list[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        """Each block from the first tier that has it; arena extents stay pinned meanwhile."""
-        memory = self.memory
-        if memory is None:
-            with self.backend.read(keys) as blocks:
-                yield blocks
-            return
-        with self._lock:
-            placements = [memory.resident.get(key) for key in keys]
-            extents = list(dict.fromkeys(p.extent for p in placements if p is not None))
-            memory.pin_extents(extents, time.time())
-            hot = len(keys) - placements.count(None)
-            memory.counters.memory_hit_blocks += hot
-            memory.counters.persistent_hit_blocks += len(keys) - hot
-        try:
-            cold = [key for key, p in zip(keys, placements, strict=True) if p is None]
-            with self.backend.read(cold) if cold else nullcontext([]) as cold_blocks:
-                rest = iter(cold_blocks)
-                yield [memory.block(p) if p is not None else next(rest) for p in placements]
-        finally:
-            with self._lock:
-                memory.unpin_extents(extents)
 
     @contextmanager
     def take(
@@ -414,9 +366,9 @@ class Store:
                         for key in reversed(keys):  # tail first: nothing left below to walk
                             self._index.remove(*key)
                         self._emit_removed(keys)
-                    blocks = stack.enter_context(self._read_tiers(keys))
+                    blocks = stack.enter_context(self.tiers.read(keys))
                     # The read snapshot keeps the bytes readable after this delete.
-                    self._reconcile(keys)
+                    self.tiers.delete(keys)
                 break
             result = self._verified_prefix(blocks, keys, remove_bad=False)
             yield result
@@ -447,27 +399,13 @@ class Store:
     def _verified_prefix(
         self, blocks: list[StoredBlock | None], keys: list[BlockKey], remove_bad: bool = True
     ) -> ReadResult:
-        good: list[StoredBlock] = []
-        for block, key in zip(blocks, keys, strict=True):
-            if block is None:
-                break
-            bad_layer = block.corrupt_layer()
-            if bad_layer is not None:
-                log.error(
-                    "checksum mismatch in block %s layer %r: treating it as a miss and removing it",
-                    key[1].hex(),
-                    block.meta.layers[bad_layer].name,
-                )
-                with self._lock:
-                    self.counters.checksum_failures += 1
-                if remove_bad:
-                    self._remove_corrupt(key)
-                break
-            if good and block.meta.layers != good[0].meta.layers:
-                log.warning("block %s has another layer layout than its prefix; stopping there", key[1].hex())
-                break
-            good.append(block)
-        return ReadResult(good[0].meta.layers if good else (), good)
+        result, bad = verified_prefix(blocks, keys)
+        if bad is not None:
+            with self._lock:
+                self.counters.checksum_failures += 1
+            if remove_bad:
+                self._remove_corrupt(bad)
+        return result
 
     def _remove_corrupt(self, key: BlockKey) -> None:
         with self._commit_lock:
@@ -479,13 +417,13 @@ class Store:
                 self._emit_removed([key])
         # deleting inside a read snapshot is safe: the snapshot keeps its pages (and an
         # arena extent being read is pinned)
-        self._reconcile([key])
+        self.tiers.delete([key])
 
     def _count_read(self, result: ReadResult) -> None:
         with self._lock:
             self.counters.bytes_read += sum(layer.nbytes for layer in result.layers) * result.num_blocks
 
-    # ---- the memory tier: recovery, reservations, pins, promotion, write-behind
+    # ---- the memory tier: recovery, reservations, pins (promotion, write-behind: tiers.chain)
     def _recover_memory(self, memory: MemoryTier) -> None:
         """Take back the blocks a previous daemon committed to the arena: those the
         persistent tier has are resident copies; the others wait for write-behind."""
@@ -542,7 +480,10 @@ class Store:
                 f"a save of {nbytes} bytes does not fit the memory tier ({memory.allocator.total} bytes)"
             )
         with self._commit_lock:
-            offset = self._allocate(memory, nbytes, now)
+            try:
+                offset = self.tiers.allocate(nbytes, now)
+            except NoRoom as exc:
+                raise CapacityError(str(exc)) from exc
             with self._lock:
                 res = Reservation(
                     id=memory.new_id(),
@@ -561,37 +502,6 @@ class Store:
                 memory.reservations[res.id] = res
                 memory.counters.reservations += 1
         return res
-
-    def _allocate(self, memory: MemoryTier, nbytes: int, now: float) -> int:
-        """An extent of `nbytes`, evicting least recently used extents for it. Their blocks
-        stay stored in the persistent tier; memory-only ones leave the store. Under the
-        commit lock."""
-        while True:
-            with self._lock:
-                offset = memory.allocate(nbytes)
-                if offset is not None:
-                    return offset
-                extent = memory.evictable_extent(now)
-                if extent is None:
-                    raise CapacityError(
-                        f"no room for {nbytes} bytes in the memory tier: the rest is pinned, "
-                        "reserved or waiting to be written behind"
-                    )
-                keys = list(extent.live)
-                dropped = [k for k in keys if k in memory.memory_only]
-                for key in dropped:
-                    self._index.remove(*key)
-                self._emit_removed(dropped)
-                self.counters.evictions += len(dropped)
-                memory.counters.memory_evictions += len(keys)
-                gone = memory.unplace(keys)
-            self._forget_records(memory, gone)
-
-    def _forget_records(self, memory: MemoryTier, keys: Sequence[BlockKey]) -> None:
-        try:
-            memory.index.delete(keys)
-        except ArenaError as exc:
-            log.error("%s; %d blocks may come back from the memory tier at restart", exc, len(keys))
 
     def commit(
         self, prefix: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
@@ -662,7 +572,7 @@ class Store:
             self._emit_removed(victims)
             self.counters.evictions += len(victims)
             fits = self._index.bytes_used + incoming <= self.capacity_bytes
-        self._reconcile(victims)
+        self.tiers.delete(victims)
         if not fits:
             raise CapacityError("not enough evictable data to make room for this commit")
         now = time.time()
@@ -696,12 +606,6 @@ class Store:
             memory.allocator.free(res.extent, res.nbytes)
             memory.counters.aborts += 1
 
-    def expire_leases(self) -> int:
-        if self.memory is None:
-            return 0
-        with self._lock:
-            return self.memory.expire(time.monotonic())
-
     def pin(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
         """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
         persistent tier holds) for the lease; a miss pins nothing (pin_id 0)."""
@@ -714,7 +618,7 @@ class Store:
             keys = [(namespace, h) for h in hashes[:n]]
             cold = [k for k in keys if k not in memory.resident]
         if cold:
-            self._promote(memory, keys, now)
+            self.tiers.promote(keys, now)
         with self._lock:
             # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
             spans: list[list[int]] = []
@@ -755,65 +659,6 @@ class Store:
             self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
         return PinResult(pin_id, layers, runs, sums, got, memory.lease_seconds, kinds)
 
-    def _promote(self, memory: MemoryTier, keys: list[BlockKey], now: float) -> None:
-        """Copy the blocks of `keys` that only the persistent tier holds into one new extent,
-        verified; a bad block ends the promotion there (and is removed)."""
-        with self._commit_lock:
-            with self._lock:
-                hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
-                memory.pin_extents(hot, now)  # the request's own blocks stay while room is made
-                cold = [k for k in keys if k not in memory.resident and self._index.get(*k) is not None]
-            try:
-                if cold:
-                    self._promote_blocks(memory, cold, now)
-            finally:
-                with self._lock:
-                    memory.unpin_extents(hot)
-
-    def _promote_blocks(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> None:
-        with self.backend.read(cold) as blocks:
-            good = self._verified_prefix(blocks, cold, remove_bad=False)
-            n = good.num_blocks
-            after = blocks[n] if n < len(blocks) else None
-            bad = cold[n] if after is not None and after.corrupt_layer() is not None else None
-            if not n:
-                if bad is not None:
-                    self._remove_corrupt_locked(bad)
-                return
-            sizes = [layer.nbytes for layer in good.layers]
-            nbytes = fmt.extent_bytes(sum(sizes), n)
-            if nbytes > memory.allocator.total:
-                return  # the load is served from what is in memory
-            try:
-                offset = self._allocate(memory, nbytes, now)
-            except CapacityError as exc:
-                log.info("no promotion of %d blocks: %s", n, exc)
-                return
-            view = memory.file.view
-            placed = []
-            for position, block in enumerate(good.blocks):
-                for layer, data in enumerate(block.layers):
-                    at = offset + fmt.block_layer_offset(sizes, n, layer, position)
-                    view[at : at + sizes[layer]] = data
-                placed.append(Placed(block.meta, offset, n, position))
-        if bad is not None:
-            self._remove_corrupt_locked(bad)
-        try:
-            memory.index.put(placed)
-        except ArenaError as exc:
-            log.error("%s; promotion skipped", exc)
-            with self._lock:
-                memory.allocator.free(offset, nbytes)
-            return
-        with self._lock:
-            live = [p for p in placed if self._index.get(*p.meta.key) is not None]
-            if live:
-                memory.place(live, now, dirty=False)
-            else:
-                memory.allocator.free(offset, nbytes)
-            memory.counters.promotions += 1
-            memory.counters.promoted_blocks += len(live)
-
     def release(self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = ()) -> bool:
         """End a pin; `corrupt`: blocks the client found failing their checksum (verified
         here again, and removed if so). False: the pin had already expired."""
@@ -845,70 +690,6 @@ class Store:
                     self.counters.checksum_failures += 1
                 self._remove_corrupt(key)
 
-    def write_behind_once(self, batch_bytes: int) -> bool:
-        """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`),
-        verified; False when nothing was waiting.
-
-        NOTE: the verify and the backend write run outside the commit lock (a write of a
-        batch takes tens of ms, and a save's commit would wait behind it); the batch's
-        extents are pinned meanwhile, so their bytes stay. A block removed from the index
-        during the write (evicted, taken, dropped) is deleted from the backend afterwards,
-        under the commit lock, as the removal's own deletion may have run first."""
-        memory = self.memory
-        if memory is None:
-            return False
-        with self._lock:
-            batch: list[Placed] = []
-            size = 0
-            for key, nbytes in memory.dirty.items():
-                if batch and size + nbytes > batch_bytes:
-                    break
-                batch.append(memory.resident[key])
-                size += nbytes
-            if not batch:
-                return False
-            extents = list(dict.fromkeys(p.extent for p in batch))
-            memory.pin_extents(extents, time.time())
-        try:
-            writes, corrupt = [], []
-            for placed in batch:
-                block = memory.block(placed)
-                if block.corrupt_layer() is not None:
-                    corrupt.append(placed.meta.key)
-                    continue
-                meta = block.meta
-                if meta.checksum_kind != XXH3:  # the persistent tier holds xxh3 only
-                    sums = tuple(checksum(view) for view in block.layers)
-                    meta = dataclasses.replace(meta, checksums=sums, checksum_kind=XXH3)
-                writes.append(BlockWrite(meta, block.layers))
-            keys = [w.meta.key for w in writes]
-            try:
-                self.backend.write(writes)
-                ok = True
-            except StorageError as exc:
-                ok = False
-                log.warning(
-                    "write-behind of %d blocks failed; they stay in memory only: %s", len(writes), exc
-                )
-        finally:
-            with self._lock:
-                memory.unpin_extents(extents)
-        with self._commit_lock:
-            with self._lock:
-                stale = [key for key in keys if self._index.get(*key) is None]
-                if ok:
-                    memory.written_behind(keys)
-                else:
-                    memory.drop_behind(keys)
-                if corrupt:
-                    self.counters.checksum_failures += len(corrupt)
-            if ok and stale:
-                self._reconcile(stale)
-            for key in corrupt:
-                log.error("block %s fails its checksum in the memory tier: removed", key[1].hex())
-                self._remove_corrupt_locked(key)
-        return True
-
     # ---- operators
     def evict(self, select: Callable[[PrefixIndex], list[BlockKey]]) -> tuple[int, int]:
         """Evict what `select` picks (one of kvstore_server.eviction's functions)."""
@@ -919,7 +700,7 @@ class Store:
                 freed = before - self._index.bytes_used
                 self._emit_removed(victims)
                 self.counters.evictions += len(victims)
-            self._reconcile(victims)
+            self.tiers.delete(victims)
         if victims:
             log.info("evicted %d blocks (%d bytes) on request", len(victims), freed)
         return len(victims), freed
@@ -968,7 +749,7 @@ class Store:
             if self._index.get(namespace, block_hash) is None:
                 raise NotFoundError(f"block {block_hash.hex()} is not stored in this namespace")
             info = self._info((namespace, block_hash))
-        with self._read_tiers([(namespace, block_hash)]) as blocks:
+        with self.tiers.read([(namespace, block_hash)]) as blocks:
             block = blocks[0]
             if block is None:
                 raise NotFoundError(f"block {block_hash.hex()} vanished while being described")
@@ -1009,6 +790,20 @@ class Store:
         with self._commit_lock:
             with self._lock:
                 self._closed = True
-            self.backend.close()
-            if self.memory is not None:
-                self.memory.close(remove=not self.memory.dirty and not self.memory.memory_only)
+            self.tiers.close()
+
+    # ---- what the chain of tiers asks of the index (tiers.chain.Owner)
+    def indexed(self, key: BlockKey) -> bool:
+        return self._index.get(*key) is not None
+
+    def drop_evicted(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            self._index.remove(*key)
+        self._emit_removed(keys)
+        self.counters.evictions += len(keys)
+
+    def remove_corrupt(self, key: BlockKey) -> None:
+        self._remove_corrupt_locked(key)
+
+    def count_checksum_failures(self, n: int) -> None:
+        self.counters.checksum_failures += n

@@ -3,8 +3,9 @@
 A backend persists whole blocks: one byte string per layer plus a small
 metadata record (namespace, hash, parent, layer specs, per-layer checksums,
 creation time). It knows nothing about prefixes, capacity or eviction policy;
-`kvstore_server.store.Store` owns those and calls the backend from gRPC worker
-threads, never from an event loop.
+`kvstore_server.store.Store` owns those; it and the chain of tiers
+(tiers.chain.TierChain) call the backend from gRPC worker threads and the
+write-behind thread, never from an event loop.
 
     scan()            once at start: every stored block's metadata, to rebuild the index
     write(puts, dels) atomically (per backend's promise) delete `dels` and store `puts`;

@@ -18,7 +18,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstore_server.store import Store
+    from kvstore_server.tiers.chain import TierChain
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ _TICK_SECONDS = 1.0
 
 
 class WriteBehind:
-    def __init__(self, store: Store, batch_bytes: int = _BATCH_BYTES) -> None:
-        self._store = store
+    def __init__(self, tiers: TierChain, batch_bytes: int = _BATCH_BYTES) -> None:
+        self._tiers = tiers
         self._batch = batch_bytes
         self._wake = threading.Event()
         self._stop = False
@@ -41,8 +41,8 @@ class WriteBehind:
             self._wake.wait(_TICK_SECONDS)
             self._wake.clear()
             try:
-                self._store.expire_leases()
-                while not self._stop and self._store.write_behind_once(self._batch):
+                self._tiers.expire_leases()
+                while not self._stop and self._tiers.write_behind_once(self._batch):
                     pass
             except Exception:
                 # Never let the thread die silently: the next tick tries again.
@@ -50,7 +50,7 @@ class WriteBehind:
 
     def flush(self) -> None:
         """Write everything waiting now (at shutdown, before the tiers close)."""
-        while self._store.write_behind_once(self._batch):
+        while self._tiers.write_behind_once(self._batch):
             pass
 
     def close(self) -> None:

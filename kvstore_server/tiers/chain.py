@@ -1,0 +1,339 @@
+"""The chain of tiers behind the store, in lookup order, and the moves between them.
+
+    memory tier (tiers.arena, optional: the hot arena, bounded by --memory)
+      -> persistent tier (a Backend: LMDB or disk, bounded by --capacity)
+
+A block is read from the first tier that holds it (`read`); a load through the
+arena copies what only the persistent tier holds into a new extent (`promote`);
+blocks committed to the arena reach the persistent tier through `write_behind_once`
+(called by tiers.writeback's thread); `delete` removes blocks from every tier; the
+arena makes room by evicting its least recently used extents (`allocate`).
+
+The chain knows which tier has a block, never whether a block is in the store:
+the store's prefix index says that (`Owner`). The store's two locks are shared:
+`lock` guards the memory tier's state (and the owner's index), held only for
+in-memory work; `commit_lock` serialises everything that changes a tier's
+contents, so the index and the tiers change together. Methods say which lock the
+caller must hold; the others take what they need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvstore import arena_format as fmt
+from kvstore.blocks import XXH3, leading_blocks
+from kvstore_server.tiers.arena import ArenaError, MemoryTier, Placed
+from kvstore_server.tiers.base import (
+    Backend,
+    BlockKey,
+    BlockWrite,
+    LayerSpec,
+    StorageError,
+    StoredBlock,
+    checksum,
+)
+
+log = logging.getLogger(__name__)
+
+
+class NoRoom(Exception):
+    """The memory tier cannot make room: the rest is pinned, reserved or waiting to be
+    written behind."""
+
+
+class Owner(Protocol):
+    """What the chain asks of the store that owns the prefix index."""
+
+    def indexed(self, key: BlockKey) -> bool:
+        """Whether the store holds `key` (caller holds the lock)."""
+
+    def drop_evicted(self, keys: Sequence[BlockKey]) -> None:
+        """The memory tier evicted these memory-only blocks: they leave the store (caller
+        holds the lock)."""
+
+    def remove_corrupt(self, key: BlockKey) -> None:
+        """A block failed its checksum: out of the index and every tier (caller holds the
+        commit lock)."""
+
+    def count_checksum_failures(self, n: int) -> None:
+        """Caller holds the lock."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """A stored prefix being read: `blocks` are valid inside the context only."""
+
+    layers: tuple[LayerSpec, ...]
+    blocks: list[StoredBlock] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+def verified_prefix(
+    blocks: Sequence[StoredBlock | None], keys: Sequence[BlockKey]
+) -> tuple[ReadResult, BlockKey | None]:
+    """The leading blocks that are present, pass their checksums and share one layer
+    layout (kvstore.blocks.leading_blocks), logged where that ends early; and the key of
+    the block that failed its checksum, if one did."""
+    prefix = leading_blocks(blocks)
+    n = len(prefix.blocks)
+    if prefix.stop == "corrupt" and prefix.bad_layer is not None:
+        block = blocks[n]  # the one that failed (present: it was verified)
+        layer = block.meta.layers[prefix.bad_layer].name if block is not None else "?"
+        log.error(
+            "checksum mismatch in block %s layer %r: treating it as a miss and removing it",
+            keys[n][1].hex(),
+            layer,
+        )
+        return ReadResult(prefix.layers, prefix.blocks), keys[n]
+    if prefix.stop == "layout":
+        log.warning("block %s has another layer layout than its prefix; stopping there", keys[n][1].hex())
+    return ReadResult(prefix.layers, prefix.blocks), None
+
+
+class TierChain:
+    def __init__(
+        self,
+        persistent: Backend,
+        memory: MemoryTier | None,
+        *,
+        lock: threading.Lock,
+        commit_lock: threading.Lock,
+        owner: Owner,
+    ) -> None:
+        self.persistent = persistent
+        self.memory = memory
+        self._lock = lock
+        self._commit_lock = commit_lock
+        self._owner = owner
+
+    # ---- reads
+    @contextmanager
+    def read(self, keys: list[BlockKey]) -> Iterator[list[StoredBlock | None]]:
+        """Each block from the first tier that has it (None where none has); arena extents
+        stay pinned meanwhile."""
+        memory = self.memory
+        if memory is None:
+            with self.persistent.read(keys) as blocks:
+                yield blocks
+            return
+        with self._lock:
+            placements = [memory.resident.get(key) for key in keys]
+            extents = list(dict.fromkeys(p.extent for p in placements if p is not None))
+            memory.pin_extents(extents, time.time())
+            hot = len(keys) - placements.count(None)
+            memory.counters.memory_hit_blocks += hot
+            memory.counters.persistent_hit_blocks += len(keys) - hot
+        try:
+            cold = [key for key, p in zip(keys, placements, strict=True) if p is None]
+            with self.persistent.read(cold) if cold else nullcontext([]) as cold_blocks:
+                rest = iter(cold_blocks)
+                yield [memory.block(p) if p is not None else next(rest) for p in placements]
+        finally:
+            with self._lock:
+                memory.unpin_extents(extents)
+
+    # ---- removal
+    def delete(self, keys: list[BlockKey]) -> None:
+        """Delete from every tier blocks the index already dropped. A tier that cannot (a
+        failing disk) is logged: the blocks are not served, and return at restart."""
+        if not keys:
+            return
+        if self.memory is not None:
+            with self._lock:
+                gone = self.memory.unplace(keys)
+            self.forget_records(gone)
+        try:
+            self.persistent.delete(keys)
+        except StorageError as exc:
+            log.error("could not delete %d evicted blocks; they return at restart: %s", len(keys), exc)
+
+    def forget_records(self, keys: Sequence[BlockKey]) -> None:
+        """Drop the arena index's records of blocks that left the arena."""
+        if self.memory is None or not keys:
+            return
+        try:
+            self.memory.index.delete(keys)
+        except ArenaError as exc:
+            log.error("%s; %d blocks may come back from the memory tier at restart", exc, len(keys))
+
+    # ---- the memory tier's room
+    def allocate(self, nbytes: int, now: float) -> int:
+        """An arena extent of `nbytes`, evicting least recently used extents for it: their
+        blocks stay stored in the persistent tier, memory-only ones leave the store. Caller
+        holds the commit lock. Raises NoRoom."""
+        memory = self._memory()
+        while True:
+            with self._lock:
+                offset = memory.allocate(nbytes)
+                if offset is not None:
+                    return offset
+                extent = memory.evictable_extent(now)
+                if extent is None:
+                    raise NoRoom(
+                        f"no room for {nbytes} bytes in the memory tier: the rest is pinned, "
+                        "reserved or waiting to be written behind"
+                    )
+                keys = list(extent.live)
+                self._owner.drop_evicted([k for k in keys if k in memory.memory_only])
+                memory.counters.memory_evictions += len(keys)
+                gone = memory.unplace(keys)
+            self.forget_records(gone)
+
+    # ---- promotion: persistent -> memory
+    def promote(self, keys: list[BlockKey], now: float) -> None:
+        """Copy the blocks of `keys` that only the persistent tier holds into one new extent,
+        verified; a bad block ends the promotion there (and is removed). The request's
+        blocks already in memory stay while room is made."""
+        memory = self._memory()
+        with self._commit_lock:
+            with self._lock:
+                hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
+                memory.pin_extents(hot, now)
+                cold = [k for k in keys if k not in memory.resident and self._owner.indexed(k)]
+            try:
+                if cold:
+                    self._promote_blocks(memory, cold, now)
+            finally:
+                with self._lock:
+                    memory.unpin_extents(hot)
+
+    def _promote_blocks(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> None:
+        with self.persistent.read(cold) as blocks:
+            good, bad = verified_prefix(blocks, cold)
+            if bad is not None:
+                with self._lock:
+                    self._owner.count_checksum_failures(1)
+            n = good.num_blocks
+            if not n:
+                if bad is not None:
+                    self._owner.remove_corrupt(bad)
+                return
+            sizes = [layer.nbytes for layer in good.layers]
+            nbytes = fmt.extent_bytes(sum(sizes), n)
+            if nbytes > memory.allocator.total:
+                return  # the load is served from what is in memory
+            try:
+                offset = self.allocate(nbytes, now)
+            except NoRoom as exc:
+                log.info("no promotion of %d blocks: %s", n, exc)
+                return
+            view = memory.file.view
+            placed = []
+            for position, block in enumerate(good.blocks):
+                for layer, data in enumerate(block.layers):
+                    at = offset + fmt.block_layer_offset(sizes, n, layer, position)
+                    view[at : at + sizes[layer]] = data
+                placed.append(Placed(block.meta, offset, n, position))
+        if bad is not None:
+            self._owner.remove_corrupt(bad)
+        try:
+            memory.index.put(placed)
+        except ArenaError as exc:
+            log.error("%s; promotion skipped", exc)
+            with self._lock:
+                memory.allocator.free(offset, nbytes)
+            return
+        with self._lock:
+            live = [p for p in placed if self._owner.indexed(p.meta.key)]
+            if live:
+                memory.place(live, now, dirty=False)
+            else:
+                memory.allocator.free(offset, nbytes)
+            memory.counters.promotions += 1
+            memory.counters.promoted_blocks += len(live)
+
+    # ---- write-behind: memory -> persistent
+    def write_behind_once(self, batch_bytes: int) -> bool:
+        """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`),
+        verified; False when nothing was waiting.
+
+        NOTE: the verify and the backend write run outside the commit lock (a write of a
+        batch takes tens of ms, and a save's commit would wait behind it); the batch's
+        extents are pinned meanwhile, so their bytes stay. A block removed from the index
+        during the write (evicted, taken, dropped) is deleted from the backend afterwards,
+        under the commit lock, as the removal's own deletion may have run first."""
+        memory = self.memory
+        if memory is None:
+            return False
+        with self._lock:
+            batch: list[Placed] = []
+            size = 0
+            for key, nbytes in memory.dirty.items():
+                if batch and size + nbytes > batch_bytes:
+                    break
+                batch.append(memory.resident[key])
+                size += nbytes
+            if not batch:
+                return False
+            extents = list(dict.fromkeys(p.extent for p in batch))
+            memory.pin_extents(extents, time.time())
+        try:
+            writes, corrupt = [], []
+            for placed in batch:
+                block = memory.block(placed)
+                if block.corrupt_layer() is not None:
+                    corrupt.append(placed.meta.key)
+                    continue
+                meta = block.meta
+                if meta.checksum_kind != XXH3:  # the persistent tier holds xxh3 only
+                    sums = tuple(checksum(view) for view in block.layers)
+                    meta = dataclasses.replace(meta, checksums=sums, checksum_kind=XXH3)
+                writes.append(BlockWrite(meta, block.layers))
+            keys = [w.meta.key for w in writes]
+            try:
+                self.persistent.write(writes)
+                ok = True
+            except StorageError as exc:
+                ok = False
+                log.warning(
+                    "write-behind of %d blocks failed; they stay in memory only: %s", len(writes), exc
+                )
+        finally:
+            with self._lock:
+                memory.unpin_extents(extents)
+        with self._commit_lock:
+            with self._lock:
+                stale = [key for key in keys if not self._owner.indexed(key)]
+                if ok:
+                    memory.written_behind(keys)
+                else:
+                    memory.drop_behind(keys)
+                if corrupt:
+                    self._owner.count_checksum_failures(len(corrupt))
+            if ok and stale:
+                self.delete(stale)
+            for key in corrupt:
+                log.error("block %s fails its checksum in the memory tier: removed", key[1].hex())
+                self._owner.remove_corrupt(key)
+        return True
+
+    def expire_leases(self) -> int:
+        """Reclaim reservations and pins whose lease ran out; how many."""
+        if self.memory is None:
+            return 0
+        with self._lock:
+            return self.memory.expire(time.monotonic())
+
+    # ---- lifecycle
+    def close(self) -> None:
+        """Close every tier; the arena file is removed when nothing in it is memory-only or
+        waiting to be written behind. Caller holds the commit lock; called once."""
+        self.persistent.close()
+        if self.memory is not None:
+            self.memory.close(remove=not self.memory.dirty and not self.memory.memory_only)
+
+    def _memory(self) -> MemoryTier:
+        if self.memory is None:
+            raise RuntimeError("a memory-tier operation on a chain without a memory tier")
+        return self.memory
