@@ -20,6 +20,17 @@ python -c "import vllm" 2>/dev/null || {
     pip uninstall -q -y torchvision torchaudio torchcodec || true
 }
 pip install -q $C -e ".[test,dev]"
+# the fleet tier's tests run a real Redis Cluster of Debian's redis-server
+if ! command -v redis-server >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -qq redis-server >/dev/null ||
+            { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+    else
+        echo "scripts/test.sh: install redis-server first (apt-get install redis-server)" >&2
+        exit 1
+    fi
+fi
 python scripts/gen_protos.py --check
 # lint (ruff: packages, tests, benches) and types (mypy, settings in pyproject.toml)
 SRC="kvstore_server kvstore_client kvstore_cli connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py"

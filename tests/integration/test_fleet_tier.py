@@ -1,0 +1,152 @@
+"""The fleet tier against a real 3-master Redis Cluster (tests/support/redis_cluster.py):
+one object per block spread over the nodes, prefixes, verification, deployments and
+namespaces apart, and a Redis that goes away and comes back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.redis_cluster import Cluster, Node, free_port
+
+from kvstore.blocks import BlockMeta, LayerSpec, checksum
+from kvstore_server.tiers.base import BlockWrite
+from kvstore_server.tiers.fleet import FleetSettings, FleetTier, encode, object_key
+
+LAYERS = (LayerSpec("k", "bfloat16", (2, 16, 8), 512), LayerSpec("v", "bfloat16", (2, 16, 8), 512))
+NS = b"tenant\x00model-a"
+
+
+def block(i: int, ns: bytes = NS, tag: bytes = b"chain") -> BlockWrite:
+    data = [bytes([(i * 7 + k * 3 + j) % 251 for j in range(spec.nbytes)]) for k, spec in enumerate(LAYERS)]
+    meta = BlockMeta(ns, tag.ljust(31, b".") + bytes([i]), (tag.ljust(31, b".") + bytes([i - 1])) if i else b"",
+                     LAYERS, tuple(checksum(d) for d in data), 1_700_000_000.0)  # fmt: skip
+    return BlockWrite(meta, data)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def fleet(cluster: Cluster) -> Iterator[FleetTier]:
+    cluster.flush()
+    tier = FleetTier(FleetSettings(cluster.url, prefix=b"test/"))
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
+def test_blocks_round_trip_bit_exact_one_object_each_spread_over_the_masters(
+    fleet: FleetTier, cluster: Cluster
+) -> None:
+    writes = [block(i) for i in range(24)]
+    assert fleet.write(writes)
+    keys = [w.meta.key for w in writes]
+    assert fleet.stored_prefix(keys) == 24
+    got = fleet.read(keys)
+    for w, b in zip(writes, got, strict=True):
+        assert b is not None and b.meta == w.meta
+        assert [bytes(v) for v in b.layers] == [bytes(d) for d in w.layers]
+    sizes = [node.client().dbsize() for node in cluster.nodes]
+    assert sum(sizes) == 24 and sum(1 for n in sizes if n) >= 2  # no hash tags: the chain spreads
+    stats = fleet.stats()
+    assert (stats["fleet_blocks_written"], stats["fleet_hit_blocks"]) == (24, 24)
+    assert stats["fleet_bytes_fetched"] == sum(len(encode(w)) for w in writes)
+
+
+def test_the_prefix_ends_at_the_first_block_the_fleet_lacks(fleet: FleetTier) -> None:
+    writes = [block(i) for i in range(5)]
+    assert fleet.write([writes[0], writes[1], writes[3], writes[4]])
+    keys = [w.meta.key for w in writes]
+    assert fleet.stored_prefix(keys) == 2
+    assert [b is not None for b in fleet.read(keys)] == [True, True, False, True, True]
+    assert fleet.stored_prefix(keys[2:]) == 0 and fleet.read([]) == []
+
+
+def test_a_corrupt_or_misplaced_object_is_a_miss_never_bytes(fleet: FleetTier, caplog) -> None:
+    a, b, c = block(0), block(1), block(2)
+    assert fleet.write([a, b, c])
+    raw = fleet._data.get(object_key(fleet.prefix, a.meta.key))  # noqa: SLF001 - the real bytes
+    flipped = bytearray(raw)
+    flipped[-10] ^= 0x01
+    fleet._data.set(object_key(fleet.prefix, a.meta.key), bytes(flipped))  # noqa: SLF001
+    fleet._data.set(object_key(fleet.prefix, b.meta.key), raw)  # noqa: SLF001 - a's object under b's key
+    fleet._data.set(object_key(fleet.prefix, c.meta.key), raw[:-1])  # noqa: SLF001 - cut short
+    with caplog.at_level(logging.WARNING):
+        assert fleet.read([a.meta.key, b.meta.key, c.meta.key]) == [None, None, None]
+    assert "fails its checksum" in caplog.text and "another block's" in caplog.text
+    assert fleet.stats()["fleet_corrupt"] == 3
+
+
+def test_deployments_and_namespaces_stay_apart_and_evict_alone(cluster: Cluster) -> None:
+    cluster.flush()
+    one = FleetTier(FleetSettings(cluster.url, prefix=b"one/"))
+    two = FleetTier(FleetSettings(cluster.url, prefix=b"two/"))
+    try:
+        mine, other = [block(i) for i in range(3)], [block(i, ns=b"tenant\x00model-b") for i in range(3)]
+        assert one.write(mine + other)
+        assert two.stored_prefix([w.meta.key for w in mine]) == 0  # another deployment's prefix
+        assert one.delete_namespace(NS) == 3
+        assert one.stored_prefix([w.meta.key for w in mine]) == 0
+        assert one.stored_prefix([w.meta.key for w in other]) == 3
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_fleet_that_goes_away_is_misses_and_drops_then_comes_back(tmp_path: Path, caplog) -> None:
+    node = Node(free_port(), tmp_path / "redis", cluster=False).start()
+    fleet = FleetTier(FleetSettings(f"redis://127.0.0.1:{node.port}", lookup_timeout_s=0.2, timeout_s=0.5))
+    try:
+        writes = [block(i) for i in range(3)]
+        keys = [w.meta.key for w in writes]
+        assert fleet.write(writes) and fleet.stored_prefix(keys) == 3
+        node.stop()
+        with caplog.at_level(logging.WARNING):
+            assert fleet.stored_prefix(keys) == 0
+            assert fleet.read(keys) == [None, None, None]
+            assert not fleet.write(writes)
+        assert caplog.text.count("does not answer") == 1  # one warning per outage
+        assert fleet.stats()["fleet_up"] == 0 and fleet.stats()["fleet_errors"] == 3
+        node.start()  # the same port, empty (no persistence)
+        with caplog.at_level(logging.WARNING):
+            assert fleet.write(writes)
+        assert "is back" in caplog.text and fleet.stats()["fleet_up"] == 1
+        assert fleet.stored_prefix(keys) == 3
+    finally:
+        fleet.close()
+        node.stop()
+
+
+def test_a_plain_redis_with_acl_user_and_password_file(tmp_path: Path) -> None:
+    node = Node(free_port(), tmp_path / "redis", cluster=False).start()
+    try:
+        with node.client() as admin:
+            admin.acl_setuser("kv", enabled=True, passwords=["+s3cret-pass"], keys=["fleet/*"],
+                              commands=["+@all"])  # fmt: skip
+        secret = tmp_path / "password"
+        secret.write_text("s3cret-pass\n")
+        url = f"redis://127.0.0.1:{node.port}"
+        ok = FleetTier(FleetSettings(url, prefix=b"fleet/", user="kv", password_file=secret))
+        try:
+            assert ok.write([block(0)]) and ok.stored_prefix([block(0).meta.key]) == 1
+        finally:
+            ok.close()
+        secret.write_text("wrong\n")
+        refused = FleetTier(FleetSettings(url, prefix=b"fleet/", user="kv", password_file=secret))
+        try:
+            assert refused.stored_prefix([block(0).meta.key]) == 0 and not refused.write([block(1)])
+            assert refused.stats()["fleet_up"] == 0
+        finally:
+            refused.close()
+    finally:
+        node.stop()
