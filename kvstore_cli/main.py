@@ -174,6 +174,21 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
         ]
     else:
         rows.append(("memory tier", "off"))
+    if s["fleet_enabled"]:
+        rows += [
+            ("fleet", "up" if s["fleet_up"] else "not answering"),
+            ("fleet lookups", s["fleet_lookups"]),
+            ("fleet hits", f"{s['fleet_hit_blocks']} blocks, {format_size(s['fleet_bytes_fetched'])}"),
+            ("fleet promoted", f"{s['fleet_promoted_blocks']} blocks"),
+            ("fleet written", f"{s['fleet_blocks_written']} blocks, {format_size(s['fleet_bytes_written'])}"),
+            ("fleet backlog", f"{s['fleet_backlog_blocks']} blocks, {format_size(s['fleet_backlog_bytes'])}"),
+            ("fleet dropped", s["fleet_dropped"]),
+            ("fleet skipped", s["fleet_skipped"]),
+            ("fleet errors", s["fleet_errors"]),
+            ("fleet corrupt", s["fleet_corrupt"]),
+        ]
+    else:
+        rows.append(("fleet", "off"))
     print(format_table(rows))
     return 0
 

@@ -72,6 +72,14 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "memory_clients": ((bool,), "true or false"),
     "lease_seconds": ((int, float), "a number"),
     "write_behind_bytes": _SIZE,
+    "fleet": _STR,
+    "fleet_prefix": _STR,
+    "fleet_user": _STR,
+    "fleet_password_file": _STR,
+    "fleet_tls_ca": _STR,
+    "fleet_lookup_seconds": ((int, float), "a number"),
+    "fleet_timeout_seconds": ((int, float), "a number"),
+    "fleet_queue_bytes": _SIZE,
 }
 
 DEFAULT_MEMORY = 1 << 30
@@ -173,6 +181,27 @@ class ServerConfig:
     """Bytes of committed blocks waiting to be written behind to the backend; beyond it, new
     commits stay in memory only (counted as write_behind_dropped). Not set: half of memory."""
 
+    fleet: str | None = None
+    """The fleet tier, shared by every host's daemon: redis://HOST:PORT[/DB] or
+    redis+cluster://H1:P1,H2:P2,... (rediss:// for TLS). Blocks stored here are copied to
+    it in the background; blocks the local tiers lack are looked up and fetched from it.
+    Not set: no fleet tier."""
+    fleet_prefix: str = ""
+    """Prefix of every fleet key, so several deployments can share one Redis."""
+    fleet_user: str | None = None
+    """Redis ACL user for the fleet."""
+    fleet_password_file: Path | None = None
+    """File holding the fleet user's password (never on the command line)."""
+    fleet_tls_ca: Path | None = None
+    """PEM CA bundle to verify the fleet's TLS certificates (rediss://)."""
+    fleet_lookup_seconds: float = 0.05
+    """Deadline of a fleet lookup; a fleet slower than this is a miss."""
+    fleet_timeout_seconds: float = 2.0
+    """Deadline of a fleet read or write."""
+    fleet_queue_bytes: int = 256 << 20
+    """Bytes of blocks waiting to be copied to the fleet; beyond it, copies are dropped
+    (counted as fleet_dropped) and saves never wait."""
+
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
         self.memory_dir = Path(self.memory_dir).expanduser()
@@ -184,6 +213,14 @@ class ServerConfig:
             self.memory_group = str(self.memory_group)
         if not self.lease_seconds > 0:
             raise ValueError("lease_seconds must be positive")
+        self.fleet_queue_bytes = parse_size(self.fleet_queue_bytes)
+        if self.fleet is not None:
+            from kvstore_server.tiers.fleet import parse_url
+
+            parse_url(self.fleet)  # raises ValueError naming what is wrong
+        for name in ("fleet_lookup_seconds", "fleet_timeout_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
         self.capacity = parse_size(self.capacity)
         self.max_put_bytes = parse_size(self.max_put_bytes)
         self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes)
@@ -207,7 +244,14 @@ class ServerConfig:
             raise ValueError(f"metrics_port must be 0..65535, not {self.metrics_port}")
         if not self.metrics_host:
             raise ValueError("metrics_host must not be empty")
-        for name in ("token_file", "tls_cert", "tls_key", "tls_client_ca"):
+        for name in (
+            "token_file",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "fleet_password_file",
+            "fleet_tls_ca",
+        ):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, Path(value).expanduser())

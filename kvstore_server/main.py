@@ -43,6 +43,7 @@ from kvstore_server.rpc import SERVICE_NAME, Servicer, generic_handler
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier
+from kvstore_server.tiers.fleet import FleetSettings, FleetTier
 
 log = logging.getLogger("kvstore_server")
 
@@ -155,12 +156,29 @@ def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
                 backend.close()
                 raise StorageError(f"memory tier: {exc}") from exc
             log.warning("running without a memory tier: %s (set memory = 0 to say so)", exc)
+    fleet = None
+    if config.fleet is not None:
+        fleet = FleetTier(
+            FleetSettings(
+                config.fleet,
+                prefix=config.fleet_prefix.encode(),
+                user=config.fleet_user,
+                password_file=config.fleet_password_file,
+                tls_ca=config.fleet_tls_ca,
+                lookup_timeout_s=config.fleet_lookup_seconds,
+                timeout_s=config.fleet_timeout_seconds,
+            )
+        )
     try:
-        store = Store(backend, config.capacity, memory=memory)
+        store = Store(
+            backend, config.capacity, memory=memory, fleet=fleet, fleet_queue_bytes=config.fleet_queue_bytes
+        )
     except Exception:  # the caller reports it; the files are closed first
         backend.close()
         if memory is not None:
             memory.close()
+        if fleet is not None:
+            fleet.close()
         raise
     if memory is not None:
         log.info(
@@ -239,6 +257,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lease-seconds", dest="lease_seconds", type=float, help="reservation/pin lease (30)")
     p.add_argument("--write-behind-bytes", dest="write_behind_bytes", help="write-behind queue bound")
+    p.add_argument("--fleet", help="fleet tier: redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,...")
+    p.add_argument("--fleet-prefix", dest="fleet_prefix", help="prefix of every fleet key (deployments)")
+    p.add_argument("--fleet-user", dest="fleet_user", help="Redis ACL user for the fleet")
+    p.add_argument("--fleet-password-file", dest="fleet_password_file", type=Path, help="its password")
+    p.add_argument("--fleet-tls-ca", dest="fleet_tls_ca", type=Path, help="CA bundle for rediss://")
+    p.add_argument("--fleet-queue-bytes", dest="fleet_queue_bytes", help="fleet write-behind bound (256MiB)")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")

@@ -63,6 +63,43 @@ _PREFIX = "/kvstore.v1.KVStore/"
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+# the fleet tier's metrics: (kind, name, help, stats key)
+_FLEET_METRICS = (
+    ("gauge", "kvstore_fleet_up", "1 while the fleet answers, 0 during an outage.", "fleet_up"),
+    ("counter", "kvstore_fleet_lookups", "Lookups that went on into the fleet.", "fleet_lookups"),
+    ("counter", "kvstore_fleet_hit_blocks", "Blocks fetched from the fleet, verified.", "fleet_hit_blocks"),
+    ("counter", "kvstore_fleet_fetched_bytes", "Bytes fetched from the fleet.", "fleet_bytes_fetched"),
+    ("counter", "kvstore_fleet_written_blocks", "Blocks copied to the fleet.", "fleet_blocks_written"),
+    ("counter", "kvstore_fleet_written_bytes", "Bytes copied to the fleet.", "fleet_bytes_written"),
+    (
+        "counter",
+        "kvstore_fleet_corrupt_objects",
+        "Fleet objects failing to verify (misses).",
+        "fleet_corrupt",
+    ),
+    ("counter", "kvstore_fleet_errors", "Fleet calls not answered in time, or refused.", "fleet_errors"),
+    (
+        "gauge",
+        "kvstore_fleet_backlog_blocks",
+        "Blocks waiting to be copied to the fleet.",
+        "fleet_backlog_blocks",
+    ),
+    ("gauge", "kvstore_fleet_backlog_bytes", "Their bytes.", "fleet_backlog_bytes"),
+    (
+        "counter",
+        "kvstore_fleet_dropped_blocks",
+        "Fleet copies dropped (queue full, fleet away).",
+        "fleet_dropped",
+    ),
+    (
+        "counter",
+        "kvstore_fleet_promoted_blocks",
+        "Blocks fetched from the fleet into local tiers.",
+        "fleet_promoted_blocks",
+    ),
+)
+
+
 class Metrics:
     """The daemon's metrics in a CollectorRegistry of their own (not the global one)."""
 
@@ -178,6 +215,9 @@ class StoreCollector(Collector):
             yield counter(
                 "kvstore_memory_evicted_blocks", "Blocks that left the memory tier.", "memory_evictions"
             )
+        if self.store.fleet is not None:  # the fleet tier
+            for make, name, doc, key in _FLEET_METRICS:
+                yield (gauge if make == "gauge" else counter)(name, doc, key)
         yield GaugeMetricFamily(
             "kvstore_start_time_seconds", "Unix time the daemon started.", value=self.store.started_at
         )

@@ -48,7 +48,8 @@ from kvstore_server.tiers import (
 )
 from kvstore_server.tiers.arena import MemoryTier, Pin, Placed, Reservation
 from kvstore_server.tiers.chain import NoRoom, ReadResult, TierChain, verified_prefix
-from kvstore_server.tiers.writeback import WriteBehind
+from kvstore_server.tiers.fleet import FleetTier
+from kvstore_server.tiers.writeback import FleetWriteBehind, WriteBehind
 
 __all__ = ["ReadResult", "Store"]
 
@@ -139,9 +140,18 @@ under the store's lock, in commit order."""
 
 
 class Store:
-    def __init__(self, backend: Backend, capacity_bytes: int, *, memory: MemoryTier | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        capacity_bytes: int,
+        *,
+        memory: MemoryTier | None = None,
+        fleet: FleetTier | None = None,
+        fleet_queue_bytes: int = 256 << 20,
+    ) -> None:
         self.backend = backend
         self.memory = memory
+        self.fleet = fleet
         self.capacity_bytes = capacity_bytes
         self.counters = Counters()
         self.started_at = time.time()
@@ -153,7 +163,13 @@ class Store:
         self._closed = False  # no more writes
         self._listeners: list[Listener] = []
         self._eviction_helps = True  # see _write
-        self.tiers = TierChain(backend, memory, lock=self._lock, commit_lock=self._commit_lock, owner=self)
+        self.tiers = TierChain(
+            backend, memory, fleet, lock=self._lock, commit_lock=self._commit_lock, owner=self
+        )
+        self._fleet_writer = (
+            FleetWriteBehind(self.tiers, fleet, fleet_queue_bytes) if fleet is not None else None
+        )
+        self.fleet_promoted_blocks = 0
         for meta in backend.scan():
             self._index.add(
                 meta.namespace,
@@ -182,13 +198,48 @@ class Store:
 
     # ---- serving path
     def lookup(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        """The stored prefix: from the index, continued in the fleet (within its lookup
+        deadline) where the local tiers stop short."""
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n])
+        if n < len(hashes) and self.fleet is not None:
+            n += self.tiers.fleet_prefix([(namespace, h) for h in hashes[n:]])
+        with self._lock:
             self.counters.lookups += 1
             self.counters.hit_blocks += n
             self.counters.miss_blocks += len(hashes) - n
         return n
+
+    def _from_fleet(self, namespace: bytes, hashes: Sequence[bytes]) -> None:
+        """Bring the blocks after the local prefix of `hashes` that the fleet holds into the
+        persistent tier (verified, like a put), so a read or pin serves them like any
+        other. Nothing happens without a fleet, or when the local tiers have them all."""
+        if self.fleet is None:
+            return
+        with self._lock:
+            n = self._index.prefix_len(namespace, hashes)
+        if n == len(hashes):
+            return
+        got = self.tiers.fetch_from_fleet([(namespace, h) for h in hashes[n:]])
+        if not got.blocks:
+            return
+        blocks, width = got.blocks, len(got.layers)
+        try:
+            result = self.put(
+                namespace,
+                blocks[0].meta.parent_hash,
+                [b.meta.block_hash for b in blocks],
+                got.layers,
+                [[b.layers[k] for b in blocks] for k in range(width)],
+                [[b.meta.checksums[k] for b in blocks] for k in range(width)],
+                to_fleet=False,
+            )
+        except (StoreError, StorageError) as exc:
+            log.info("%d blocks found in the fleet are not stored here: %s", len(blocks), exc)
+            return
+        with self._lock:
+            self.fleet_promoted_blocks += result.blocks_written
 
     def put(
         self,
@@ -199,12 +250,15 @@ class Store:
         data: Sequence[Sequence[memoryview]],
         checksums: Sequence[Sequence[int]] | None = None,
         joined: Sequence[memoryview] | None = None,
+        *,
+        to_fleet: bool = True,
     ) -> PutResult:
         """Store blocks; data[layer][block] is one block's bytes of one layer.
 
         `checksums[layer][block]` may come precomputed (the servicer sums each
         chunk as it arrives, outside the commit lock); else they are computed here.
         `joined[block]`, when given, is that block's layers back to back (see BlockWrite).
+        `to_fleet`: queue the blocks written for the fleet (not for blocks that came from it).
         """
         block_bytes = sum(layer.nbytes for layer in layers)
         chain = {(namespace, h) for h in hashes}
@@ -256,6 +310,8 @@ class Store:
                 self.counters.puts += 1
                 self.counters.blocks_written += len(writes)
                 self.counters.bytes_written += incoming
+                if writes and to_fleet and self._fleet_writer is not None:
+                    self._fleet_writer.add([w.meta.key for w in writes], block_bytes)
                 if writes:
                     for listener in self._listeners:
                         listener(
@@ -340,6 +396,7 @@ class Store:
     @contextmanager
     def read(self, namespace: bytes, hashes: Sequence[bytes]) -> Iterator[ReadResult]:
         """The stored prefix of `hashes`, verified; a bad or vanished block ends it."""
+        self._from_fleet(namespace, hashes)
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n])
@@ -537,6 +594,8 @@ class Store:
                         m = p.meta
                         self._index.add(ns, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
                     memory.place(placed, placed[0].meta.created_at, dirty=True)
+                    if self._fleet_writer is not None:
+                        self._fleet_writer.add([p.meta.key for p in placed], placed[0].meta.size)
                     for listener in self._listeners:
                         listener("stored", ns, [p.meta.block_hash for p in placed],
                                  [p.meta.parent_hash for p in placed])  # fmt: skip
@@ -610,6 +669,7 @@ class Store:
         """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
         persistent tier holds) for the lease; a miss pins nothing (pin_id 0)."""
         memory = self._tier()
+        self._from_fleet(namespace, hashes)
         now = time.time()
         with self._lock:
             memory.expire(time.monotonic())
@@ -716,7 +776,18 @@ class Store:
                 "uptime_seconds": time.time() - self.started_at,
                 **vars(self.counters),
                 **(self.memory.stats() if self.memory is not None else {}),
+                **self._fleet_stats(),
             }
+
+    def _fleet_stats(self) -> dict[str, int]:
+        if self.fleet is None or self._fleet_writer is None:
+            return {}
+        return {
+            **self.fleet.stats(),
+            **self._fleet_writer.stats(),
+            "fleet_promoted_blocks": self.fleet_promoted_blocks,
+            "fleet_enabled": True,
+        }
 
     def list_blocks(
         self, namespace: bytes | None, limit: int, after: BlockKey | None, prefix: bytes = b""
@@ -787,6 +858,8 @@ class Store:
         self.begin_shutdown()
         if self._writer is not None:
             self._writer.close()
+        if self._fleet_writer is not None:
+            self._fleet_writer.close()
         with self._commit_lock:
             with self._lock:
                 self._closed = True

@@ -154,7 +154,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions")
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,20 @@ class StatsResponse(_message.Message):
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_UP_FIELD_NUMBER: _ClassVar[int]
+    FLEET_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FLEET_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FLEET_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    FLEET_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_BACKLOG_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FLEET_BACKLOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLEET_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes_used: int
     capacity_bytes: int
@@ -229,7 +243,21 @@ class StatsResponse(_message.Message):
     aborts: int
     pins: int
     memory_evictions: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ...) -> None: ...
+    fleet_enabled: bool
+    fleet_up: bool
+    fleet_lookups: int
+    fleet_hit_blocks: int
+    fleet_bytes_fetched: int
+    fleet_blocks_written: int
+    fleet_bytes_written: int
+    fleet_corrupt: int
+    fleet_errors: int
+    fleet_backlog_blocks: int
+    fleet_backlog_bytes: int
+    fleet_dropped: int
+    fleet_skipped: int
+    fleet_promoted_blocks: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")
@@ -334,18 +362,20 @@ class LocalAccessRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LocalAccessResponse(_message.Message):
-    __slots__ = ("backend", "data_dir", "store_id", "namespace_prefix", "pid_namespace")
+    __slots__ = ("backend", "data_dir", "store_id", "namespace_prefix", "pid_namespace", "fleet")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DATA_DIR_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     backend: str
     data_dir: str
     store_id: str
     namespace_prefix: bytes
     pid_namespace: str
-    def __init__(self, backend: _Optional[str] = ..., data_dir: _Optional[str] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., pid_namespace: _Optional[str] = ...) -> None: ...
+    fleet: bool
+    def __init__(self, backend: _Optional[str] = ..., data_dir: _Optional[str] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., pid_namespace: _Optional[str] = ..., fleet: _Optional[bool] = ...) -> None: ...
 
 class ArenaAccessRequest(_message.Message):
     __slots__ = ()

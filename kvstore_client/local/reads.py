@@ -194,6 +194,7 @@ class LocalReads:
         self._lock = threading.Lock()
         self._files: _Files | None = None
         self._prefix = b""  # this client's tenant prefix, from LocalAccess
+        self._fleet = False  # the daemon has a fleet tier (LocalAccess)
         self._negotiating = False
         self._next_try = 0.0
         self._reason: str | None = None  # why the path is off, logged once per reason
@@ -221,6 +222,8 @@ class LocalReads:
             self._broken(files, f"local lookup failed: {exc}")
             return None
         files.release()
+        if self._fleet and n < len(hashes):
+            return None  # the rest may be in the fleet: the daemon knows
         return n
 
     def stream_source(self, namespace: bytes, hashes: Sequence[bytes]) -> LocalSource | None:
@@ -238,6 +241,10 @@ class LocalReads:
             stack.close()
             files.release()
             self._broken(files, f"local read failed: {exc}")
+            return None
+        if self._fleet and len(good) < len(hashes):  # the rest may be in the fleet
+            stack.close()
+            files.release()
             return None
         return LocalSource(files, stack, good, functools.partial(self._report, namespace))
 
@@ -303,6 +310,7 @@ class LocalReads:
                 "the daemon runs in another PID namespace, where LMDB cannot track this reader "
                 '(containers: share it, e.g. pid: "service:kvstore")'
             )
+        self._fleet = resp.fleet
         try:
             return _hold(resp.backend, data_dir, resp.store_id), bytes(resp.namespace_prefix)
         except (StorageError, ValueError) as exc:

@@ -290,6 +290,7 @@ class Servicer:
             store_id=self.events.store_id,
             namespace_prefix=self.scope.prefix(context),
             pid_namespace=pid_namespace(),
+            fleet=self.store.fleet is not None,
         )
 
     # ---- memory tier (the same-host data plane)

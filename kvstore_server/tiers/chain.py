@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import XXH3, leading_blocks
+from kvstore.blocks import XXH3, BlockPrefix, leading_blocks
 from kvstore_server.tiers.arena import ArenaError, MemoryTier, Placed
 from kvstore_server.tiers.base import (
     Backend,
@@ -40,6 +40,7 @@ from kvstore_server.tiers.base import (
     StoredBlock,
     checksum,
 )
+from kvstore_server.tiers.fleet import FleetTier
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class TierChain:
         self,
         persistent: Backend,
         memory: MemoryTier | None,
+        fleet: FleetTier | None = None,
         *,
         lock: threading.Lock,
         commit_lock: threading.Lock,
@@ -113,6 +115,7 @@ class TierChain:
     ) -> None:
         self.persistent = persistent
         self.memory = memory
+        self.fleet = fleet
         self._lock = lock
         self._commit_lock = commit_lock
         self._owner = owner
@@ -142,6 +145,18 @@ class TierChain:
         finally:
             with self._lock:
                 memory.unpin_extents(extents)
+
+    # ---- the fleet (read through; never deleted from by local removals: other hosts use it)
+    def fleet_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading `keys` the fleet holds (0 without one, or when it does not answer)."""
+        return self.fleet.stored_prefix(keys) if self.fleet is not None else 0
+
+    def fetch_from_fleet(self, keys: Sequence[BlockKey]) -> BlockPrefix:
+        """The leading `keys` the fleet holds, read and verified (each object is checked
+        against its key and checksums as it is decoded), of one layer layout."""
+        if self.fleet is None:
+            return BlockPrefix([])
+        return leading_blocks(self.fleet.read(keys), verify=False)
 
     # ---- removal
     def delete(self, keys: list[BlockKey]) -> None:
@@ -330,6 +345,8 @@ class TierChain:
         """Close every tier; the arena file is removed when nothing in it is memory-only or
         waiting to be written behind. Caller holds the commit lock; called once."""
         self.persistent.close()
+        if self.fleet is not None:
+            self.fleet.close()
         if self.memory is not None:
             self.memory.close(remove=not self.memory.dirty and not self.memory.memory_only)
 

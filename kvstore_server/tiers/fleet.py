@@ -194,45 +194,55 @@ class FleetTier:
 
     name = "fleet"
 
-    def __init__(self, settings: FleetSettings, *, lookups: Any = None, data: Any = None) -> None:
+    def __init__(self, settings: FleetSettings) -> None:
         self.settings = settings
         self.prefix = settings.prefix
-        # two clients: lookups give up after a short deadline, data moves take longer
-        self._lookups = lookups if lookups is not None else connect(settings, settings.lookup_timeout_s)
-        self._data = data if data is not None else connect(settings, settings.timeout_s)
         self.counters = FleetCounters()
         self._lock = threading.Lock()
         self._down_since: float | None = None
+        # two clients, made on first use (a cluster that is down at start is retried by
+        # the next call): lookups give up after a short deadline, data moves take longer
+        self._clients: dict[str, Any] = {}
+        self._timeouts = {"lookup": settings.lookup_timeout_s, "data": settings.timeout_s}
+
+    def _client(self, kind: str) -> Any:
+        """Raises one of FLEET_ERRORS when the fleet cannot be reached."""
+        with self._lock:
+            client = self._clients.get(kind)
+        if client is None:
+            client = connect(self.settings, self._timeouts[kind])  # a cluster asks for its slots here
+            with self._lock:
+                client = self._clients.setdefault(kind, client)
+        return client
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many leading `keys` the fleet holds: one pipelined EXISTS per key (a round
-        trip per cluster node); 0 when the fleet does not answer in time."""
+        trip per cluster node) within the lookup deadline; 0 when the fleet does not answer."""
         if not keys:
             return 0
         with self._lock:
             self.counters.fleet_lookups += 1
-        pipe = self._lookups.pipeline(transaction=False)
-        for key in keys:
-            pipe.exists(object_key(self.prefix, key))
-        answers = self._run(pipe, "lookup")
-        if answers is None:
-            return 0
+        present = self.present(keys, kind="lookup")
         n = 0
-        for found in answers:
-            if not found or isinstance(found, Exception):
+        for found in present or ():
+            if not found:
                 break
             n += 1
         return n
+
+    def present(self, keys: Sequence[BlockKey], *, kind: str = "data") -> list[bool] | None:
+        """Which of `keys` the fleet holds (None: it did not answer)."""
+        answers = self._run(kind, "exists", [(self._name(k),) for k in keys])
+        if answers is None:
+            return None
+        return [bool(a) and not isinstance(a, Exception) for a in answers]
 
     def read(self, keys: Sequence[BlockKey]) -> list[StoredBlock | None]:
         """The blocks of `keys`, verified; None for one that is missing, corrupt or
         unreadable (all None when the fleet does not answer)."""
         if not keys:
             return []
-        pipe = self._data.pipeline(transaction=False)
-        for key in keys:
-            pipe.get(object_key(self.prefix, key))
-        answers = self._run(pipe, "read")
+        answers = self._run("data", "get", [(self._name(k),) for k in keys])
         if answers is None:
             return [None] * len(keys)
         out: list[StoredBlock | None] = []
@@ -262,13 +272,9 @@ class FleetTier:
         answer (the blocks are then not in the fleet: callers count a drop)."""
         if not writes:
             return True
-        pipe = self._data.pipeline(transaction=False)
-        nbytes = 0
-        for write in writes:
-            value = encode(write)
-            nbytes += len(value)
-            pipe.set(object_key(self.prefix, write.meta.key), value)
-        answers = self._run(pipe, "write")
+        values = [(self._name(w.meta.key), encode(w)) for w in writes]
+        nbytes = sum(len(value) for _, value in values)
+        answers = self._run("data", "set", values)
         if answers is None or any(isinstance(a, Exception) for a in answers):
             return False
         with self._lock:
@@ -279,10 +285,7 @@ class FleetTier:
     def delete(self, keys: Sequence[BlockKey]) -> bool:
         if not keys:
             return True
-        pipe = self._data.pipeline(transaction=False)
-        for key in keys:
-            pipe.unlink(object_key(self.prefix, key))
-        return self._run(pipe, "delete") is not None
+        return self._run("data", "unlink", [(self._name(k),) for k in keys]) is not None
 
     def delete_namespace(self, namespace: bytes) -> int:
         """Remove every object of `namespace` (SCAN over every node, then UNLINK); how many.
@@ -290,45 +293,58 @@ class FleetTier:
         pattern = namespace_pattern(self.prefix, namespace)
         removed = 0
         try:
+            client = self._client("data")
             batch: list[bytes] = []
-            for name in self._data.scan_iter(match=pattern, count=1000):
+            for name in client.scan_iter(match=pattern, count=1000):
                 batch.append(name)
                 if len(batch) >= 500:
-                    removed += self._unlink(batch)
+                    removed += self._unlink(client, batch)
                     batch = []
             if batch:
-                removed += self._unlink(batch)
+                removed += self._unlink(client, batch)
         except FLEET_ERRORS as exc:
             self._failed("evict", exc)
             raise StorageError(f"the fleet did not answer: {exc}") from exc
         self._answered()
         return removed
 
-    def _unlink(self, names: list[bytes]) -> int:
-        pipe = self._data.pipeline(transaction=False)
+    @staticmethod
+    def _unlink(client: Any, names: list[bytes]) -> int:
+        pipe = client.pipeline(transaction=False)
         for name in names:
             pipe.unlink(name)
         return sum(int(n) for n in pipe.execute())
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**vars(self.counters), "fleet_up": int(self._down_since is None)}
+            return {**vars(self.counters), "fleet_up": self._down_since is None}
 
     def close(self) -> None:
-        for client in (self._lookups, self._data):
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
             client.close()
 
     # ---- one warning per outage
-    def _run(self, pipe: Any, what: str) -> list[Any] | None:
-        """The pipeline's answers (an Exception in place of a command that failed), or
-        None when the fleet did not answer at all."""
+    def _name(self, key: BlockKey) -> bytes:
+        return object_key(self.prefix, key)
+
+    def _run(self, kind: str, command: str, calls: Sequence[tuple[bytes, ...]]) -> list[Any] | None:
+        """`command` once per argument tuple of `calls`, pipelined on the `kind` client:
+        the answers (an Exception in place of a command that failed), or None when the
+        fleet did not answer at all."""
         try:
-            answers = pipe.execute(raise_on_error=False)
+            pipe = self._client(kind).pipeline(transaction=False)
+            try:
+                queue = getattr(pipe, command)
+                for args in calls:
+                    queue(*args)
+                answers = pipe.execute(raise_on_error=False)
+            finally:
+                pipe.reset()
         except FLEET_ERRORS as exc:  # connection, timeout, cluster down: no fleet now
-            self._failed(what, exc)
+            self._failed(command, exc)
             return None
-        finally:
-            pipe.reset()
         self._answered()
         return list(answers)
 

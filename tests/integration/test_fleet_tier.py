@@ -26,15 +26,6 @@ def block(i: int, ns: bytes = NS, tag: bytes = b"chain") -> BlockWrite:
     return BlockWrite(meta, data)
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("redis-cluster")).start()
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 @pytest.fixture
 def fleet(cluster: Cluster) -> Iterator[FleetTier]:
     cluster.flush()
@@ -75,12 +66,12 @@ def test_the_prefix_ends_at_the_first_block_the_fleet_lacks(fleet: FleetTier) ->
 def test_a_corrupt_or_misplaced_object_is_a_miss_never_bytes(fleet: FleetTier, caplog) -> None:
     a, b, c = block(0), block(1), block(2)
     assert fleet.write([a, b, c])
-    raw = fleet._data.get(object_key(fleet.prefix, a.meta.key))  # noqa: SLF001 - the real bytes
+    raw = fleet._client("data").get(object_key(fleet.prefix, a.meta.key))  # noqa: SLF001 - the real bytes
     flipped = bytearray(raw)
     flipped[-10] ^= 0x01
-    fleet._data.set(object_key(fleet.prefix, a.meta.key), bytes(flipped))  # noqa: SLF001
-    fleet._data.set(object_key(fleet.prefix, b.meta.key), raw)  # noqa: SLF001 - a's object under b's key
-    fleet._data.set(object_key(fleet.prefix, c.meta.key), raw[:-1])  # noqa: SLF001 - cut short
+    fleet._client("data").set(object_key(fleet.prefix, a.meta.key), bytes(flipped))  # noqa: SLF001
+    fleet._client("data").set(object_key(fleet.prefix, b.meta.key), raw)  # noqa: SLF001 - a's object under b's key
+    fleet._client("data").set(object_key(fleet.prefix, c.meta.key), raw[:-1])  # noqa: SLF001 - cut short
     with caplog.at_level(logging.WARNING):
         assert fleet.read([a.meta.key, b.meta.key, c.meta.key]) == [None, None, None]
     assert "fails its checksum" in caplog.text and "another block's" in caplog.text
