@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemon import eventually
 from support.redis_cluster import Cluster, Node, free_port
 
 from kvstore.blocks import BlockMeta, LayerSpec, checksum
@@ -141,3 +142,46 @@ def test_a_plain_redis_with_acl_user_and_password_file(tmp_path: Path) -> None:
             refused.close()
     finally:
         node.stop()
+
+
+def test_a_redis_evicting_under_maxmemory_only_ever_makes_whole_blocks_missing(tmp_path: Path) -> None:
+    node = Node(free_port(), tmp_path / "redis", cluster=False,
+                settings=["maxmemory 2mb", "maxmemory-policy allkeys-lru"]).start()  # fmt: skip
+    fleet = FleetTier(FleetSettings(f"redis://127.0.0.1:{node.port}"))
+    try:
+        writes = [block(i % 256, tag=b"lru%d" % (i // 256)) for i in range(3000)]  # ~3.5 MB of objects
+        for at in range(0, len(writes), 100):
+            assert fleet.write(writes[at : at + 100])
+        got = fleet.read([w.meta.key for w in writes])
+        kept = [(w, b) for w, b in zip(writes, got, strict=True) if b is not None]
+        assert 0 < len(kept) < len(writes)  # Redis evicted some
+        for w, b in kept:  # and every block still there is whole, verified
+            assert [bytes(v) for v in b.layers] == [bytes(d) for d in w.layers]
+        assert fleet.stats()["fleet_corrupt"] == 0
+    finally:
+        fleet.close()
+        node.stop()
+
+
+def test_a_master_killed_fails_over_and_its_blocks_are_served_again(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path / "ha", masters=3, replicas=1).start()
+    fleet = FleetTier(FleetSettings(cluster.url, prefix=b"ha/", lookup_timeout_s=0.2, timeout_s=1.0))
+    try:
+        writes = [block(i) for i in range(30)]
+        keys = [w.meta.key for w in writes]
+        assert fleet.write(writes)
+        replicas = [n for n in cluster.nodes if n.client().info("replication")["role"] == "slave"]
+        eventually(lambda: sum(r.client().dbsize() for r in replicas) == 30)  # replicated
+        victim = next(n for n in cluster.nodes if n not in replicas)
+        victim.stop()
+        # meanwhile: misses or a shorter prefix, within the deadline (no hang, no raise)
+        assert fleet.stored_prefix(keys) <= 30
+        assert len(fleet.read(keys)) == 30
+        eventually(cluster.healthy, deadline_s=30.0)  # a replica took over its slots
+        eventually(lambda: fleet.stored_prefix(keys) == 30, deadline_s=30.0)
+        got = fleet.read(keys)
+        assert all(b is not None and [bytes(v) for v in b.layers] == [bytes(d) for d in w.layers]
+                   for w, b in zip(writes, got, strict=True))  # fmt: skip
+    finally:
+        fleet.close()
+        cluster.stop()

@@ -55,6 +55,7 @@ class Node:
     root: Path
     proc: subprocess.Popen[str] | None = None
     cluster: bool = True  # False: a plain Redis
+    settings: list[str] = field(default_factory=list)  # more redis.conf lines
 
     @property
     def address(self) -> str:
@@ -70,7 +71,7 @@ class Node:
                     'logfile ""', "protected-mode no"]  # fmt: skip
         if self.cluster:
             settings += ["cluster-enabled yes", "cluster-config-file nodes.conf", "cluster-node-timeout 1000"]
-        conf.write_text("\n".join(settings) + "\n")
+        conf.write_text("\n".join([*settings, *self.settings]) + "\n")
         self.proc = subprocess.Popen(
             [exe, str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
