@@ -16,6 +16,7 @@ settings.load_profile("kvstore")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from daemon import Daemon  # noqa: E402
+from support.redis_cluster import Cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,3 +60,14 @@ def make_daemon(tmp_path: Path, backend: str) -> Iterator:
     yield make
     for d in started:
         d.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A real 3-master Redis Cluster for the fleet tier, shared by the session (tests use
+    their own key prefixes, or flush it)."""
+    c = Cluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -216,3 +216,28 @@ def test_hashes_match_what_the_connector_stored(tmp_path, model, prompts, store)
         root = block.decode().rsplit("|tp", 1)[0]
         hashes = block_hashes(root, prompts[0], BLOCK)
         assert kv.lookup(block, hashes) == len(prompts[0]) // BLOCK
+
+
+def test_prefill_on_one_host_decode_on_another_through_the_fleet(tmp_path, model, prompts, baseline, cluster):
+    # two daemons standing for two hosts: nothing shared but the Redis Cluster
+    fleet = ["--fleet", cluster.url, "--fleet-prefix", f"e2e-{tmp_path.name}/"]
+    host_a = Daemon(tmp_path / "host-a", extra_args=fleet).start()
+    host_b = Daemon(tmp_path / "host-b", extra_args=fleet).start()
+    try:
+        run_engines(tmp_path, model, [{
+            "name": "prefill", "kv": kv_config(host_a.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
+        }])  # fmt: skip
+        stored = sum(len(p) // BLOCK for p in prompts)
+        eventually(lambda: stats(host_a.address)["fleet_blocks_written"] == stored)
+        out = run_engines(tmp_path, model, [{
+            "name": "decode", "kv": kv_config(host_b.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+        }])  # fmt: skip
+        assert out["decode"]["tokens"] == baseline
+        on_b = stats(host_b.address)
+        assert on_b["fleet_promoted_blocks"] == full_blocks(
+            prompts
+        )  # every loadable block came from the fleet
+        assert on_b["fleet_blocks_written"] == 0  # what came from the fleet is not copied back
+    finally:
+        host_a.stop()
+        host_b.stop()

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import pytest
 from support.inproc import InProcServer
-from support.redis_cluster import Cluster
 
 from kvstore_client import KVStoreClient
 
@@ -73,14 +72,3 @@ def daemon_kv(daemon) -> Iterator[KVStoreClient]:
     """A client of the per-test subprocess daemon (for tests that need its process), over gRPC."""
     with KVStoreClient(daemon.address, timeout=20.0, arena=False) as client:
         yield client
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A real 3-master Redis Cluster for the fleet tier, shared by the session (tests use
-    their own key prefixes, or flush it)."""
-    c = Cluster(tmp_path_factory.mktemp("redis-cluster")).start()
-    try:
-        yield c
-    finally:
-        c.stop()
