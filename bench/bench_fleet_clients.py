@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""The fleet tier's choice of Redis client, measured: redis-py's RedisCluster pipeline
+against valkey-glide's sync GlideClusterClient (a non-atomic ClusterBatch), SET then GET
+of the same MiB values on a private 3-master Redis Cluster (tests/support/redis_cluster.py:
+Debian's redis-server on free loopback ports, no persistence), in one run.
+
+    python bench/bench_fleet_clients.py [--values 64] [--value-mib 1] [--repeat 3]
+
+Prints GB/s of each client per operation (best of --repeat) and the ratio glide / redis-py.
+valkey-glide-sync is optional: `pip install valkey-glide-sync` (skipped with a note if absent).
+Figures are of this machine and this moment: compare within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from support.redis_cluster import Cluster  # noqa: E402
+
+
+def best(repeat: int, run: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeat):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def bench_redis_py(
+    cluster: Cluster, names: list[bytes], values: list[bytes], repeat: int
+) -> dict[str, float]:
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes = [ClusterNode("127.0.0.1", n.port) for n in cluster.nodes]
+    client = RedisCluster(startup_nodes=nodes, socket_timeout=30)
+
+    def put() -> None:
+        pipe = client.pipeline(transaction=False)
+        for name, value in zip(names, values, strict=True):
+            pipe.set(name, value)
+        pipe.execute()
+
+    def get() -> None:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.get(name)
+        got = pipe.execute()
+        if any(g is None for g in got):
+            raise RuntimeError("redis-py read back a missing value")
+
+    out = {"set": best(repeat, put), "get": best(repeat, get)}
+    client.close()
+    return out
+
+
+def bench_glide(
+    cluster: Cluster, names: list[bytes], values: list[bytes], repeat: int
+) -> dict[str, float] | None:
+    try:
+        import glide_sync as g
+    except ImportError:
+        return None
+    config = g.GlideClusterClientConfiguration(
+        [g.NodeAddress("127.0.0.1", n.port) for n in cluster.nodes], request_timeout=30_000
+    )
+    client = g.GlideClusterClient.create(config)
+
+    def put() -> None:
+        batch = g.ClusterBatch(is_atomic=False)
+        for name, value in zip(names, values, strict=True):
+            batch.set(name, value)
+        client.exec(batch, raise_on_error=True)
+
+    def get() -> None:
+        batch = g.ClusterBatch(is_atomic=False)
+        for name in names:
+            batch.get(name)
+        got = client.exec(batch, raise_on_error=True)
+        if got is None or any(v is None for v in got):
+            raise RuntimeError("glide read back a missing value")
+
+    out = {"set": best(repeat, put), "get": best(repeat, get)}
+    client.close()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--values", type=int, default=64)
+    p.add_argument("--value-mib", type=float, default=1.0)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    size = int(args.value_mib * (1 << 20))
+    names = [b"bench:%d" % i for i in range(args.values)]
+    values = [os.urandom(size) for _ in names]
+    total = size * len(values)
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-fleet-") as root:
+        cluster = Cluster(Path(root)).start()
+        try:
+            results = {"redis-py RedisCluster pipeline": bench_redis_py(cluster, names, values, args.repeat)}
+            glide = bench_glide(cluster, names, values, args.repeat)
+        finally:
+            cluster.stop()
+    if glide is not None:
+        results["glide-sync ClusterBatch"] = glide
+    print(
+        f"{args.values} values of {args.value_mib:g} MiB on a 3-master Redis Cluster (loopback), best of {args.repeat}"
+    )
+    print(f"{'client':34} {'SET GB/s':>9} {'GET GB/s':>9}")
+    for name, r in results.items():
+        print(f"{name:34} {total / r['set'] / 1e9:9.2f} {total / r['get'] / 1e9:9.2f}")
+    if glide is None:
+        print("glide-sync: not installed (pip install valkey-glide-sync)")
+    else:
+        base = results["redis-py RedisCluster pipeline"]
+        print(
+            f"glide / redis-py: SET {base['set'] / glide['set']:.2f}x, GET {base['get'] / glide['get']:.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
