@@ -13,6 +13,8 @@
 #   KVSTORE_LOG_LEVEL  DEBUG | INFO | WARNING | ERROR (default: the daemon's, INFO)
 #   KVSTORE_INSECURE   1: pass --insecure, allowing a non-loopback listen address
 #                      without auth/TLS, on daemons that have that flag (default 0)
+#   KVSTORE_FLEET      the fleet tier, e.g. redis+cluster://redis-1:6379,redis-2:6379 (default: none)
+#   KVSTORE_FLEET_PREFIX  prefix of every fleet key (default: none)
 #
 # Arguments given to the container (compose `command:`) come after these, so
 # any other flag works (--config FILE, --workers N, ...) and overrides them.
@@ -37,6 +39,12 @@ if [ -n "${KVSTORE_BACKEND:-}" ]; then
 fi
 if [ -n "${KVSTORE_MEMORY:-}" ]; then
     set -- --memory "$KVSTORE_MEMORY" "$@"
+fi
+if [ -n "${KVSTORE_FLEET_PREFIX:-}" ]; then
+    set -- --fleet-prefix "$KVSTORE_FLEET_PREFIX" "$@"
+fi
+if [ -n "${KVSTORE_FLEET:-}" ]; then
+    set -- --fleet "$KVSTORE_FLEET" "$@"
 fi
 if [ -n "${KVSTORE_CAPACITY:-}" ]; then
     set -- --capacity "$KVSTORE_CAPACITY" "$@"

@@ -298,12 +298,20 @@ def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
         if not _confirm("Evict every block?"):
             _error("nothing evicted")
             return 1
-    result = client.evict(**selector)
+    if args.fleet and not ("all" in selector or set(selector) == {"namespace"}):
+        raise UsageError("--fleet goes with --namespace or --all")
+    result = client.evict(**selector, fleet=args.fleet)
     if args.json:
-        _emit_json({"blocks_evicted": result.blocks_evicted, "bytes_freed": result.bytes_freed})
+        out = {"blocks_evicted": result.blocks_evicted, "bytes_freed": result.bytes_freed}
+        if args.fleet:
+            out["fleet_objects_removed"] = result.fleet_objects_removed
+        _emit_json(out)
     else:
         noun = "block" if result.blocks_evicted == 1 else "blocks"
-        print(f"evicted {result.blocks_evicted} {noun}, freed {format_size(result.bytes_freed)}")
+        line = f"evicted {result.blocks_evicted} {noun}, freed {format_size(result.bytes_freed)}"
+        if args.fleet:
+            line += f"; removed {result.fleet_objects_removed} objects from the fleet"
+        print(line)
     return 0
 
 
@@ -562,6 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="least recently used chain tails until at most SIZE is used (e.g. 10GiB)",
     )
     evict.add_argument("-y", "--yes", action="store_true", help="do not ask before --all")
+    evict.add_argument(
+        "--fleet", action="store_true", help="with --namespace or --all: remove them from the fleet tier too"
+    )
 
     watch = command("watch", cmd_watch, "print stored/removed events as they happen, until Ctrl-C")
     watch.add_argument(

@@ -383,10 +383,13 @@ class KVStoreClient:
         block_hash: bytes | None = None,
         older_than: float | None = None,
         target_bytes: int | None = None,
+        fleet: bool = False,
         timeout: float | None = None,
     ) -> EvictResult:
         """Evict by exactly one selector: all=True; namespace; namespace + block_hash (with
-        descendants); older_than seconds since last use; down to target_bytes."""
+        descendants); older_than seconds since last use; down to target_bytes. `fleet`
+        (with all or namespace): remove them from the daemon's fleet tier too, every
+        host's copies."""
         given = [all, namespace is not None and block_hash is None, block_hash is not None,
                  older_than is not None, target_bytes is not None]  # fmt: skip
         if sum(bool(g) for g in given) != 1:
@@ -405,8 +408,9 @@ class KVStoreClient:
             req = pb.EvictRequest(target_bytes=target_bytes)
         else:
             req = pb.EvictRequest(all=True)
+        req.fleet = fleet
         resp = self._unary(self._rpc.evict, req, timeout)
-        return EvictResult(resp.blocks_evicted, resp.bytes_freed)
+        return EvictResult(resp.blocks_evicted, resp.bytes_freed, resp.fleet_objects_removed)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """Store totals and counters (see StatsResponse in the proto)."""

@@ -22,6 +22,7 @@ EVENT_REMOVED = "removed"
 class EvictResult:
     blocks_evicted: int
     bytes_freed: int
+    fleet_objects_removed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

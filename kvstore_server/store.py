@@ -92,6 +92,14 @@ class NoMemoryTier(StoreError):
     """The daemon runs without a memory tier."""
 
 
+class NoFleet(StoreError):
+    """The daemon runs without a fleet tier."""
+
+
+class FleetUnavailable(StoreError):
+    """The fleet did not answer a call that needs it (not a lookup or a read: those miss)."""
+
+
 @dataclass
 class Counters:
     lookups: int = 0
@@ -764,6 +772,18 @@ class Store:
         if victims:
             log.info("evicted %d blocks (%d bytes) on request", len(victims), freed)
         return len(victims), freed
+
+    def evict_fleet(self, namespace: bytes, *, whole: bool = True) -> int:
+        """Remove from the fleet every object of `namespace` (whole=False: of every namespace
+        starting with it); how many. Local tiers are untouched (evict does those)."""
+        if self.fleet is None:
+            raise NoFleet("this daemon runs without a fleet tier (--fleet)")
+        try:
+            removed = self.fleet.delete_matching(namespace, exact=whole)
+        except StorageError as exc:
+            raise FleetUnavailable(str(exc)) from exc
+        log.info("removed %d objects from the fleet", removed)
+        return removed
 
     def stats(self) -> dict[str, int | float | str]:
         with self._lock:

@@ -120,18 +120,20 @@ class GetResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., chunk: _Optional[_Union[LayerChunk, _Mapping]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("all", "namespace", "block", "older_than_seconds", "target_bytes")
+    __slots__ = ("all", "namespace", "block", "older_than_seconds", "target_bytes", "fleet")
     ALL_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     OLDER_THAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLEET_FIELD_NUMBER: _ClassVar[int]
     all: bool
     namespace: bytes
     block: BlockRef
     older_than_seconds: float
     target_bytes: int
-    def __init__(self, all: _Optional[bool] = ..., namespace: _Optional[bytes] = ..., block: _Optional[_Union[BlockRef, _Mapping]] = ..., older_than_seconds: _Optional[float] = ..., target_bytes: _Optional[int] = ...) -> None: ...
+    fleet: bool
+    def __init__(self, all: _Optional[bool] = ..., namespace: _Optional[bytes] = ..., block: _Optional[_Union[BlockRef, _Mapping]] = ..., older_than_seconds: _Optional[float] = ..., target_bytes: _Optional[int] = ..., fleet: _Optional[bool] = ...) -> None: ...
 
 class BlockRef(_message.Message):
     __slots__ = ("namespace", "block_hash")
@@ -142,12 +144,14 @@ class BlockRef(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
-    __slots__ = ("blocks_evicted", "bytes_freed")
+    __slots__ = ("blocks_evicted", "bytes_freed", "fleet_objects_removed")
     BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    FLEET_OBJECTS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     blocks_evicted: int
     bytes_freed: int
-    def __init__(self, blocks_evicted: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+    fleet_objects_removed: int
+    def __init__(self, blocks_evicted: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., fleet_objects_removed: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

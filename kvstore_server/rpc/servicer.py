@@ -37,6 +37,7 @@ from kvstore_server.rpc.validation import (
 )
 from kvstore_server.store import (
     CapacityError,
+    NoFleet,
     NoMemoryTier,
     ReadResult,
     ShuttingDown,
@@ -209,6 +210,10 @@ class Servicer:
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         which = request.WhichOneof("selector")
         prefix = self.scope.prefix(context)
+        if request.fleet and which not in ("all", "namespace"):
+            raise InvalidRequest("fleet eviction takes a namespace or all")
+        if request.fleet and self.store.fleet is None:
+            raise NoFleet("this daemon runs without a fleet tier (--fleet)")
         if which == "all":
             if not request.all:
                 raise InvalidRequest("all must be true to evict everything")
@@ -237,7 +242,13 @@ class Servicer:
             raise InvalidRequest(
                 "Evict needs a selector: all, namespace, block, older_than_seconds or target_bytes"
             )
-        return pb.EvictResponse(blocks_evicted=count, bytes_freed=freed)
+        removed = 0
+        if request.fleet:  # every namespace of this tenant (all), or the one asked
+            whole = which == "namespace"
+            removed = self.store.evict_fleet(
+                self._ns(context, request.namespace) if whole else prefix, whole=whole
+            )
+        return pb.EvictResponse(blocks_evicted=count, bytes_freed=freed, fleet_objects_removed=removed)
 
     @translated
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:

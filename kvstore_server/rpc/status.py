@@ -36,9 +36,11 @@ from kvstore_server.events import EventsOutOfRange
 from kvstore_server.putbuffer import MalformedPut
 from kvstore_server.store import (
     CapacityError,
+    FleetUnavailable,
     InvalidChain,
     InvalidCommit,
     LeaseNotFound,
+    NoFleet,
     NoMemoryTier,
     NotFoundError,
     ShuttingDown,
@@ -69,6 +71,8 @@ _STATUS = (
     (InvalidCommit, grpc.StatusCode.INVALID_ARGUMENT),
     (LeaseNotFound, grpc.StatusCode.NOT_FOUND),
     (NoMemoryTier, grpc.StatusCode.FAILED_PRECONDITION),
+    (NoFleet, grpc.StatusCode.FAILED_PRECONDITION),
+    (FleetUnavailable, grpc.StatusCode.UNAVAILABLE),
     (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WaitTimeout, grpc.StatusCode.DEADLINE_EXCEEDED),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),

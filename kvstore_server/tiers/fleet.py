@@ -60,11 +60,12 @@ def object_key(prefix: bytes, key: BlockKey) -> bytes:
     return b"%skv1:%s:%s" % (prefix, namespace.hex().encode(), block_hash.hex().encode())
 
 
-def namespace_pattern(prefix: bytes, namespace: bytes) -> bytes:
-    """A SCAN MATCH pattern for every object of `namespace` (hex: no glob characters;
-    the prefix's own are escaped)."""
+def namespace_pattern(prefix: bytes, namespace: bytes, *, exact: bool = True) -> bytes:
+    """A SCAN MATCH pattern for every object of `namespace`, or (exact=False) of every
+    namespace that starts with it: the hex of a prefix is a prefix of the hex. Hex has no
+    glob characters; the deployment prefix's own are escaped."""
     escaped = b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in prefix)
-    return b"%skv1:%s:*" % (escaped, namespace.hex().encode())
+    return b"%skv1:%s%s*" % (escaped, namespace.hex().encode(), b":" if exact else b"")
 
 
 def encode(write: BlockWrite) -> bytes:
@@ -287,10 +288,11 @@ class FleetTier:
             return True
         return self._run("data", "unlink", [(self._name(k),) for k in keys]) is not None
 
-    def delete_namespace(self, namespace: bytes) -> int:
-        """Remove every object of `namespace` (SCAN over every node, then UNLINK); how many.
-        Raises StorageError when the fleet does not answer."""
-        pattern = namespace_pattern(self.prefix, namespace)
+    def delete_matching(self, namespace: bytes, *, exact: bool = True) -> int:
+        """Remove every object of `namespace` (exact=False: of every namespace starting with
+        it) by SCAN over every node, then UNLINK; how many. Raises StorageError when the
+        fleet does not answer."""
+        pattern = namespace_pattern(self.prefix, namespace, exact=exact)
         removed = 0
         try:
             client = self._client("data")

@@ -13,7 +13,7 @@ from daemon import Daemon, eventually
 from support.redis_cluster import Cluster
 
 from kvstore_cli.main import main as cli_main
-from kvstore_client import KVStoreClient
+from kvstore_client import KVStoreClient, errors
 
 from .helpers import NS, assert_same, both_backends, chain, make_layers
 from .test_memory_tier import save
@@ -106,3 +106,32 @@ def test_without_the_fleet_the_local_tiers_keep_serving(make_daemon, tmp_path) -
         assert d.log().count("does not answer") == 1
     finally:
         node.stop()
+
+
+def test_evict_fleet_removes_a_namespace_from_every_host_and_only_that(hosts, capsys) -> None:
+    a, b = hosts
+    hashes, layers = chain("fleet-evict", 3), make_layers(3)
+    other = chain("fleet-keep", 2)
+    with KVStoreClient(a.address, arena=False) as on_a:
+        on_a.put(NS, hashes, layers)
+        on_a.put("other-ns", other, {name: t[:2] for name, t in layers.items()})
+        copied_to_fleet(on_a, 5)
+    assert cli_main(["--address", a.address, "evict", "--namespace", NS, "--fleet"]) == 0
+    assert "removed 3 objects from the fleet" in capsys.readouterr().out
+    with KVStoreClient(b.address, arena=False) as on_b:
+        assert on_b.lookup(NS, hashes) == 0  # gone from the fleet, not only from host A
+        assert on_b.lookup("other-ns", other) == 2
+    assert cli_main(["--address", a.address, "evict", "--block", hashes[0].hex(), "--namespace", NS,
+                     "--fleet"]) == 2  # fmt: skip
+    assert "--fleet goes with --namespace or --all" in capsys.readouterr().err
+
+
+def test_evict_fleet_without_a_fleet_is_refused_before_anything_is_evicted(make_server) -> None:
+    s = make_server()
+    hashes, layers = chain("no-fleet", 2), make_layers(2)
+    with KVStoreClient(s.address, arena=False) as kv:
+        kv.put(NS, hashes, layers)
+        with pytest.raises(errors.KVStoreError, match="without a fleet tier") as raised:
+            kv.evict(namespace=NS, fleet=True)
+        assert raised.value.code == "FAILED_PRECONDITION"
+        assert kv.lookup(NS, hashes) == 2

@@ -87,7 +87,7 @@ def test_deployments_and_namespaces_stay_apart_and_evict_alone(cluster: Cluster)
         mine, other = [block(i) for i in range(3)], [block(i, ns=b"tenant\x00model-b") for i in range(3)]
         assert one.write(mine + other)
         assert two.stored_prefix([w.meta.key for w in mine]) == 0  # another deployment's prefix
-        assert one.delete_namespace(NS) == 3
+        assert one.delete_matching(NS) == 3
         assert one.stored_prefix([w.meta.key for w in mine]) == 0
         assert one.stored_prefix([w.meta.key for w in other]) == 3
     finally:

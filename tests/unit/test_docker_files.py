@@ -27,6 +27,8 @@ import tomllib
 import yaml
 from kvstore_connector.config import ConnectorConfig
 
+from kvstore_server.tiers.fleet import parse_url
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
@@ -331,6 +333,68 @@ def test_compose_proxy_targets_the_vllm_servers(compose: dict) -> None:
     assert f"http://127.0.0.1:{port}/healthz'" in " ".join(proxy["healthcheck"]["test"])
 
 
+# ---- compose.fleet.yaml: two daemons sharing a Redis Cluster ------------------------------
+COMPOSE_FLEET = DOCKER / "compose.fleet.yaml"
+REDIS_NODES = ("redis-1", "redis-2", "redis-3")
+HOSTS = {"prefill": "kvstore-a", "decode": "kvstore-b"}
+
+
+@pytest.fixture(scope="module")
+def fleet_compose() -> dict:
+    doc = yaml.safe_load(COMPOSE_FLEET.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_fleet_compose_matches_the_compose_specification(fleet_compose: dict) -> None:
+    validator = compose_schema_validator()
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(fleet_compose)
+    ]
+    assert not errors, "\n".join(errors)
+
+
+def test_fleet_compose_two_daemons_share_only_the_cluster(fleet_compose: dict) -> None:
+    services = fleet_compose["services"]
+    assert set(services) == {*REDIS_NODES, "redis-cluster-init", "kvstore-a", "kvstore-b", *ROLES, "proxy"}
+    volumes = []
+    for name in HOSTS.values():
+        store = services[name]
+        assert (
+            COMPOSE_FLEET.parent / store["build"]["context"] / store["build"]["dockerfile"]
+        ).resolve() == (SERVER_DOCKERFILE)
+        assert "ports" not in store and store["environment"]["KVSTORE_INSECURE"] == "1"
+        fleet = store["environment"]["KVSTORE_FLEET"]
+        assert fleet == "redis+cluster://" + ",".join(f"{n}:6379" for n in REDIS_NODES)
+        parse_url(fleet)  # the daemon accepts it
+        assert store["depends_on"] == {"redis-cluster-init": {"condition": "service_completed_successfully"}}
+        (volume,) = store["volumes"]
+        assert volume.endswith(":/data")
+        volumes.append(volume)
+    assert len(set(volumes)) == 2  # a data volume each: two hosts
+    for node in REDIS_NODES:
+        command = services[node]["command"]
+        assert flag(command, "--cluster-enabled") == "yes"
+        assert flag(command, "--maxmemory-policy") == "allkeys-lru"  # never more than a whole block missing
+    init = " ".join(services["redis-cluster-init"]["command"])
+    assert "--cluster create" in init and all(node in init for node in REDIS_NODES)
+    assert set(services["redis-cluster-init"]["depends_on"]) == set(REDIS_NODES)
+
+
+def test_fleet_compose_prefill_and_decode_use_different_hosts(fleet_compose: dict) -> None:
+    services = fleet_compose["services"]
+    for name, role in ROLES.items():
+        command = [interpolate(a) for a in services[name]["command"]]
+        config = json.loads(flag(command, "--kv-transfer-config"))
+        assert config["kv_role"] == role
+        assert config["kv_connector_extra_config"]["kvstore_address"] == f"{HOSTS[name]}:50051"
+        assert services[name]["ipc"] == f"service:{HOSTS[name]}"  # its own host's arena
+        assert services[name]["depends_on"] == {HOSTS[name]: {"condition": "service_healthy"}}
+    proxy = services["proxy"]["command"]
+    assert flag(proxy, "--prefill") == f"http://prefill:{vllm_port(services['prefill'])}"
+    assert flag(proxy, "--decode") == f"http://decode:{vllm_port(services['decode'])}"
+
+
 # ---- the entrypoint ---------------------------------------------------------------------
 def test_entrypoint_is_executable_and_parses() -> None:
     assert os.access(ENTRYPOINT, os.X_OK)
@@ -456,6 +520,16 @@ def test_entrypoint_container_arguments_override_the_environment(entrypoint_env,
     env = {**entrypoint_env, "KVSTORE_CAPACITY": "64MiB", "KVSTORE_BACKEND": "disk"}
     e = run_entrypoint(env, "--capacity", "32MiB", "--backend", "lmdb")
     assert "backend=lmdb" in e.ready and "capacity=32.0 MiB" in e.ready, e.ready
+    assert e.stop(signal.SIGTERM) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads the daemon's arguments from /proc")
+def test_entrypoint_passes_the_fleet_settings(entrypoint_env, run_entrypoint) -> None:
+    # nothing listens there: the daemon starts anyway (the fleet is a miss until it answers)
+    env = {**entrypoint_env, "KVSTORE_FLEET": "redis://127.0.0.1:1", "KVSTORE_FLEET_PREFIX": "prod/"}
+    e = run_entrypoint(env)
+    argv = e.argv()
+    assert flag(argv, "--fleet") == "redis://127.0.0.1:1" and flag(argv, "--fleet-prefix") == "prod/", argv
     assert e.stop(signal.SIGTERM) == 0
 
 
