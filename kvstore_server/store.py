@@ -55,6 +55,11 @@ __all__ = ["ReadResult", "Store"]
 
 log = logging.getLogger(__name__)
 
+# Blocks fetched from the fleet per round trip: a few first (their size is not known
+# yet), then about this many bytes' worth.
+_FLEET_FIRST_BATCH = 4
+_FLEET_FETCH_BYTES = 64 << 20
+
 
 class StoreError(Exception):
     """Base of the errors the store raises to the servicer."""
@@ -222,32 +227,39 @@ class Store:
     def _from_fleet(self, namespace: bytes, hashes: Sequence[bytes]) -> None:
         """Bring the blocks after the local prefix of `hashes` that the fleet holds into the
         persistent tier (verified, like a put), so a read or pin serves them like any
-        other. Nothing happens without a fleet, or when the local tiers have them all."""
+        other. Nothing happens without a fleet, or when the local tiers have them all.
+        Fetched in batches of about _FLEET_FETCH_BYTES, each stored before the next is
+        asked for: what a request holds in memory is bounded by that, not by its length."""
         if self.fleet is None:
             return
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
-        if n == len(hashes):
-            return
-        got = self.tiers.fetch_from_fleet([(namespace, h) for h in hashes[n:]])
-        if not got.blocks:
-            return
-        blocks, width = got.blocks, len(got.layers)
-        try:
-            result = self.put(
-                namespace,
-                blocks[0].meta.parent_hash,
-                [b.meta.block_hash for b in blocks],
-                got.layers,
-                [[b.layers[k] for b in blocks] for k in range(width)],
-                [[b.meta.checksums[k] for b in blocks] for k in range(width)],
-                to_fleet=False,
-            )
-        except (StoreError, StorageError) as exc:
-            log.info("%d blocks found in the fleet are not stored here: %s", len(blocks), exc)
-            return
-        with self._lock:
-            self.fleet_promoted_blocks += result.blocks_written
+        batch = _FLEET_FIRST_BATCH
+        while n < len(hashes):
+            keys = [(namespace, h) for h in hashes[n : n + batch]]
+            got = self.tiers.fetch_from_fleet(keys)
+            if not got.blocks:
+                return
+            blocks, width = got.blocks, len(got.layers)
+            try:
+                result = self.put(
+                    namespace,
+                    blocks[0].meta.parent_hash,
+                    [b.meta.block_hash for b in blocks],
+                    got.layers,
+                    [[b.layers[k] for b in blocks] for k in range(width)],
+                    [[b.meta.checksums[k] for b in blocks] for k in range(width)],
+                    to_fleet=False,
+                )
+            except (StoreError, StorageError) as exc:
+                log.info("%d blocks found in the fleet are not stored here: %s", len(blocks), exc)
+                return
+            with self._lock:
+                self.fleet_promoted_blocks += result.blocks_written
+            n += len(blocks)
+            if len(blocks) < len(keys):
+                return  # the fleet's part of the prefix ends here
+            batch = max(1, _FLEET_FETCH_BYTES // blocks[0].meta.size)
 
     def put(
         self,
