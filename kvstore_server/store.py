@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -183,6 +184,8 @@ class Store:
             FleetWriteBehind(self.tiers, fleet, fleet_queue_bytes) if fleet is not None else None
         )
         self.fleet_promoted_blocks = 0
+        # fetches the next batch from the fleet while a read stores the one before
+        self._fleet_fetcher = ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch")
         for meta in backend.scan():
             self._index.add(
                 meta.namespace,
@@ -228,19 +231,27 @@ class Store:
         """Bring the blocks after the local prefix of `hashes` that the fleet holds into the
         persistent tier (verified, like a put), so a read or pin serves them like any
         other. Nothing happens without a fleet, or when the local tiers have them all.
-        Fetched in batches of about _FLEET_FETCH_BYTES, each stored before the next is
-        asked for: what a request holds in memory is bounded by that, not by its length."""
+
+        In batches of about _FLEET_FETCH_BYTES: while one batch is stored, the next is
+        fetched (on the fleet's fetch thread), so a request holds at most two batches
+        from the fleet in memory, however long it is."""
         if self.fleet is None:
             return
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
-        batch = _FLEET_FIRST_BATCH
-        while n < len(hashes):
-            keys = [(namespace, h) for h in hashes[n : n + batch]]
-            got = self.tiers.fetch_from_fleet(keys)
-            if not got.blocks:
-                return
+        if n == len(hashes):
+            return
+        fetch = self.tiers.fetch_from_fleet
+        keys = [(namespace, h) for h in hashes[n : n + _FLEET_FIRST_BATCH]]
+        got = fetch(keys)
+        while got.blocks:
             blocks, width = got.blocks, len(got.layers)
+            n += len(blocks)
+            ahead = None
+            if len(blocks) == len(keys) and n < len(hashes):  # the fleet may hold more: fetch it meanwhile
+                batch = max(1, _FLEET_FETCH_BYTES // blocks[0].meta.size)
+                keys = [(namespace, h) for h in hashes[n : n + batch]]
+                ahead = self._fleet_fetcher.submit(fetch, keys)
             try:
                 result = self.put(
                     namespace,
@@ -253,13 +264,14 @@ class Store:
                 )
             except (StoreError, StorageError) as exc:
                 log.info("%d blocks found in the fleet are not stored here: %s", len(blocks), exc)
+                if ahead is not None:
+                    ahead.cancel()
                 return
             with self._lock:
                 self.fleet_promoted_blocks += result.blocks_written
-            n += len(blocks)
-            if len(blocks) < len(keys):
-                return  # the fleet's part of the prefix ends here
-            batch = max(1, _FLEET_FETCH_BYTES // blocks[0].meta.size)
+            if ahead is None:
+                return  # the fleet's part of the prefix ended in this batch
+            got = ahead.result()
 
     def put(
         self,
@@ -892,6 +904,7 @@ class Store:
             self._writer.close()
         if self._fleet_writer is not None:
             self._fleet_writer.close()
+        self._fleet_fetcher.shutdown(wait=True)
         with self._commit_lock:
             with self._lock:
                 self._closed = True
