@@ -287,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         tokens = TokenTable.load(config.token_file) if config.token_file is not None else None
-        for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
+        for path in (config.tls_cert, config.tls_key, config.tls_client_ca,
+                     config.fleet_password_file, config.fleet_tls_ca):  # fmt: skip
             if path is not None:
                 path.read_bytes()
     except (ValueError, OSError) as exc:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import secrets
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -135,3 +137,19 @@ def test_evict_fleet_without_a_fleet_is_refused_before_anything_is_evicted(make_
             kv.evict(namespace=NS, fleet=True)
         assert raised.value.code == "FAILED_PRECONDITION"
         assert kv.lookup(NS, hashes) == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fleet", "http://127.0.0.1:6379"], "the scheme must be one of"),
+        (["--fleet", "redis://a:1,b:2"], "one HOST:PORT"),
+        (["--fleet", "redis://127.0.0.1:1", "--fleet-password-file", "/nonexistent/pw"], "/nonexistent/pw"),
+    ],
+)
+def test_a_bad_fleet_setting_is_refused_at_start(tmp_path, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore_server", "--data-dir", str(tmp_path / "data"), "--memory", "0", *args],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
