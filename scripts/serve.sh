@@ -7,5 +7,6 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
 . .venv/bin/activate
-command -v kvstore-server >/dev/null || pip install -q -c requirements/constraints.txt -e .
+# (re)install when the daemon or one of its dependencies is missing
+python -c "import kvstore_server.main" 2>/dev/null || pip install -q -c requirements/constraints.txt -e .
 exec kvstore-server "$@"
