@@ -39,7 +39,19 @@ def stats(address: str) -> dict:
         return kv.stats()
 
 
-def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, store):
+def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, cluster):
+    # two daemons standing for two hosts, sharing nothing but a Redis Cluster (the fleet)
+    fleet = ["--fleet", cluster.url, "--fleet-prefix", f"e2e-{tmp_path.name}/"]
+    store = Daemon(tmp_path / "data", capacity="1GiB", extra_args=fleet).start()
+    host_b = Daemon(tmp_path / "host-b", capacity="1GiB", extra_args=fleet).start()
+    try:
+        _prefill_then_decodes(tmp_path, model, prompts, baseline, store, host_b)
+    finally:
+        store.stop()
+        host_b.stop()
+
+
+def _prefill_then_decodes(tmp_path, model, prompts, baseline, store: Daemon, host_b: Daemon) -> None:
     # prefill: chunked (64-token steps), so blocks are saved across several steps
     run_engines(tmp_path, model, [{
         "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
@@ -48,11 +60,13 @@ def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, s
     saved = stats(store.address)
     assert saved["blocks"] == sum(len(p) // BLOCK for p in prompts)
     assert saved["commits"] > 0 and saved["puts"] == saved["commits"]  # saved through the arena
-    # the decode reading the daemon's files needs them written behind
+    # the decode reading the daemon's files needs them written behind; the one on the
+    # other host, copied to the fleet
     eventually(lambda: stats(store.address)["write_behind_blocks"] == 0)
+    eventually(lambda: stats(store.address)["fleet_blocks_written"] == saved["blocks"])
 
-    # three decode instances: through the arena (the default), reading the daemon's files
-    # on the same host (no arena), and over gRPC
+    # four decode instances: through the arena (the default), reading the daemon's files
+    # on the same host (no arena), over gRPC, and on another host, through the fleet
     out = run_engines(tmp_path, model, [
         {"name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
          "log_stats": True},
@@ -60,10 +74,15 @@ def test_disaggregated_prefill_then_decode(tmp_path, model, prompts, baseline, s
          "prompts": prompts, "max_tokens": 8},
         {"name": "decode-grpc", "kv": kv_config(store.address, "kv_consumer", arena=False, local_reads=False),
          "prompts": prompts, "max_tokens": 8},
+        {"name": "decode-fleet", "kv": kv_config(host_b.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8},
     ])  # fmt: skip
     assert out["decode"]["tokens"] == baseline
     assert out["decode-files"]["tokens"] == baseline
     assert out["decode-grpc"]["tokens"] == baseline
+    assert out["decode-fleet"]["tokens"] == baseline
+    on_b = stats(host_b.address)
+    assert on_b["fleet_promoted_blocks"] == full_blocks(prompts)  # every loadable block came from the fleet
+    assert on_b["fleet_blocks_written"] == 0  # and is not copied back
     # the connector's own stats reached vLLM's connector-stats logging
     metrics = re.search(r"KV Transfer metrics: (.*)", out["_log"]["text"])
     assert metrics is not None, "no KV Transfer metrics line in vLLM's log"
@@ -216,28 +235,3 @@ def test_hashes_match_what_the_connector_stored(tmp_path, model, prompts, store)
         root = block.decode().rsplit("|tp", 1)[0]
         hashes = block_hashes(root, prompts[0], BLOCK)
         assert kv.lookup(block, hashes) == len(prompts[0]) // BLOCK
-
-
-def test_prefill_on_one_host_decode_on_another_through_the_fleet(tmp_path, model, prompts, baseline, cluster):
-    # two daemons standing for two hosts: nothing shared but the Redis Cluster
-    fleet = ["--fleet", cluster.url, "--fleet-prefix", f"e2e-{tmp_path.name}/"]
-    host_a = Daemon(tmp_path / "host-a", extra_args=fleet).start()
-    host_b = Daemon(tmp_path / "host-b", extra_args=fleet).start()
-    try:
-        run_engines(tmp_path, model, [{
-            "name": "prefill", "kv": kv_config(host_a.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
-        }])  # fmt: skip
-        stored = sum(len(p) // BLOCK for p in prompts)
-        eventually(lambda: stats(host_a.address)["fleet_blocks_written"] == stored)
-        out = run_engines(tmp_path, model, [{
-            "name": "decode", "kv": kv_config(host_b.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
-        }])  # fmt: skip
-        assert out["decode"]["tokens"] == baseline
-        on_b = stats(host_b.address)
-        assert on_b["fleet_promoted_blocks"] == full_blocks(
-            prompts
-        )  # every loadable block came from the fleet
-        assert on_b["fleet_blocks_written"] == 0  # what came from the fleet is not copied back
-    finally:
-        host_a.stop()
-        host_b.stop()
