@@ -3,7 +3,8 @@
     python engine_runner.py JOB.json
 
 JOB: {"model": dir, "engines": [{"name": str, "kv": KVTransferConfig dict or null,
-       "prompts": [[token ids]...], "max_tokens": int, "llm": {extra LLM kwargs}}...]}
+       "prompts": [[token ids]...], "max_tokens": int, "llm": {extra LLM kwargs},
+       "model": dir (optional: another model than the job's)}...]}
 Engines run one after another (each shut down before the next), so one vLLM
 import serves several engines. Prints one line `RESULT <json>` per engine:
 {"name", "tokens": [[...]...], "seconds": generate wall time, "ttft": [...]}.
@@ -89,7 +90,7 @@ def run(job: dict) -> None:
         }
         timed = spec["kv"]["kv_connector"] if spec.get("time_hooks") else None
         with time_hooks(timed) as spent:
-            llm = LLM(model=job["model"], kv_transfer_config=kv, **kwargs)
+            llm = LLM(model=spec.get("model") or job["model"], kv_transfer_config=kv, **kwargs)
             params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
             prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
             tokens, ttft, hook_seconds = [], [], []

@@ -105,14 +105,12 @@ def _prefill_then_decodes(tmp_path, model, prompts, baseline, store: Daemon, hos
 def test_decode_really_uses_the_stored_kv(tmp_path, model, other_model, prompts, baseline, store):
     # KV computed by other weights, stored under the namespace the decode will read
     shared = {"namespace": "shared-model-id"}
-    run_engines(tmp_path, other_model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer", **shared), "prompts": prompts,
-        "max_tokens": 1,
-    }])  # fmt: skip
-    out = run_engines(tmp_path, model, [{
-        "name": "decode", "kv": kv_config(store.address, "kv_consumer", **shared), "prompts": prompts,
-        "max_tokens": 8,
-    }])  # fmt: skip
+    out = run_engines(tmp_path, model, [
+        {"name": "prefill", "model": str(other_model), "kv": kv_config(store.address, "kv_producer", **shared),
+         "prompts": prompts, "max_tokens": 1},
+        {"name": "decode", "kv": kv_config(store.address, "kv_consumer", **shared), "prompts": prompts,
+         "max_tokens": 8},
+    ])  # fmt: skip
     differing = [
         i for i, (got, want) in enumerate(zip(out["decode"]["tokens"], baseline, strict=False)) if got != want
     ]
@@ -124,17 +122,18 @@ def test_prefix_reuse_hits_only_shared_blocks(tmp_path, model, prompts, store):
     shared_tokens = 5 * BLOCK + 7  # 5 whole shared blocks, then the prompts diverge
     second = first[:shared_tokens] + [(t + 1) % 512 for t in first[shared_tokens:]]
     both = kv_config(store.address, "kv_both")
-    run_engines(tmp_path, model, [{"name": "turn1", "kv": both, "prompts": [first], "max_tokens": 4}])
     before = stats(store.address)
+    # one engine process: each engine finishes (its saves committed) before the next starts
     out = run_engines(tmp_path, model, [
+        {"name": "turn1", "kv": both, "prompts": [first], "max_tokens": 4},
         {"name": "turn2", "kv": both, "prompts": [second], "max_tokens": 8},
         {"name": "plain", "kv": None, "prompts": [second], "max_tokens": 8},
     ])  # fmt: skip
     after = stats(store.address)
     assert out["turn2"]["tokens"] == out["plain"]["tokens"]
-    assert after["hit_blocks"] - before["hit_blocks"] == 5
-    # kv_both stored what the store lacked: the 4 new full blocks of `second`
-    assert after["blocks"] - before["blocks"] == len(second) // BLOCK - 5
+    assert after["hit_blocks"] - before["hit_blocks"] == 5  # turn1 hit nothing: the store was empty
+    # turn1 stored its full blocks; kv_both stored what the store lacked of `second`: its 4 new ones
+    assert after["blocks"] - before["blocks"] == len(first) // BLOCK + len(second) // BLOCK - 5
 
 
 def test_store_down_between_prefill_and_decode(tmp_path, model, prompts, baseline, store):
@@ -167,17 +166,17 @@ def test_stalled_store_is_a_miss_not_a_hang(tmp_path, model, prompts, baseline, 
 
 
 def test_consume_mode_frees_the_handoff(tmp_path, model, prompts, baseline, store):
-    run_engines(tmp_path, model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
-    }])  # fmt: skip
-    stored = stats(store.address)["blocks"]
-    out = run_engines(tmp_path, model, [{
-        "name": "decode", "kv": kv_config(store.address, "kv_consumer", consume=True), "prompts": prompts,
-        "max_tokens": 8,
-    }])  # fmt: skip
+    # one engine process: the prefill engine's saves are committed before the decode starts
+    out = run_engines(tmp_path, model, [
+        {"name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1},
+        {"name": "decode", "kv": kv_config(store.address, "kv_consumer", consume=True), "prompts": prompts,
+         "max_tokens": 8},
+    ])  # fmt: skip
     assert out["decode"]["tokens"] == baseline
+    after = stats(store.address)
+    assert after["commits"] > 0 and after["hit_blocks"] == full_blocks(prompts)  # saved, then all loaded
     # every block the decode loaded is gone; only each prompt's unusable tail blocks stay
-    assert stats(store.address)["blocks"] == stored - full_blocks(prompts)
+    assert after["blocks"] == sum(len(p) // BLOCK for p in prompts) - full_blocks(prompts)
 
 
 def test_corrupt_block_is_recomputed(tmp_path, model, prompts, baseline, store):
