@@ -185,7 +185,9 @@ class Store:
         )
         self.fleet_promoted_blocks = 0
         # fetches the next batch from the fleet while a read stores the one before
-        self._fleet_fetcher = ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch")
+        self._fleet_fetcher = (
+            ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch") if fleet is not None else None
+        )
         for meta in backend.scan():
             self._index.add(
                 meta.namespace,
@@ -251,7 +253,7 @@ class Store:
             if len(blocks) == len(keys) and n < len(hashes):  # the fleet may hold more: fetch it meanwhile
                 batch = max(1, _FLEET_FETCH_BYTES // blocks[0].meta.size)
                 keys = [(namespace, h) for h in hashes[n : n + batch]]
-                ahead = self._fleet_fetcher.submit(fetch, keys)
+                ahead = self._fleet_fetcher.submit(fetch, keys) if self._fleet_fetcher is not None else None
             try:
                 result = self.put(
                     namespace,
@@ -904,7 +906,8 @@ class Store:
             self._writer.close()
         if self._fleet_writer is not None:
             self._fleet_writer.close()
-        self._fleet_fetcher.shutdown(wait=True)
+        if self._fleet_fetcher is not None:
+            self._fleet_fetcher.shutdown(wait=True)
         with self._commit_lock:
             with self._lock:
                 self._closed = True

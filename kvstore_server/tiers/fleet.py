@@ -190,8 +190,9 @@ class FleetCounters:
 
 
 class FleetTier:
-    """The fleet, behind the chain's tier interface (stored_prefix, read, write, delete,
-    close). Thread-safe: redis-py's clients pool connections."""
+    """The fleet, behind the chain's tier interface (stored_prefix, read, write, close; no
+    per-block delete: local removals never touch it, other hosts use it; delete_matching
+    is evict --fleet's). Thread-safe: redis-py's clients pool connections."""
 
     name = "fleet"
 
@@ -282,11 +283,6 @@ class FleetTier:
             self.counters.fleet_blocks_written += len(writes)
             self.counters.fleet_bytes_written += nbytes
         return True
-
-    def delete(self, keys: Sequence[BlockKey]) -> bool:
-        if not keys:
-            return True
-        return self._run("data", "unlink", [(self._name(k),) for k in keys]) is not None
 
     def delete_matching(self, namespace: bytes, *, exact: bool = True) -> int:
         """Remove every object of `namespace` (exact=False: of every namespace starting with
