@@ -5,8 +5,11 @@ of the same MiB values on a private 3-master Redis Cluster (tests/support/redis_
 Debian's redis-server on free loopback ports, no persistence), in one run.
 
     python bench/bench_fleet_clients.py [--values 64] [--value-mib 1] [--repeat 3]
+    python bench/bench_fleet_clients.py --sizes 32K,128K,512K,1M,4M [--total-mib 64]
 
 Prints GB/s of each client per operation (best of --repeat) and the ratio glide / redis-py.
+With --sizes: the same --total-mib of bytes as objects of each size (is packing small
+blocks into 1-4 MiB objects worth it?), GB/s and the ratio to the largest size.
 valkey-glide-sync is optional: `pip install valkey-glide-sync` (skipped with a note if absent).
 Figures are of this machine and this moment: compare within one run only.
 """
@@ -93,12 +96,60 @@ def bench_glide(
     return out
 
 
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def sweep(sizes: list[int], total: int, repeat: int) -> int:
+    """The same bytes as objects of each size, on one cluster, in one run."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-fleet-") as root:
+        cluster = Cluster(Path(root)).start()
+        try:
+            for size in sizes:
+                count = max(1, total // size)
+                names = [b"bench:%d:%d" % (size, i) for i in range(count)]
+                values = [os.urandom(size)] * count
+                got = {"redis-py": bench_redis_py(cluster, names, values, repeat)}
+                glide = bench_glide(cluster, names, values, repeat)
+                if glide is not None:
+                    got["glide-sync"] = glide
+                rows.append((size, count, got))
+                cluster.flush()
+        finally:
+            cluster.stop()
+    print(f"{total / (1 << 20):g} MiB as objects of each size on a 3-master Redis Cluster (loopback), "
+          f"best of {repeat}; ratio: to the largest size")  # fmt: skip
+    print(
+        f"{'object':>8} {'count':>6} {'client':11} {'SET GB/s':>9} {'GET GB/s':>9} {'SET x':>6} {'GET x':>6}"
+    )
+
+    def rates(size: int, count: int, r: dict[str, float]) -> tuple[float, float]:
+        return size * count / r["set"] / 1e9, size * count / r["get"] / 1e9
+
+    largest = {client: rates(rows[-1][0], rows[-1][1], r) for client, r in rows[-1][2].items()}
+    for size, count, got in rows:
+        for client, r in got.items():
+            put, get = rates(size, count, r)
+            ref = largest[client]
+            print(f"{size >> 10:>7}K {count:>6} {client:11} {put:9.2f} {get:9.2f} "
+                  f"{put / ref[0]:6.2f} {get / ref[1]:6.2f}")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--values", type=int, default=64)
     p.add_argument("--value-mib", type=float, default=1.0)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--sizes", help="comma-separated object sizes (32K,1M,...): the packing sweep")
+    p.add_argument("--total-mib", type=int, default=64)
     args = p.parse_args()
+    if args.sizes:
+        sizes = sorted(parse_size(s) for s in args.sizes.split(","))
+        return sweep(sizes, args.total_mib << 20, args.repeat)
     size = int(args.value_mib * (1 << 20))
     names = [b"bench:%d" % i for i in range(args.values)]
     values = [os.urandom(size) for _ in names]

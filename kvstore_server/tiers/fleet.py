@@ -29,7 +29,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ _MAX_META = 1 << 20  # a record of 1 MiB is far beyond any layout: a bad value
 # what redis-py raises when the fleet is down, slow, failing over or refuses a call
 # (RedisClusterException is not a RedisError)
 FLEET_ERRORS = (RedisError, RedisClusterException, OSError)
+SETTLE_S = 1.0  # an outage ends once the fleet has answered this long with no failure
 
 
 class FleetObjectError(StorageError):
@@ -196,12 +197,14 @@ class FleetTier:
 
     name = "fleet"
 
-    def __init__(self, settings: FleetSettings) -> None:
+    def __init__(self, settings: FleetSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock
         self.prefix = settings.prefix
         self.counters = FleetCounters()
         self._lock = threading.Lock()
         self._down_since: float | None = None
+        self._last_failure = 0.0
         # two clients, made on first use (a cluster that is down at start is retried by
         # the next call): lookups give up after a short deadline, data moves take longer
         self._clients: dict[str, Any] = {}
@@ -349,9 +352,10 @@ class FleetTier:
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
             self.counters.fleet_errors += 1
+            self._last_failure = self._clock()
             first = self._down_since is None
             if first:
-                self._down_since = time.monotonic()
+                self._down_since = self._last_failure
         if first:
             log.warning("the fleet (%s) does not answer (%s: %s): its blocks are misses until it is back",
                         self.settings.url, what, exc)  # fmt: skip
@@ -359,7 +363,13 @@ class FleetTier:
             log.debug("fleet %s failed: %s", what, exc)
 
     def _answered(self) -> None:
+        # NOTE: a cluster with one node down answers the calls that miss that node: the
+        # outage ends only once the fleet has answered with no failure for SETTLE_S, or
+        # each call would flip it (a warning and a "back" line each time)
+        now = self._clock()
         with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("the fleet (%s) is back after %.1fs", self.settings.url, time.monotonic() - since)
+            since = self._down_since
+            if since is None or now - self._last_failure < SETTLE_S:
+                return
+            self._down_since = None
+        log.warning("the fleet (%s) is back after %.1fs", self.settings.url, now - since)

@@ -10,6 +10,9 @@ import serves several engines. Prints one line `RESULT <json>` per engine:
 {"name", "tokens": [[...]...], "seconds": generate wall time, "ttft": [...]}.
 With "one_by_one" and "time_hooks": true, also "hook_seconds": per prompt, the
 wall time spent inside the KV connector's hooks (its own cost, for benchmarks).
+With "rounds": n, the prompts are generated n times by the one engine ("rounds": the
+tokens of each; "tokens": the last round's). With "wait": true, an engine prints `WAITING <name>` once it is up and generates only
+after a line on stdin (the test does something to the world in between).
 """
 
 from __future__ import annotations
@@ -92,9 +95,17 @@ def run(job: dict) -> None:
         with time_hooks(timed) as spent:
             llm = LLM(model=spec.get("model") or job["model"], kv_transfer_config=kv, **kwargs)
             params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+            if spec.get("wait"):
+                print(f"WAITING {spec['name']}", flush=True)
+                if not sys.stdin.readline():
+                    raise SystemExit(f"engine {spec['name']}: stdin closed while waiting to go")
             prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-            tokens, ttft, hook_seconds = [], [], []
+            tokens, ttft, hook_seconds, rounds = [], [], [], []
             started = time.perf_counter()
+            for _ in range(spec.get("rounds", 1) - 1):
+                rounds.append(
+                    [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+                )
             if spec.get("one_by_one"):
                 for prompt in prompts:
                     t0, hooks0 = time.perf_counter(), spent[0]
@@ -108,7 +119,8 @@ def run(job: dict) -> None:
             seconds = time.perf_counter() - started
             if spec.get("log_stats"):
                 llm.llm_engine.do_log_stats()  # vLLM's stat loggers, "KV Transfer metrics" included
-            result = {"name": spec["name"], "tokens": tokens, "seconds": seconds, "ttft": ttft}
+            result = {"name": spec["name"], "tokens": tokens, "seconds": seconds, "ttft": ttft,
+                      "rounds": [*rounds, tokens]}  # fmt: skip
             if timed is not None:
                 result["hook_seconds"] = hook_seconds
             print("RESULT " + json.dumps(result), flush=True)

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
@@ -56,10 +57,15 @@ def kv_config(address: str, role: str, **extra: object) -> dict:
 
 
 def run_engines(tmp: Path, model: Path, engines: list[dict], *, env: dict[str, str] | None = None,
-                timeout: float | None = 600, progress: bool = False) -> dict[str, dict]:  # fmt: skip
+                timeout: float | None = 600, progress: bool = False,
+                before: dict[str, Callable[[], object]] | None = None) -> dict[str, dict]:  # fmt: skip
     """Run engines (sequentially) in one fresh Python process; results by engine name.
 
-    `progress`: print a line (to stderr) as each engine finishes, with its time."""
+    `progress`: print a line (to stderr) as each engine finishes, with its time.
+    `before`: by engine name, what to do once that engine is up and before it generates
+    (the engine's spec gets "wait": the runner waits for the go on its stdin)."""
+    before = before or {}
+    engines = [{**e, "wait": True} if e["name"] in before else e for e in engines]
     job = tmp / f"job-{os.getpid()}-{len(list(tmp.glob('job-*')))}.json"
     job.write_text(json.dumps({"model": str(model), "engines": engines}))
     results: dict[str, dict] = {}
@@ -68,12 +74,13 @@ def run_engines(tmp: Path, model: Path, engines: list[dict], *, env: dict[str, s
     with tempfile.TemporaryFile("w+") as errors:
         with subprocess.Popen(
             [sys.executable, str(RUNNER), str(job)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=errors,
             text=True,
             env={**os.environ, **(env or {})},
         ) as proc:
-            _read_results(proc, engines, timeout, progress, started, results, lines)
+            _read_results(proc, engines, timeout, progress, started, results, lines, before)
         errors.seek(0)
         stderr = errors.read()
     if proc.returncode != 0 or len(results) != len(engines):
@@ -89,7 +96,8 @@ def run_engines(tmp: Path, model: Path, engines: list[dict], *, env: dict[str, s
 
 
 def _read_results(proc: subprocess.Popen[str], engines: list[dict], timeout: float | None, progress: bool,
-                  started: float, results: dict[str, dict], lines: list[str]) -> None:  # fmt: skip
+                  started: float, results: dict[str, dict], lines: list[str],
+                  before: dict[str, Callable[[], object]]) -> None:  # fmt: skip
     # NOTE: a timer, not the reading loop, enforces the deadline: a silent engine
     # blocks the loop in readline.
     timer = threading.Timer(timeout, proc.kill) if timeout is not None else None
@@ -97,10 +105,18 @@ def _read_results(proc: subprocess.Popen[str], engines: list[dict], timeout: flo
         timer.start()
     try:
         assert proc.stdout is not None
+        since = 0
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("RESULT "):
+            if line.startswith("WAITING "):
+                before[line.split()[1]]()
+                assert proc.stdin is not None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            elif line.startswith("RESULT "):
                 doc = json.loads(line[len("RESULT ") :])
+                doc["log"] = "".join(lines[since:])  # what this engine printed (vLLM logs to stdout)
+                since = len(lines)
                 results[doc["name"]] = doc
                 if progress:
                     print(

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from daemon import Daemon, eventually
 from harness import kv_config, run_engines
+from support.redis_cluster import Cluster, Node
 
 from kvstore_client import KVStoreClient
 from kvstore_client.hashing import block_hashes
@@ -102,19 +103,78 @@ def _prefill_then_decodes(tmp_path, model, prompts, baseline, store: Daemon, hos
     assert after["bytes_read"] - saved["bytes_read"] == 2 * full_blocks(prompts) * block_bytes
 
 
-def test_decode_really_uses_the_stored_kv(tmp_path, model, other_model, prompts, baseline, store):
-    # KV computed by other weights, stored under the namespace the decode will read
+def test_foreign_kv_changes_tokens_and_a_master_killed_mid_run_is_recomputes(
+    tmp_path, model, other_model, prompts, baseline
+):
+    # a fleet with replicas (3 masters + 3), and three daemons standing for three hosts
+    cluster = Cluster(tmp_path / "ha", masters=3, replicas=1).start()
+    fleet = ["--fleet", cluster.url]
+    hosts = {name: Daemon(tmp_path / name, capacity="1GiB", extra_args=fleet).start() for name in "abc"}
+    try:
+        _foreign_kv_then_failover(tmp_path, model, other_model, prompts, baseline, cluster, hosts)
+    finally:
+        for d in hosts.values():
+            d.stop()
+        cluster.stop()
+
+
+def _foreign_kv_then_failover(tmp_path, model, other_model, prompts, baseline, cluster: Cluster,
+                              hosts: dict[str, Daemon]) -> None:  # fmt: skip
+    a, b, c = (hosts[n] for n in "abc")
     shared = {"namespace": "shared-model-id"}
+    stored = 2 * sum(len(p) // BLOCK for p in prompts)
+    masters: list[Node] = []
+    marks: dict[str, dict] = {}
+
+    def in_the_fleet() -> None:
+        eventually(lambda: stats(a.address)["fleet_blocks_written"] == stored)
+        masters.extend(n for n in cluster.nodes if n.client().info("replication")["role"] == "master")
+        eventually(lambda: all(_replicated(m) for m in masters))  # every write is on a replica too
+
+    def kill_a_master() -> None:
+        # one holding blocks of this model's own namespace (keys carry it in hex)
+        foreign = b"shared-model-id".hex().encode()
+        max(masters, key=lambda m: sum(foreign not in k for k in m.client().scan_iter(count=1000))).stop()
+
+    def after_failover() -> None:
+        eventually(cluster.healthy, deadline_s=30.0)  # a replica took over the dead master's slots
+        marks["c"] = stats(c.address)
+
     out = run_engines(tmp_path, model, [
-        {"name": "prefill", "model": str(other_model), "kv": kv_config(store.address, "kv_producer", **shared),
+        # on host a: this model's KV, and KV computed by other weights, stored under a
+        # namespace that a decode of this model will read
+        {"name": "prefill", "kv": kv_config(a.address, "kv_producer"), "prompts": prompts, "max_tokens": 1},
+        {"name": "prefill-foreign", "model": str(other_model), "kv": kv_config(a.address, "kv_producer", **shared),
          "prompts": prompts, "max_tokens": 1},
-        {"name": "decode", "kv": kv_config(store.address, "kv_consumer", **shared), "prompts": prompts,
+        # the foreign KV, loaded on the same host and through the fleet: the tokens change
+        {"name": "foreign-local", "kv": kv_config(a.address, "kv_consumer", **shared), "prompts": prompts,
          "max_tokens": 8},
-    ])  # fmt: skip
-    differing = [
-        i for i, (got, want) in enumerate(zip(out["decode"]["tokens"], baseline, strict=False)) if got != want
-    ]
-    assert differing, "decode gave baseline tokens from foreign KV: it recomputed instead of loading"
+        {"name": "foreign-fleet", "kv": kv_config(b.address, "kv_consumer", **shared), "prompts": prompts,
+         "max_tokens": 8},
+        # host c's decodes: while a master is dead, then once its replica has taken over
+        {"name": "outage", "kv": kv_config(c.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8},
+        {"name": "after", "kv": kv_config(c.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8},
+    ], before={"foreign-local": in_the_fleet, "outage": kill_a_master, "after": after_failover})  # fmt: skip
+    for name in ("foreign-local", "foreign-fleet"):
+        assert out[name]["tokens"] != baseline, f"{name}: baseline tokens from foreign KV: it recomputed"
+    assert stats(b.address)["fleet_promoted_blocks"] == full_blocks(prompts)
+    # the dead master's blocks were misses, recomputed: no crash, no hang, baseline tokens
+    assert out["outage"]["tokens"] == baseline
+    on_c = stats(c.address)
+    assert marks["c"]["fleet_errors"] > 0 and marks["c"]["hit_blocks"] < full_blocks(prompts)
+    # after the failover every block is served again, from the promoted replica too
+    assert out["after"]["tokens"] == baseline
+    assert on_c["hit_blocks"] - marks["c"]["hit_blocks"] == full_blocks(prompts)
+    assert on_c["fleet_promoted_blocks"] == full_blocks(prompts)  # each fetched once, over both runs
+    assert on_c["fleet_up"]
+    log = c.log_path.read_text()
+    assert log.count("does not answer") == 1 and "is back after" in log
+
+
+def _replicated(master: Node) -> bool:
+    info = master.client().info("replication")
+    replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+    return bool(replicas) and all(r["offset"] == info["master_repl_offset"] for r in replicas)
 
 
 def test_prefix_reuse_hits_only_shared_blocks(tmp_path, model, prompts, store):
@@ -136,35 +196,6 @@ def test_prefix_reuse_hits_only_shared_blocks(tmp_path, model, prompts, store):
     assert after["blocks"] - before["blocks"] == len(first) // BLOCK + len(second) // BLOCK - 5
 
 
-def test_store_down_between_prefill_and_decode(tmp_path, model, prompts, baseline, store):
-    run_engines(tmp_path, model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
-    }])  # fmt: skip
-    address = store.address
-    store.kill()
-    out = run_engines(tmp_path, model, [{
-        "name": "decode", "kv": kv_config(address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
-    }])  # fmt: skip
-    assert out["decode"]["tokens"] == baseline
-    warnings = re.findall(r"WARNING.*kvstore at \S+ failed", out["_log"]["text"])
-    assert len(warnings) == 1, warnings
-
-
-def test_stalled_store_is_a_miss_not_a_hang(tmp_path, model, prompts, baseline, store):
-    run_engines(tmp_path, model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
-    }])  # fmt: skip
-    assert store.proc is not None
-    store.pause()  # alive, connected, answering nothing
-    try:
-        out = run_engines(tmp_path, model, [{
-            "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
-        }], timeout=300)  # fmt: skip
-    finally:
-        store.resume()
-    assert out["decode"]["tokens"] == baseline
-
-
 def test_consume_mode_frees_the_handoff(tmp_path, model, prompts, baseline, store):
     # one engine process: the prefill engine's saves are committed before the decode starts
     out = run_engines(tmp_path, model, [
@@ -179,58 +210,65 @@ def test_consume_mode_frees_the_handoff(tmp_path, model, prompts, baseline, stor
     assert after["blocks"] == sum(len(p) // BLOCK for p in prompts) - full_blocks(prompts)
 
 
-def test_corrupt_block_is_recomputed(tmp_path, model, prompts, baseline, store):
-    run_engines(tmp_path, model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1,
-    }])  # fmt: skip
-    # a stray write into the arena: one byte of the first block of three prompts
-    with KVStoreClient(store.address) as kv:
-        before = kv.stats()
-        (namespace,) = {b.namespace for b in kv.iter_blocks()}
-        root = namespace.decode().rsplit("|tp", 1)[0]
-        for prompt in prompts[:3]:
-            pinned = kv.pin(namespace, block_hashes(root, prompt, BLOCK)[:1])
-            assert pinned is not None and pinned.num_blocks == 1
-            pinned.block_view(0, 0)[7] ^= 0xFF
-            pinned.release()
-    out = run_engines(tmp_path, model, [{
-        "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
-    }])  # fmt: skip
-    assert out["decode"]["tokens"] == baseline  # the bad prompts were recomputed
-    after = stats(store.address)
-    assert after["checksum_failures"] - before["checksum_failures"] == 3  # reported, verified, dropped
+def test_a_corrupt_block_a_stalled_store_and_a_dead_one_are_recomputes(
+    tmp_path, model, prompts, baseline, store
+):
+    """One engine process: a prefill, then three decodes, each after a fault: a stray
+    write into the arena, the daemon stopped (alive, answering nothing), the daemon killed."""
+    marks: dict[str, dict] = {}
+
+    def corrupt() -> None:
+        # one byte of the first block of three prompts; the client's hashing names the
+        # connector's blocks (the same module, the same keys)
+        with KVStoreClient(store.address) as kv:
+            marks["before"] = kv.stats()
+            (namespace,) = {b.namespace for b in kv.iter_blocks()}
+            root = namespace.decode().rsplit("|tp", 1)[0]
+            assert kv.lookup(namespace, block_hashes(root, prompts[3], BLOCK)) == len(prompts[3]) // BLOCK
+            for prompt in prompts[:3]:
+                pinned = kv.pin(namespace, block_hashes(root, prompt, BLOCK)[:1])
+                assert pinned is not None and pinned.num_blocks == 1
+                pinned.block_view(0, 0)[7] ^= 0xFF
+                pinned.release()
+
+    def stall() -> None:
+        marks["after-corrupt"] = stats(store.address)
+        store.pause()  # alive, connected, answering nothing
+
+    out = run_engines(tmp_path, model, [
+        {"name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 1},
+        *({"name": name, "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8}
+          for name in ("corrupt", "stalled", "dead")),
+    ], before={"corrupt": corrupt, "stalled": stall, "dead": store.kill})  # fmt: skip
+    # the bad prompts were recomputed; the bad blocks reported, verified, dropped
+    assert out["corrupt"]["tokens"] == baseline
+    before, after = marks["before"], marks["after-corrupt"]
+    assert after["checksum_failures"] - before["checksum_failures"] == 3
     assert after["blocks"] < before["blocks"]
+    # a stalled store is a miss within the lookup deadline, not a hang
+    assert out["stalled"]["tokens"] == baseline
+    # a dead one: misses, and one warning for the outage
+    assert out["dead"]["tokens"] == baseline
+    warnings = re.findall(r"WARNING.*kvstore at \S+ failed", out["dead"]["log"])
+    assert len(warnings) == 1, warnings
 
 
 def test_tensor_parallel_two_ranks(tmp_path, model, prompts, store):
-    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    # one TP=2 engine (each one costs three processes' start-up), saving and loading: its
+    # own prefix cache off, its second round of the prompts loads what the first saved
+    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_prefix_caching": False}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    first = run_engines(tmp_path, model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 8,
-        "llm": tp,
-    }], env=env)  # fmt: skip
+    out = run_engines(tmp_path, model, [
+        {"name": "tp2", "kv": kv_config(store.address, "kv_both"), "prompts": prompts, "max_tokens": 8, "llm": tp,
+         "rounds": 2},
+    ], env=env)  # fmt: skip
     with KVStoreClient(store.address) as kv:
-        listed = list(kv.iter_blocks())
-    namespaces = {b.namespace for b in listed}
+        namespaces = {b.namespace for b in kv.iter_blocks()}
+    # each rank saved its own KV heads, under its own namespace
     assert len(namespaces) == 2 and all(b"tp0of2" in ns or b"tp1of2" in ns for ns in namespaces)
-    out = run_engines(tmp_path, model, [{
-        "name": "decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
-        "llm": tp,
-    }], env=env)  # fmt: skip
-    assert out["decode"]["tokens"] == first["prefill"]["tokens"]
+    first, second = out["tp2"]["rounds"]
+    assert second == first
     after = stats(store.address)
     assert after["hit_blocks"] == 2 * full_blocks(prompts)
     # both ranks' worker processes mapped the one arena: they saved and loaded through it
     assert after["commits"] >= 2 and after["memory_hit_blocks"] == 2 * full_blocks(prompts)
-
-
-def test_hashes_match_what_the_connector_stored(tmp_path, model, prompts, store):
-    """The CLI's and client's hashing names the connector's blocks (same module, same keys)."""
-    run_engines(tmp_path, model, [{
-        "name": "prefill", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts[:1], "max_tokens": 1,
-    }])  # fmt: skip
-    with KVStoreClient(store.address) as kv:
-        (block,) = {b.namespace for b in kv.iter_blocks()}
-        root = block.decode().rsplit("|tp", 1)[0]
-        hashes = block_hashes(root, prompts[0], BLOCK)
-        assert kv.lookup(block, hashes) == len(prompts[0]) // BLOCK

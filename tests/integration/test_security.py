@@ -4,8 +4,6 @@ and certificates of its config), and what the daemon refuses at start or allows 
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +11,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from daemon import Daemon
 from support.inproc import InProcServer
+from support.pki import make_pki
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors
@@ -180,51 +175,9 @@ def test_tenants_never_see_each_others_blocks(secured: InProcServer) -> None:
 
 
 # ---- TLS
-def _cert(subject: str, issuer_key, issuer_name, key, *, ca: bool, sans=()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-        .issuer_name(issuer_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(sans)), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, as PEM files."""
-    out = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore test CA")])
-    ca = _cert("kvstore test CA", ca_key, ca_name, ca_key, ca=True)
-    other_key = ec.generate_private_key(ec.SECP256R1())
-    other_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "some other CA")])
-    files = {"ca": ca, "other_ca": _cert("some other CA", other_key, other_name, other_key, ca=True)}
-    for name, sans in (
-        ("server", [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
-        ("client", []),
-    ):
-        key = ec.generate_private_key(ec.SECP256R1())
-        files[name] = _cert(name, ca_key, ca_name, key, ca=False, sans=sans)
-        (out / f"{name}.key").write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )  # fmt: skip
-        )
-    paths = {}
-    for name, cert in files.items():
-        paths[name] = out / f"{name}.pem"
-        paths[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths["server.key"] = out / "server.key"
-    paths["client.key"] = out / "client.key"
-    return paths
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def test_tls_handshake_with_generated_certificates(tmp_path: Path, pki: dict[str, Path]) -> None:
