@@ -65,7 +65,7 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 # the fleet tier's metrics: (kind, name, help, stats key)
 _FLEET_METRICS = (
-    ("gauge", "kvstore_fleet_up", "0 from a failed fleet call until the fleet has answered for a second with no failure.", "fleet_up"),
+    ("gauge", "kvstore_fleet_up", "0 from a failed call until a second with no failure.", "fleet_up"),
     ("counter", "kvstore_fleet_lookups", "Lookups that went on into the fleet.", "fleet_lookups"),
     ("counter", "kvstore_fleet_hit_blocks", "Blocks fetched from the fleet, verified.", "fleet_hit_blocks"),
     ("counter", "kvstore_fleet_fetched_bytes", "Bytes fetched from the fleet.", "fleet_bytes_fetched"),
