@@ -165,20 +165,23 @@ class KVStoreClient:
         block_hashes: Sequence[bytes],
         *,
         timeout: float | None = None,
+        probe: bool = False,
     ) -> int:
         """How many leading blocks of `block_hashes` are stored. One round trip.
 
         With a list of namespaces: the prefix stored in all of them (e.g. every TP rank).
         With local reads: answered from the daemon's files, no round trip; the same
         Lookup still goes to the daemon in the background (recency, hit counters).
+        `probe`: a router asking ahead of a request (the daemon counts it apart and
+        changes no recency); always a round trip.
         """
         if isinstance(namespace, (str, bytes)):
             spaces = [_ns(namespace)]
-            req = pb.LookupRequest(namespace=spaces[0], block_hashes=block_hashes)
+            req = pb.LookupRequest(namespace=spaces[0], block_hashes=block_hashes, probe=probe)
         else:
             spaces = [_ns(ns) for ns in namespace]
-            req = pb.LookupRequest(namespaces=spaces, block_hashes=block_hashes)
-        if self._local is not None and not self._closed.is_set():
+            req = pb.LookupRequest(namespaces=spaces, block_hashes=block_hashes, probe=probe)
+        if self._local is not None and not self._closed.is_set() and not probe:
             n = self._local.lookup(spaces, block_hashes)
             if n is not None:
                 self._send_later(self._rpc.lookup, req, timeout or self.timeout)

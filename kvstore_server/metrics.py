@@ -164,6 +164,7 @@ class StoreCollector(Collector):
         yield gauge("kvstore_capacity_bytes", "The byte budget for KV data.", "capacity_bytes")
         yield gauge("kvstore_namespaces", "Namespaces with a stored block.", "namespaces")
         yield counter("kvstore_lookups", "Prefix lookups (per namespace asked).", "lookups")
+        yield counter("kvstore_probe_lookups", "Lookups of routers asking ahead.", "probe_lookups")
         yield counter("kvstore_lookup_hit_blocks", "Blocks found by lookups (stored prefixes).", "hit_blocks")
         yield counter("kvstore_lookup_miss_blocks", "Blocks asked for by lookups, not found.", "miss_blocks")
         yield counter("kvstore_puts", "Committed puts.", "puts")

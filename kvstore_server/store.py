@@ -109,6 +109,7 @@ class FleetUnavailable(StoreError):
 @dataclass
 class Counters:
     lookups: int = 0
+    probe_lookups: int = 0
     hit_blocks: int = 0
     miss_blocks: int = 0
     puts: int = 0
@@ -215,15 +216,20 @@ class Store:
         )
 
     # ---- serving path
-    def lookup(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+    def lookup(self, namespace: bytes, hashes: Sequence[bytes], *, probe: bool = False) -> int:
         """The stored prefix: from the index, continued in the fleet (within its lookup
-        deadline) where the local tiers stop short."""
+        deadline) where the local tiers stop short. A probe (a router asking ahead of
+        the request) changes no recency and counts only as a probe."""
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
-            self._index.touch(namespace, hashes[:n])
+            if not probe:
+                self._index.touch(namespace, hashes[:n])
         if n < len(hashes) and self.fleet is not None:
             n += self.tiers.fleet_prefix([(namespace, h) for h in hashes[n:]])
         with self._lock:
+            if probe:
+                self.counters.probe_lookups += 1
+                return n
             self.counters.lookups += 1
             self.counters.hit_blocks += n
             self.counters.miss_blocks += len(hashes) - n

@@ -19,7 +19,7 @@ python -c "import vllm" 2>/dev/null || {
     # PyPI's builds of these break transformers imports beside the CPU torch.
     pip uninstall -q -y torchvision torchaudio torchcodec || true
 }
-pip install -q $C -e ".[test,dev]"
+pip install -q $C -e ".[test,dev,proxy]"
 # the fleet tier's tests run a real Redis Cluster of Debian's redis-server
 if ! command -v redis-server >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
@@ -33,8 +33,8 @@ if ! command -v redis-server >/dev/null; then
 fi
 python scripts/gen_protos.py --check
 # lint (ruff: packages, tests, benches) and types (mypy, settings in pyproject.toml)
-SRC="kvstore_server kvstore_client kvstore_cli connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py"
+SRC="kvstore_server kvstore_client kvstore_cli kvstore_proxy connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py"
 ruff check $SRC bench tests scripts
 ruff format --check $SRC bench tests scripts
-mypy kvstore_server kvstore_client kvstore_cli connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py
+mypy kvstore_server kvstore_client kvstore_cli kvstore_proxy connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py
 exec python -m pytest "$@"

@@ -5,6 +5,7 @@
         "namespace": null,           # model identity override (default: the model path/name)
         "consume": false,            # kv_consumer: take blocks with DropSelect (hand-off, frees them)
         "save_mode": null,           # "sync" | "async"; default sync for kv_producer, async for kv_both
+        "save_decode": null,         # also save full blocks of generated tokens; default: on for kv_both
         "lookup_timeout_s": 0.5,     # scheduler's Lookup deadline; a slower store counts as a miss
         "load_timeout_s": 10,        # longest a layer may wait for its load before it is recomputed
         "save_timeout_s": 10,        # how long the store may stall on a save (never counts compute)
@@ -38,6 +39,7 @@ _KEYS = {
     "namespace": "namespace",
     "consume": "consume",
     "save_mode": "save_mode",
+    "save_decode": "save_decode",
     "lookup_timeout_s": "lookup_timeout",
     "load_timeout_s": "load_timeout",
     "save_timeout_s": "save_timeout",
@@ -69,6 +71,10 @@ class ConnectorConfig:
     save_mode: str | None = None
     """'sync': a step returns only after its saves are committed (a prefill's output then
     guarantees its KV is in the store); 'async': saves complete in the background."""
+    save_decode: bool | None = None
+    """Also save the full blocks of generated tokens, keyed as if they were prompt tokens,
+    so a chat's next turn (prompt + answer + new message) hits the answer too. Default:
+    on for kv_both, off for kv_producer (a prefill makes one token)."""
     lookup_timeout: float = 0.5
     load_timeout: float = 10.0
     save_timeout: float = 10.0
@@ -112,6 +118,8 @@ class ConnectorConfig:
         for name in ("consume", "tune_malloc", "local_reads", "arena"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
+        if self.save_decode is not None and not isinstance(self.save_decode, bool):
+            raise ValueError(f"save_decode must be true, false or null, not {self.save_decode!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
         if self.local_data_dir is not None and not isinstance(self.local_data_dir, str):

@@ -79,7 +79,14 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(info, self.config, load=self._load, save=self._save)
+            save_decode = self._save and (
+                self.config.save_decode
+                if self.config.save_decode is not None
+                else transfer.kv_role == "kv_both"
+            )
+            self._scheduler = SchedulerSide(
+                info, self.config, load=self._load, save=self._save, save_decode=save_decode
+            )
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 

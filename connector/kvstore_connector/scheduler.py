@@ -6,6 +6,7 @@ One instance per engine, in the engine-core process. It never touches tensors.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,22 +27,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm." + __name__)
 
 
-def request_hashes(request: Request, root: str, block_size: int) -> list[bytes]:
-    """Chained hashes of the prompt's full blocks, multimodal inputs, salt and LoRA included."""
-    tokens = request.prompt_token_ids
-    if tokens is None:  # prompt embeddings: nothing to key on
+def request_hashes(request: Request, root: str, block_size: int, tokens: Sequence[int] | None = None,
+                   *, parent: bytes | None = None, start_block: int = 0) -> list[bytes]:  # fmt: skip
+    """Chained hashes of the prompt's full blocks (or of `tokens`: the prompt and what was
+    generated, from block `start_block` on, after `parent`), multimodal inputs, salt and
+    LoRA included."""
+    if request.prompt_token_ids is None:  # prompt embeddings: nothing to key on
         return []
+    if tokens is None:
+        tokens = request.prompt_token_ids
     mm = [
         MultiModalInput(f.identifier, f.mm_position.offset, f.mm_position.length)
         for f in (request.mm_features or ())
     ]
     lora = request.lora_request.lora_name if request.lora_request is not None else None
-    return block_hashes(root, tokens, block_size, mm_inputs=mm, cache_salt=request.cache_salt, lora_name=lora)
+    return block_hashes(root, tokens, block_size, mm_inputs=mm, cache_salt=request.cache_salt, lora_name=lora,
+                        parent=parent, start_block=start_block)  # fmt: skip
 
 
 @dataclass
 class _Tracked:
     hashes: list[bytes]
+    request: Request  # vLLM's, alive while the request is: its generated tokens (save_decode)
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # leading blocks known to be in the store (hit or saved)
     pending_local: int = 0  # local prefix-cache tokens of the last lookup
@@ -49,11 +56,13 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, info: NamespaceInfo, config: ConnectorConfig, *, load: bool, save: bool) -> None:
+    def __init__(self, info: NamespaceInfo, config: ConnectorConfig, *, load: bool, save: bool,
+                 save_decode: bool = False) -> None:  # fmt: skip
         self.info = info
         self.config = config
         self.load = load
         self.save = save
+        self.save_decode = save and save_decode
         self.block_size = info.block_size
         self.namespaces = info.all_namespaces()
         self.client = KVStoreClient(config.address, timeout=config.lookup_timeout, **config.client_options())
@@ -66,7 +75,7 @@ class SchedulerSide:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             hashes = request_hashes(request, self.info.hash_root, self.block_size)
-            tracked = self._requests[request.request_id] = _Tracked(hashes)
+            tracked = self._requests[request.request_id] = _Tracked(hashes, request)
         return tracked
 
     def _lookup(self, hashes: list[bytes]) -> int:
@@ -142,7 +151,10 @@ class SchedulerSide:
     def _plan_save(
         self, meta: KVStoreConnectorMetadata, req_id: str, tracked: _Tracked, computed: int
     ) -> None:
-        """Save prompt blocks that are full and computed by the end of this step, once each."""
+        """Save blocks that are full and computed by the end of this step, once each: the
+        prompt's, and with save_decode the generated tokens' too."""
+        if self.save_decode:
+            self._hash_generated(tracked, computed)
         full = min(len(tracked.hashes), computed // self.block_size, len(tracked.block_ids))
         if full <= tracked.stored:
             return
@@ -156,6 +168,28 @@ class SchedulerSide:
             )
         )
         tracked.stored = full
+
+    def _hash_generated(self, tracked: _Tracked, computed: int) -> None:
+        """Extend the chain over generated tokens whose KV this step computes."""
+        request = tracked.request
+        if request.prompt_token_ids is None:
+            return
+        tokens = request.all_token_ids
+        full = min(computed, len(tokens)) // self.block_size
+        have = len(tracked.hashes)
+        if full <= have:
+            return
+        start = have * self.block_size
+        tracked.hashes.extend(
+            request_hashes(
+                request,
+                self.info.hash_root,
+                self.block_size,
+                tokens[start : full * self.block_size],
+                parent=tracked.hashes[-1] if have else None,
+                start_block=have,
+            )  # fmt: skip
+        )
 
     def request_finished(self, request: Request) -> None:
         self._requests.pop(request.request_id, None)

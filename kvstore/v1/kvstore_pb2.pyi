@@ -18,14 +18,16 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "namespaces")
+    __slots__ = ("namespace", "block_hashes", "namespaces", "probe")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    probe: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_blocks",)
@@ -158,7 +160,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks")
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +198,7 @@ class StatsResponse(_message.Message):
     ABORTS_FIELD_NUMBER: _ClassVar[int]
     PINS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     FLEET_ENABLED_FIELD_NUMBER: _ClassVar[int]
     FLEET_UP_FIELD_NUMBER: _ClassVar[int]
     FLEET_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +250,7 @@ class StatsResponse(_message.Message):
     aborts: int
     pins: int
     memory_evictions: int
+    probe_lookups: int
     fleet_enabled: bool
     fleet_up: bool
     fleet_lookups: int
@@ -261,7 +265,7 @@ class StatsResponse(_message.Message):
     fleet_dropped: int
     fleet_skipped: int
     fleet_promoted_blocks: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")

@@ -100,8 +100,11 @@ class Servicer:
             if len(request.namespaces) > wire.MAX_LOOKUP_NAMESPACES:
                 raise InvalidRequest(f"at most {wire.MAX_LOOKUP_NAMESPACES} namespaces per lookup")
             spaces = [self._ns(context, ns) for ns in request.namespaces]
-            return pb.LookupResponse(num_blocks=min(self.store.lookup(ns, hashes) for ns in spaces))
-        return pb.LookupResponse(num_blocks=self.store.lookup(self._ns(context, request.namespace), hashes))
+            return pb.LookupResponse(
+                num_blocks=min(self.store.lookup(ns, hashes, probe=request.probe) for ns in spaces)
+            )
+        namespace = self._ns(context, request.namespace)
+        return pb.LookupResponse(num_blocks=self.store.lookup(namespace, hashes, probe=request.probe))
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:

@@ -10,7 +10,9 @@ import serves several engines. Prints one line `RESULT <json>` per engine:
 {"name", "tokens": [[...]...], "seconds": generate wall time, "ttft": [...]}.
 With "one_by_one" and "time_hooks": true, also "hook_seconds": per prompt, the
 wall time spent inside the KV connector's hooks (its own cost, for benchmarks).
-With "rounds": n, the prompts are generated n times by the one engine ("rounds": the
+With "continue": {"from": name, "then": [[token ids]...]}, the prompts are an earlier
+engine's prompts, each followed by what it generated and then by `then`'s tokens (a
+chat's next turn). With "rounds": n, the prompts are generated n times by the one engine ("rounds": the
 tokens of each; "tokens": the last round's). With "wait": true, an engine prints `WAITING <name>` once it is up and generates only
 after a line on stdin (the test does something to the world in between).
 """
@@ -75,6 +77,7 @@ def run(job: dict) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    done: dict[str, dict] = {}  # by name: prompts and tokens of the engines run so far
     for spec in job["engines"]:
         kv = KVTransferConfig(**spec["kv"]) if spec.get("kv") else None
         kwargs = {
@@ -99,6 +102,10 @@ def run(job: dict) -> None:
                 print(f"WAITING {spec['name']}", flush=True)
                 if not sys.stdin.readline():
                     raise SystemExit(f"engine {spec['name']}: stdin closed while waiting to go")
+            if "continue" in spec:
+                earlier = done[spec["continue"]["from"]]
+                spec["prompts"] = [p + t + more for p, t, more in
+                                   zip(earlier["prompts"], earlier["tokens"], spec["continue"]["then"], strict=True)]  # fmt: skip
             prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
             tokens, ttft, hook_seconds, rounds = [], [], [], []
             started = time.perf_counter()
@@ -123,6 +130,8 @@ def run(job: dict) -> None:
                       "rounds": [*rounds, tokens]}  # fmt: skip
             if timed is not None:
                 result["hook_seconds"] = hook_seconds
+            done[spec["name"]] = {"prompts": spec["prompts"], "tokens": tokens}
+            result["prompts"] = spec["prompts"]
             print("RESULT " + json.dumps(result), flush=True)
             llm.llm_engine.engine_core.shutdown()
             del llm

@@ -177,23 +177,38 @@ def _replicated(master: Node) -> bool:
     return bool(replicas) and all(r["offset"] == info["master_repl_offset"] for r in replicas)
 
 
-def test_prefix_reuse_hits_only_shared_blocks(tmp_path, model, prompts, store):
+def test_prefix_reuse_hits_only_shared_blocks_and_a_next_turn_hits_the_answer(
+    tmp_path, model, prompts, store
+):
     first = prompts[3]  # 300 tokens: 9 full blocks
     shared_tokens = 5 * BLOCK + 7  # 5 whole shared blocks, then the prompts diverge
     second = first[:shared_tokens] + [(t + 1) % 512 for t in first[shared_tokens:]]
     both = kv_config(store.address, "kv_both")
-    before = stats(store.address)
+    chat = prompts[0]  # 100 tokens: 3 full blocks; with 100 generated, 6 are computed
+    new_message = [[(7 * i) % 512 for i in range(40)]]
+    marks: dict[str, dict] = {"before": stats(store.address)}
     # one engine process: each engine finishes (its saves committed) before the next starts
     out = run_engines(tmp_path, model, [
         {"name": "turn1", "kv": both, "prompts": [first], "max_tokens": 4},
         {"name": "turn2", "kv": both, "prompts": [second], "max_tokens": 8},
         {"name": "plain", "kv": None, "prompts": [second], "max_tokens": 8},
-    ])  # fmt: skip
-    after = stats(store.address)
+        # a chat: turn 2 is turn 1's prompt, its answer, and a new message
+        {"name": "chat1", "kv": both, "prompts": [chat], "max_tokens": 100},
+        {"name": "chat2", "kv": both, "continue": {"from": "chat1", "then": new_message}, "max_tokens": 8},
+        {"name": "chat2-plain", "kv": None, "continue": {"from": "chat1", "then": new_message}, "max_tokens": 8},
+    ], before={"chat1": lambda: marks.update(reuse=stats(store.address)),
+               "chat2": lambda: marks.update(chat1=stats(store.address))})  # fmt: skip
+    before, after = marks["before"], marks["reuse"]
     assert out["turn2"]["tokens"] == out["plain"]["tokens"]
     assert after["hit_blocks"] - before["hit_blocks"] == 5  # turn1 hit nothing: the store was empty
     # turn1 stored its full blocks; kv_both stored what the store lacked of `second`: its 4 new ones
     assert after["blocks"] - before["blocks"] == len(first) // BLOCK + len(second) // BLOCK - 5
+    # chat1 saved its prompt's full blocks and the answer's (kv_both saves what it generates)
+    computed = len(chat) + 100 - 1  # the last token's KV is never computed
+    assert marks["chat1"]["blocks"] - after["blocks"] == computed // BLOCK
+    # turn 2 hit every full block of turn 1's prompt and answer, and gives the baseline tokens
+    assert stats(store.address)["hit_blocks"] - marks["chat1"]["hit_blocks"] == computed // BLOCK
+    assert out["chat2"]["tokens"] == out["chat2-plain"]["tokens"]
 
 
 def test_consume_mode_frees_the_handoff(tmp_path, model, prompts, baseline, store):

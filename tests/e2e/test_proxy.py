@@ -1,12 +1,12 @@
-"""docker/proxy/proxy.py in front of real vLLM OpenAI servers (CPU) sharing KV through a real daemon.
+"""kvstore-proxy in front of real vLLM OpenAI servers (CPU) sharing KV through a real daemon.
 
 Two `vllm serve` processes (prefill: kv_producer, decode: kv_consumer) serve a
 random tiny Llama with a word-level tokenizer built here ("t0".."t511", one
 token per word), so text prompts map to known token ids. Requests go through
 the proxy; their tokens must equal a no-connector baseline engine's, and the
 store's counters must show the prefill's blocks written and then read by the
-decode. The tests without the e2e marker run the proxy alone, against backends
-that are not there.
+decode. The tests without the e2e marker run the proxy alone, against scripted
+backends (or none).
 """
 
 from __future__ import annotations
@@ -32,17 +32,20 @@ from pathlib import Path
 import pytest
 from daemon import Daemon, eventually
 from harness import build_model, kv_config, run_engines
+from kvstore_connector.config import NamespaceInfo
 
 from kvstore_client import KVStoreClient
 
 ROOT = Path(__file__).resolve().parents[2]
-PROXY = ROOT / "docker" / "proxy" / "proxy.py"
 BLOCK = 32
 VOCAB = 512
 READY_TIMEOUT = 300.0  # a vLLM server's start-up on 2 busy cores takes about a minute
 REQUEST_TIMEOUT = 120.0
 # Prompt lengths: 7 full blocks (the decode loads 6: one token is always computed), then 4 and 3.
-LENGTHS = {"completion": 224, "stream": 150, "chat": 100}
+LENGTHS = {"completion": 224, "stream": 150, "chat": 100, "turn": 200}
+SKIP_BELOW = 64  # the store-aware proxy skips a prefill when fewer prompt tokens are missing
+NEXT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]  # a next turn's tokens
+ADMIN_KEY = "admin-key-for-tests"
 
 needs_proxy_deps = pytest.mark.skipif(
     not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "httpx")),
@@ -75,16 +78,14 @@ def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:
 
 
 class Proxy:
-    """docker/proxy/proxy.py as a subprocess on a free port; `url` is valid once started."""
+    """kvstore-proxy as a subprocess on a free port; `url` is valid once started."""
 
-    def __init__(self, log: Path, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, log: Path, prefill: list[str], decode: list[str], *, model: str = "m",
+                 args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.log = log
-        with open(log, "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(PROXY), "--host", "127.0.0.1", "--port", "0", "--timeout", "120",
-                 "--prefill", ",".join(prefill), "--decode", ",".join(decode)],
-                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-            )  # fmt: skip
+        self.proc = start_proxy(
+            log, ["--model", model, "--prefill", *prefill, "--decode", *decode, *args], env
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # its one ready line is the synchronisation
         if not line.startswith("kvstore-proxy ready on "):
@@ -92,11 +93,24 @@ class Proxy:
             raise RuntimeError(f"proxy did not start: {line!r}\n{log.read_text()}")
         self.url = "http://" + line.split()[3]
 
+    def status(self) -> dict:
+        return get(self.url + "/status")[1]
+
     def stop(self) -> int | None:
         rc = stop_process(self.proc)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         return rc
+
+
+def start_proxy(log: Path, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(log, "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kvstore_proxy.main", "--host", "127.0.0.1", "--port", "0", "--timeout", "120",
+             "--probe-interval", "0.2", *args],
+            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+            env={**os.environ, "ADMIN_API_KEY": "", **(env or {})},
+        )  # fmt: skip
 
 
 @dataclass
@@ -218,6 +232,7 @@ class Stack:
     prefill: VllmServer
     decode: VllmServer
     proxy: Proxy
+    smart: Proxy  # asks the store first (skips prefills below SKIP_BELOW)
     prompts: dict[str, list[int]]
     baseline: dict[str, list[int]]
     tmp: Path
@@ -247,6 +262,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     build_tokenizer(model)
     rng = random.Random(4321)
     prompts = {kind: [rng.randrange(VOCAB) for _ in range(n)] for kind, n in LENGTHS.items()}
+    prompts["next"] = prompts["turn"] + NEXT  # the same conversation, a few tokens on
 
     store = Daemon(tmp / "data", capacity="1GiB").start()
     prefill_bind, decode_bind = cpu_binds()
@@ -255,6 +271,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     decode = VllmServer("decode", model, kv_config(store.address, "kv_consumer"), tmp / "decode.log",
                         decode_bind)  # fmt: skip
     proxy: Proxy | None = None
+    smart: Proxy | None = None
     try:
         prefill.start()
         decode.start()
@@ -266,11 +283,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         deadline = time.monotonic() + READY_TIMEOUT
         prefill.wait_ready(deadline)
         decode.wait_ready(deadline)
-        proxy = Proxy(tmp / "proxy.log", [prefill.url], [decode.url])
-        yield Stack(model, store, prefill, decode, proxy, prompts, baseline, tmp)
+        proxy = Proxy(tmp / "proxy.log", [prefill.url], [decode.url], model=str(model))
+        namespace = NamespaceInfo(str(model), "bfloat16", BLOCK, 2, 64, False, "cpu", tp_size=1, pp_size=1)
+        smart = Proxy(tmp / "proxy-smart.log", [prefill.url], [decode.url], model=str(model),
+                      args=("--store", store.address, "--kv-namespace", namespace.rank_namespace(0, 0).decode(),
+                            "--skip-prefill-below", str(SKIP_BELOW)))  # fmt: skip
+        yield Stack(model, store, prefill, decode, proxy, smart, prompts, baseline, tmp)
     finally:
-        if proxy is not None:
-            proxy.stop()
+        for p in (proxy, smart):
+            if p is not None:
+                p.stop()
         prefill.stop()
         decode.stop()
         store.stop()
@@ -352,49 +374,152 @@ def test_proxy_passes_a_bad_request_back_as_vllm_answered(stack: Stack) -> None:
 
 
 @pytest.mark.e2e
-def test_proxy_round_robin_skips_an_instance_that_is_down(stack: Stack) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
-    proxy = Proxy(stack.tmp / "proxy-rr.log", [dead, stack.prefill.url], [stack.decode.url, dead])
+def test_a_prompt_the_store_mostly_holds_skips_the_prefill(stack: Stack) -> None:
+    before = stack.smart.status()
+    # the first turn: nothing stored, so prefill then decode
+    status, doc = post(
+        stack.smart.url + "/v1/completions", stack.body("turn"), headers={"X-Request-Id": "turn-1"}
+    )
+    assert status == 200 and doc["choices"][0]["token_ids"] == stack.baseline["turn"], doc
+    assert logged_max_tokens(stack.prefill, "turn-1") == [1]
+    # a few tokens on: the store holds all but 28 of them (< SKIP_BELOW): straight to decode,
+    # which loads the stored blocks and computes the rest
+    hits = stats(stack.store.address)["hit_blocks"]
+    status, doc = post(
+        stack.smart.url + "/v1/completions", stack.body("next"), headers={"X-Request-Id": "turn-2"}
+    )
+    assert status == 200 and doc["choices"][0]["token_ids"] == stack.baseline["next"], doc
+    assert logged_max_tokens(stack.prefill, "turn-2") == []  # no prefill
+    assert logged_max_tokens(stack.decode, "turn-2") == [8]
+    eventually(lambda: stats(stack.store.address)["hit_blocks"] >= hits + len(stack.prompts["turn"]) // BLOCK)
+    after = stack.smart.status()
+    assert after["skipped_prefills"] - before["skipped_prefills"] == 1
+    assert after["store_lookups"] - before["store_lookups"] == 2 and after["store"]["up"]
+    # the proxy's own lookups are probes: counted apart, never as the decode's hits
+    assert stats(stack.store.address)["probe_lookups"] >= 2
+
+
+@pytest.mark.e2e
+def test_a_store_that_does_not_answer_makes_the_proxy_prefill_as_before(stack: Stack) -> None:
+    namespace = NamespaceInfo(str(stack.model), "bfloat16", BLOCK, 2, 64, False, "cpu", tp_size=1, pp_size=1)
+    proxy = Proxy(stack.tmp / "proxy-nostore.log", [stack.prefill.url], [stack.decode.url], model=str(stack.model),
+                  args=("--store", f"127.0.0.1:{free_port()}", "--kv-namespace",
+                        namespace.rank_namespace(0, 0).decode()))  # fmt: skip
     try:
-        # the rotation starts at the dead instance once for each role in two requests; both succeed
-        for _ in range(2):
-            status, doc = post(proxy.url + "/v1/completions", stack.body("completion"))
-            assert status == 200, doc
-            assert doc["choices"][0]["token_ids"] == stack.baseline["completion"]
+        status, doc = post(proxy.url + "/v1/completions", stack.body("completion"),
+                           headers={"X-Request-Id": "no-store"})  # fmt: skip
+        assert status == 200 and doc["choices"][0]["token_ids"] == stack.baseline["completion"], doc
+        assert logged_max_tokens(stack.prefill, "no-store") == [1]
+        doc = proxy.status()
+        assert doc["skipped_prefills"] == 0 and doc["store"]["errors"] == 1 and not doc["store"]["up"]
     finally:
         assert proxy.stop() == 0
-    log = proxy.log.read_text()
-    assert f"prefill {dead}: cannot connect" in log and f"decode {dead}: cannot connect" in log
+    assert proxy.log.read_text().count("store lookup failed") == 1
+
+
+@pytest.mark.e2e
+def test_instances_added_and_removed_with_the_key_and_one_that_fails_goes_out_and_back(stack: Stack) -> None:
+    admin = Proxy(stack.tmp / "proxy-admin.log", [stack.prefill.url], [stack.decode.url], model=str(stack.model),
+                  env={"ADMIN_API_KEY": ADMIN_KEY})  # fmt: skip
+    try:
+        _add_remove_fail_and_return(stack, admin)
+    finally:
+        assert admin.stop() == 0
+    assert "back in rotation" in admin.log.read_text()
+
+
+def _add_remove_fail_and_return(stack: Stack, admin: Proxy) -> None:
+    url, key = admin.url, {"X-API-Key": ADMIN_KEY}
+    spare = ScriptedBackend(b"", b"", model=str(stack.model))
+    add = {"type": "prefill", "instance": spare.url.removeprefix("http://")}
+    # the admin routes: off without ADMIN_API_KEY, refused without the key or with a wrong one
+    assert post(stack.proxy.url + "/instances/add", add, headers=key)[0] == 403
+    assert post(url + "/instances/add", add)[0] == 401
+    assert post(url + "/instances/add", add, headers={"X-API-Key": "wrong"})[0] == 401
+    # an instance is checked with /v1/models before it is added
+    other = ScriptedBackend(b"", b"", model="another-model")
+    try:
+        status, doc = post(url + "/instances/add", {"type": "decode", "instance": other.url}, headers=key)
+        assert status == 400 and "another-model" in doc["error"]["message"], doc
+        nobody = f"127.0.0.1:{free_port()}"
+        status, doc = post(url + "/instances/add", {"type": "decode", "instance": nobody}, headers=key)
+        assert status == 400 and nobody in doc["error"]["message"], doc
+    finally:
+        other.stop()
+    status, doc = post(url + "/instances/add", add, headers=key)
+    assert status == 200 and [i["instance"] for i in doc["prefill"]] == [stack.prefill.url, spare.url], doc
+    # it goes away: requests move on to the other prefill, and it leaves the rotation
+    port = spare.port
+    spare.stop()
+    for i in range(2):  # round robin: one of the two starts at it
+        status, doc = post(
+            url + "/v1/completions", stack.body("completion"), headers={"X-Request-Id": f"rr-{i}"}
+        )
+        assert status == 200 and doc["choices"][0]["token_ids"] == stack.baseline["completion"], doc
+    (gone,) = [i for i in admin.status()["prefill"] if i["instance"] == spare.url]
+    assert not gone["healthy"] and gone["errors"] == 1 and "ConnectError" in gone["last_error"]
+    # it comes back on its port: the proxy's probe puts it back in rotation
+    back = ScriptedBackend(b"", b"", model=str(stack.model), port=port)
+    try:
+        eventually(lambda: all(i["healthy"] for i in admin.status()["prefill"]))
+        status, doc = post(url + "/instances/remove", add, headers=key)
+        assert status == 200 and [i["instance"] for i in doc["prefill"]] == [stack.prefill.url]
+        assert post(url + "/instances/remove", add, headers=key)[0] == 404
+    finally:
+        back.stop()
 
 
 # ---- the proxy alone --------------------------------------------------------------------
 @needs_proxy_deps
-def test_proxy_answers_502_when_no_backend_is_reachable(tmp_path: Path) -> None:
-    prefill, decode = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    proxy = Proxy(tmp_path / "proxy.log", [prefill], [decode])
+def test_proxy_answers_502_once_no_backend_is_reachable_and_415_without_json(tmp_path: Path) -> None:
+    backend = ScriptedBackend(b"", b"")
+    proxy = Proxy(tmp_path / "proxy.log", [backend.url], [backend.url])
     try:
         status, doc = get(proxy.url + "/healthz")
-        assert status == 200
-        assert doc == {"status": "ok", "prefill": [f"http://{prefill}"], "decode": [f"http://{decode}"]}
+        assert status == 200 and doc == {"status": "ok", "prefill": [backend.url], "decode": [backend.url]}
+        backend.stop()
         status, doc = post(proxy.url + "/v1/completions", {"model": "m", "prompt": "t1 t2", "max_tokens": 4})
-        assert status == 502
-        assert doc["error"]["type"] == "bad_gateway"
-        assert f"no prefill backend reachable (http://{prefill}: ConnectError" in doc["error"]["message"]
+        assert status == 502 and doc["error"]["type"] == "bad_gateway"
+        assert f"no prefill backend reachable ({backend.url}: ConnectError" in doc["error"]["message"]
         status, doc = post(proxy.url + "/v1/completions", b"{not json")
         assert status == 400 and "not JSON" in doc["error"]["message"]
         status, doc = post(proxy.url + "/v1/chat/completions", [1, 2])
         assert status == 400 and "JSON object" in doc["error"]["message"]
+        status, doc = post(
+            proxy.url + "/v1/completions", b"prompt=t1", headers={"Content-Type": "text/plain"}
+        )
+        assert status == 415 and "application/json" in doc["error"]["message"]
+        doc = proxy.status()
+        assert doc["requests"] == 1 and doc["errors"] == 1
+        assert [(i["instance"], i["healthy"]) for i in doc["prefill"]] == [(backend.url, False)]
     finally:
         assert proxy.stop() == 0
 
 
 @needs_proxy_deps
-def test_proxy_refuses_to_start_without_backends() -> None:
+def test_proxy_refuses_to_start_without_backends_or_with_one_not_serving_the_model(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PREFILL_URLS", "DECODE_URLS")}
-    proc = subprocess.run([sys.executable, str(PROXY), "--prefill", "http://p:1"], env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert proc.returncode == 2
-    assert "at least one prefill and one decode URL" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "kvstore_proxy.main", "--model", "m", "--prefill", "http://p:1"],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "at least one prefill and one decode URL" in proc.stderr
+    serving, other = ScriptedBackend(b"", b""), ScriptedBackend(b"", b"", model="another-model")
+    nobody = f"http://127.0.0.1:{free_port()}"
+    try:
+        proc = start_proxy(tmp_path / "proxy.log", ["--model", "m", "--prefill", serving.url, nobody,
+                                                     "--decode", other.url])  # fmt: skip
+        try:
+            assert proc.wait(timeout=60) == 2  # it checks every instance, then exits by itself
+        finally:
+            stop_process(proc)
+            assert proc.stdout is not None
+            proc.stdout.close()
+    finally:
+        serving.stop()
+        other.stop()
+    errors = (tmp_path / "proxy.log").read_text()
+    assert f"instance {other.url} serves another-model, not m" in errors
+    assert f"instance {nobody}/v1/models: ConnectError" in errors
+    assert serving.url not in errors
 
 
 class ScriptedBackend:
@@ -403,11 +528,13 @@ class ScriptedBackend:
     first event, or break a stream halfway. A request without "stream" gets a
     one-token completion (the prefill's answer); a streamed one gets `first`, then
     waits for `release` (at most RELEASE_WAIT s) and sends `rest`, or with
-    `break_after_first` drops the connection mid-body instead."""
+    `break_after_first` drops the connection mid-body instead. GET /v1/models lists
+    `model` (the proxy checks every instance with it)."""
 
     RELEASE_WAIT = 60.0
 
-    def __init__(self, first: bytes, rest: bytes, break_after_first: bool = False) -> None:
+    def __init__(self, first: bytes, rest: bytes, break_after_first: bool = False, *, model: str = "m",
+                 port: int = 0) -> None:  # fmt: skip
         self.release = threading.Event()
         self.released_in_time: bool | None = None  # set once the stream went on
         backend = self
@@ -417,6 +544,14 @@ class ScriptedBackend:
 
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
                 pass  # the test's output is the proxy's log, not this server's
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                doc = json.dumps({"object": "list", "data": [{"id": model, "object": "model"}]}).encode()
+                self.send_response(200 if self.path == "/v1/models" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(doc)))
+                self.end_headers()
+                self.wfile.write(doc)
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -444,8 +579,9 @@ class ScriptedBackend:
                 self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                 self.wfile.flush()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.port = int(self.server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 

@@ -42,6 +42,7 @@ def request(req_id: str, tokens: list[int], **extra: object) -> SimpleNamespace:
     fields = dict(
         request_id=req_id,
         prompt_token_ids=tokens,
+        all_token_ids=list(tokens),  # the prompt, then what is generated
         num_tokens=len(tokens),
         mm_features=[],
         lora_request=None,
@@ -105,6 +106,33 @@ def test_chunked_prefill_saves_each_block_once_as_it_fills(daemon) -> None:
     # decode steps add nothing
     meta = side.build_connector_meta(step(cached=[("r1", None, 200)], scheduled={"r1": 1}))
     assert meta.saves == [] and meta.loads == []
+    side.close()
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_save_decode_saves_generated_blocks_as_they_fill_keyed_like_a_prompt(
+    daemon, save_decode: bool
+) -> None:
+    side = SchedulerSide(INFO, config(daemon.address), load=True, save=True, save_decode=save_decode)
+    req = request("r1", PROMPT)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(list(range(1, 8))), 0)
+    meta = side.build_connector_meta(step(new=[("r1", list(range(1, 8)), 0)], scheduled={"r1": 200}))
+    assert [len(s.hashes) for s in meta.saves] == [6]  # the prompt's full blocks
+    saved = []
+    for i in range(60):  # decode steps: each feeds the token sampled last and computes its KV
+        req.all_token_ids.append(5000 + i)
+        req.num_tokens += 1
+        done = len(req.all_token_ids) - 1
+        new_ids = [8] if done == 7 * BS else [9] if done == 8 * BS else None  # a new paged block
+        meta = side.build_connector_meta(step(cached=[("r1", new_ids, done)], scheduled={"r1": 1}))
+        saved += [(s.hashes, s.block_ids, s.parent_hash, len(req.all_token_ids)) for s in meta.saves]
+    # the same chain as a prompt of these tokens would have: a next turn's prompt hits it
+    want = block_hashes(INFO.hash_root, req.all_token_ids, BS)
+    if save_decode:
+        assert saved == [([want[6]], [7], want[5], 7 * BS), ([want[7]], [8], want[6], 8 * BS)]
+    else:
+        assert saved == []
     side.close()
 
 

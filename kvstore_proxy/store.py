@@ -1,0 +1,98 @@
+"""What the proxy asks the store: how many of a prompt's tokens it holds.
+
+The proxy hashes token ids as the connector does (kvstore_client.hashing, under the
+connector's namespace) and asks the daemon's Lookup with `probe` set: the daemon
+counts it apart and changes no recency (the decode's own lookup does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore_client import KVStoreClient
+from kvstore_client.errors import KVStoreError
+from kvstore_client.hashing import block_hashes
+
+log = logging.getLogger("kvstore-proxy")
+
+
+@dataclass(frozen=True)
+class StoreTarget:
+    """The connector's namespace, as its log line prints it, e.g.
+    kvc1|Qwen/Qwen2.5-7B-Instruct|bfloat16|bs16|kvh4|hd128|mha|cuda|tp0of1|pp0of1
+    (a namespace without the |tp..|pp.. part stands for TP=1, PP=1)."""
+
+    namespace: str
+
+    def __post_init__(self) -> None:
+        root = self.root
+        sizes = [part for part in root.split("|") if part.startswith("bs") and part[2:].isdigit()]
+        if not root.startswith("kvc") or len(sizes) != 1 or int(sizes[0][2:]) <= 0:
+            raise ValueError(
+                f"--kv-namespace {self.namespace!r} is not a connector namespace (kvc1|MODEL|DTYPE|bsN|...): "
+                "copy it from the connector's log line 'kvstore connector: ... namespace ...'"
+            )
+
+    @property
+    def root(self) -> str:
+        """The chain root of the block hashes: the namespace less the rank part."""
+        return self.namespace.split("|tp", 1)[0]
+
+    @property
+    def block_size(self) -> int:
+        return next(int(p[2:]) for p in self.root.split("|") if p.startswith("bs") and p[2:].isdigit())
+
+    @property
+    def lookup_namespace(self) -> str:
+        """One rank's namespace: every rank saves the same blocks."""
+        return self.namespace if "|tp" in self.namespace else self.namespace + "|tp0of1|pp0of1"
+
+
+class StoreView:
+    """Lookups of token ids, off the event loop, within a deadline; a store that fails is
+    left alone for `retry_s` (the proxy then prefills as if it had no store)."""
+
+    def __init__(self, client: KVStoreClient, target: StoreTarget, *, timeout_s: float = 0.2,
+                 retry_s: float = 5.0) -> None:  # fmt: skip
+        self.client = client
+        self.target = target
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self._down_until = 0.0
+        self._failing = False
+        self.errors = 0
+        self.last_error: str | None = None
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def held_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
+        """Leading tokens the store holds KV for (whole blocks); None when it cannot say."""
+        if not self.up:
+            return None
+        hashes = block_hashes(self.target.root, token_ids, self.target.block_size, cache_salt=cache_salt)
+        try:
+            n = self.client.lookup(self.target.lookup_namespace, hashes, timeout=self.timeout_s, probe=True)
+        except KVStoreError as exc:
+            self.errors += 1
+            self.last_error = str(exc)
+            if not self._failing:  # one warning per outage
+                log.warning("store lookup failed (%s): prefilling every request until it answers", exc)
+            self._failing = True
+            self._down_until = time.monotonic() + self.retry_s
+            return None
+        if self._failing:
+            log.info("store lookups answer again")
+            self._failing = False
+        return n * self.target.block_size
+
+    async def held_tokens_async(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int | None:
+        return await asyncio.to_thread(self.held_tokens, token_ids, cache_salt)
+
+    def close(self) -> None:
+        self.client.close()
