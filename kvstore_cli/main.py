@@ -39,7 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from itertools import islice
@@ -341,8 +343,15 @@ def _event_line(event: Event) -> str:
 
 def cmd_watch(client: KVStoreClient, args: argparse.Namespace) -> int:
     seen = 0
-    try:
-        with client.watch(args.from_sequence, args.namespace) as stream:
+    with client.watch(args.from_sequence, args.namespace) as stream:
+        # Ctrl-C (or SIGTERM) ends the watch quietly, exit 0: the handler cancels the stream
+        # from another thread. NOTE: not KeyboardInterrupt: raised inside gRPC's iterator,
+        # it could leave the call's lock held, and the cancel on the way out then hung.
+        def stop(signum: int, frame: object) -> None:
+            threading.Thread(target=stream.cancel, name="kvstore-cli-stop", daemon=True).start()
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
             if not args.json:
                 print(
                     f"watching {args.address} (store {stream.store_id}, "
@@ -350,17 +359,17 @@ def cmd_watch(client: KVStoreClient, args: argparse.Namespace) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-            try:
-                for event in stream:
-                    print(json.dumps(_event_json(event)) if args.json else _event_line(event), flush=True)
-                    seen += 1
-                    if args.count and seen >= args.count:
-                        break
-            except StoreUnavailable as exc:  # not unreachable: it was there and is going away
-                _error(f"the watch ended after {seen} events: {exc}")
-                return 1
-    except KeyboardInterrupt:
-        pass  # the way a watch ends: quietly, exit 0
+            for event in stream:
+                print(json.dumps(_event_json(event)) if args.json else _event_line(event), flush=True)
+                seen += 1
+                if args.count and seen >= args.count:
+                    break
+        except StoreUnavailable as exc:  # not unreachable: it was there and is going away
+            _error(f"the watch ended after {seen} events: {exc}")
+            return 1
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return 0
 
 

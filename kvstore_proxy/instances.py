@@ -8,24 +8,30 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 ROLES = ("prefill", "decode")
 
 
 def normalize_url(value: str) -> str:
     """http://HOST:PORT from HOST:PORT or a URL; raises ValueError for what is neither."""
-    value = value.strip().rstrip("/")
+    value = value.strip()
     if not value:
         raise ValueError("an instance must be HOST:PORT or a URL, not empty")
     if "://" not in value:
         value = "http://" + value
-    scheme, _, rest = value.partition("://")
-    if scheme not in ("http", "https") or not rest or "/" in rest.split("?")[0].split("#")[0].strip("/"):
-        raise ValueError(f"instance {value!r}: give HOST:PORT or http(s)://HOST:PORT")
-    return value
+    why = f"instance {value!r}: give HOST:PORT or http(s)://HOST:PORT"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - parses the port: ValueError when it is not one
+    except ValueError as exc:
+        raise ValueError(why) from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(why)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
-@dataclass
+@dataclass(eq=False)  # one object per instance: compared (and hashed) by identity
 class Instance:
     url: str
     role: str

@@ -43,6 +43,24 @@ def test_lookup_full_partial_and_unknown_namespace(kv: KVStoreClient) -> None:
     assert kv.lookup(NS, []) == 0
 
 
+def test_a_probe_lookup_answers_alike_but_counts_apart_and_moves_no_recency(make_server) -> None:
+    # capacity for 4 blocks: a fifth evicts the least recently used
+    server = make_server("probe", capacity=str(4 * block_bytes(make_layers(1))))
+    with KVStoreClient(server.address, arena=False) as kv:
+        hashes = [chain(f"probe-{i}", 1)[0] for i in range(5)]
+        for h in hashes[:4]:
+            kv.put(NS, [h], make_layers(1))
+        before = kv.stats()
+        assert kv.lookup(NS, hashes[:1], probe=True) == 1  # a router asking about the oldest block
+        assert kv.lookup(NS, [hashes[0], chain("absent", 1)[0]], probe=True) == 1
+        after = kv.stats()
+        assert after["probe_lookups"] - before["probe_lookups"] == 2
+        assert (after["lookups"], after["hit_blocks"], after["miss_blocks"]) == (
+            before["lookups"], before["hit_blocks"], before["miss_blocks"])  # fmt: skip
+        kv.put(NS, hashes[4:], make_layers(1))  # the oldest goes: the probes did not refresh it
+        assert kv.lookup(NS, hashes[:1]) == 0 and kv.lookup(NS, hashes[1:2]) == 1
+
+
 def test_lookup_across_namespaces_is_the_common_prefix(server, kv: KVStoreClient) -> None:
     hashes = chain("ranks", 5)
     layers = make_layers(5, seed=23)
