@@ -403,6 +403,10 @@ class ScriptedBackend:
                 self.send_response(200 if self.path == "/v1/models" else 404)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(doc)))
+                # no keep-alive: a connection left open would outlive stop() (its handler
+                # thread serves on), and a stopped backend would still answer
+                self.send_header("Connection", "close")
+                self.close_connection = True
                 self.end_headers()
                 self.wfile.write(doc)
 
