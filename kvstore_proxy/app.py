@@ -31,6 +31,7 @@ PREFILL_DROP = ("stream", "stream_options", "min_tokens")
 CHAT_TOKENIZE = ("messages", "add_generation_prompt", "continue_final_message", "add_special_tokens",
                  "chat_template", "chat_template_kwargs", "tools")  # fmt: skip
 MAX_BODY_BYTES = 64 << 20
+TOKENIZE_TIMEOUT_S = 5.0  # a decode that cannot tokenize in time: prefill as usual
 
 
 class BackendError(Exception):
@@ -157,9 +158,11 @@ class Proxy:
 
     # ---- backends
     async def send(self, role: str, method: str, path: str, *, body: Any = None, headers: dict[str, str],
-                   stream: bool = False) -> tuple[Instance, httpx.Response]:  # fmt: skip
+                   stream: bool = False, count: bool = True,
+                   timeout: float | None = None) -> tuple[Instance, httpx.Response]:  # fmt: skip
         """Send to `role`'s instances in the policy's order, moving on while connections are
-        refused. The caller ends the instance's in-flight count with `done`."""
+        refused. The caller ends the instance's in-flight count with `done`. `count`: a
+        request of the client's (not the proxy's own, such as /tokenize)."""
         assert self.client is not None
         pool = self.pools[role]
         order = pool.order(body if isinstance(body, dict) else {})
@@ -167,8 +170,11 @@ class Proxy:
             raise BackendError(f"no {role} instance (POST /instances/add adds one)")
         failures = []
         for inst in order:
-            request = self.client.build_request(method, inst.url + path, json=body, headers=headers)
-            inst.requests += 1
+            request = self.client.build_request(
+                method, inst.url + path, json=body, headers=headers,
+                timeout=self.timeout if timeout is None else httpx.Timeout(timeout),
+            )  # fmt: skip
+            inst.requests += count
             inst.in_flight += 1
             try:
                 response = await self.client.send(request, stream=stream)
@@ -213,7 +219,15 @@ class Proxy:
             if "add_special_tokens" in body:
                 req["add_special_tokens"] = body["add_special_tokens"]
         try:
-            inst, response = await self.send("decode", "POST", "/tokenize", body=req, headers=headers)
+            inst, response = await self.send(
+                "decode",
+                "POST",
+                "/tokenize",
+                body=req,
+                headers=headers,
+                count=False,
+                timeout=TOKENIZE_TIMEOUT_S,
+            )
         except BackendError as exc:
             log.debug("tokenize: %s", exc)
             return None
