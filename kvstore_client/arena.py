@@ -612,6 +612,7 @@ class Arena:
         layers: Sequence[Any],
         parent_hash: bytes,
         timeout: float | None = None,
+        token_ids: Sequence[int] = (),
     ) -> Reservation | None:
         """A reservation; None when the arena is off (use Put). A reservation with no blocks
         means every block is stored already."""
@@ -623,6 +624,7 @@ class Arena:
             block_hashes=hashes,
             parent_hash=parent_hash,
             layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
+            token_ids=token_ids,
         )
         try:
             resp = self._call("Reserve", req, timeout)

@@ -223,19 +223,23 @@ class KVStoreClient:
         parent_hash: bytes = b"",
         timeout: float | None = None,
         arena: bool = True,
+        token_ids: Sequence[int] = (),
     ) -> PutStream | ArenaPutStream:
         """Open a Put for `block_hashes`; write each layer with write_layer, then commit.
 
         `timeout` (default: the client's, at least 60 s) is how long the store may go
         without taking this put's data or answering its commit; see PutStream. Through the
         daemon's arena when the client uses one (ArenaPutStream, same calls), unless `arena`
-        is false."""
+        is false. `token_ids`: the blocks' tokens, block after block, for the daemon's KV
+        events (optional; not stored)."""
         if not layers:
             raise ValueError("a put needs at least one layer")
         stream_timeout = timeout or max(self.timeout, 60.0)
         if self._arena is not None and arena:
             try:
-                res = self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout)
+                res = self._arena.reserve(
+                    _ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids
+                )
             except errors.CapacityExceeded as exc:  # the arena is full of pins: the backend may fit
                 log.debug("no room in the arena, putting over gRPC: %s", exc)
                 res = None
@@ -246,6 +250,7 @@ class KVStoreClient:
             block_hashes=block_hashes,
             parent_hash=parent_hash,
             layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
+            token_ids=token_ids,
         )
         return PutStream(self._rpc.put, header, layers, len(block_hashes), stream_timeout, self.chunk_bytes)
 
@@ -257,13 +262,14 @@ class KVStoreClient:
         *,
         parent_hash: bytes = b"",
         timeout: float | None = None,
+        token_ids: Sequence[int] = (),
     ) -> PutResult:
-        """Store blocks and wait for the commit."""
+        """Store blocks and wait for the commit (`token_ids`: as for put_stream)."""
         if not layers:
             raise ValueError("a put needs at least one layer")
         specs = [LayerSpec.of(name, t) for name, t in layers.items()]
         with self.put_stream(
-            namespace, block_hashes, specs, parent_hash=parent_hash, timeout=timeout
+            namespace, block_hashes, specs, parent_hash=parent_hash, timeout=timeout, token_ids=token_ids
         ) as stream:
             for name, tensor in layers.items():
                 stream.write_layer(name, tensor.contiguous())
@@ -507,12 +513,14 @@ class KVStoreClient:
         *,
         parent_hash: bytes = b"",
         timeout: float | None = None,
+        token_ids: Sequence[int] = (),
     ) -> Reservation | None:
         """Reserve arena space for the blocks of `block_hashes` the store lacks; write them
-        (`reservation.layer(i)`), then `commit()`. None: no arena here (use put_stream)."""
+        (`reservation.layer(i)`), then `commit()`. None: no arena here (use put_stream).
+        `token_ids`: as for put_stream."""
         if self._arena is None:
             return None
-        return self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout)
+        return self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids)
 
     def pin(
         self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None

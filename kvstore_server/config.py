@@ -80,9 +80,22 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "fleet_lookup_seconds": ((int, float), "a number"),
     "fleet_timeout_seconds": ((int, float), "a number"),
     "fleet_queue_bytes": _SIZE,
+    "kv_events_endpoint": _STR,
+    "kv_events_replay_endpoint": _STR,
+    "kv_events_topic": _STR,
 }
 
 DEFAULT_MEMORY = 1 << 30
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name (or *): it may resolve to anything
 
 
 def parse_size(value: str | int) -> int:
@@ -201,6 +214,12 @@ class ServerConfig:
     fleet_queue_bytes: int = 256 << 20
     """Bytes of blocks waiting to be copied to the fleet; beyond it, copies are dropped
     (counted as fleet_dropped) and saves never wait."""
+    kv_events_endpoint: str | None = None
+    """ZMQ PUB endpoint (tcp://HOST:PORT, ipc://PATH) for the store's events in vLLM's KV
+    events format (see kvstore_server/kv_events.py). Not set: none are published."""
+    kv_events_replay_endpoint: str | None = None
+    """ZMQ ROUTER endpoint that replays recent batches from a sequence."""
+    kv_events_topic: str = "kvstore"
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir).expanduser()
@@ -259,6 +278,12 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca needs tls_cert and tls_key")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be tcp://HOST:PORT or ipc://PATH, not {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     def memory_bytes(self) -> int:
         return DEFAULT_MEMORY if self.memory is None else self.memory
@@ -275,6 +300,19 @@ class ServerConfig:
 
     def exposure_problem(self) -> str | None:
         """Why serving this config would be unsafe, or None. The daemon refuses to start on it."""
+        if self.kv_events_endpoint is not None and self.token_file is not None:
+            return (
+                "refusing KV events with --token-file: they carry every tenant's block hashes and "
+                "token ids (prompts) to anyone who subscribes; run them on a daemon without tenants"
+            )
+        for endpoint in (self.kv_events_endpoint, self.kv_events_replay_endpoint):
+            if endpoint is not None and endpoint.startswith("tcp://") and not self.insecure:
+                host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+                if not _loopback(host):
+                    return (
+                        f"refusing KV events on {endpoint}: they carry token ids (prompts) unauthenticated; "
+                        "bind them to a loopback address, or give --insecure on a private network"
+                    )
         if self.is_loopback() or self.token_file or self.tls_cert or self.insecure:
             return None
         return (
@@ -284,13 +322,7 @@ class ServerConfig:
 
     def is_loopback(self) -> bool:
         """Whether `listen` is reachable from this machine only."""
-        host = self.listen.rpartition(":")[0].strip("[]")
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False  # a host name: it may resolve to anything
+        return _loopback(self.listen.rpartition(":")[0].strip("[]"))
 
     @classmethod
     def load(cls, path: Path | None = None, overrides: dict[str, Any] | None = None) -> ServerConfig:

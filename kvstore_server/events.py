@@ -122,8 +122,10 @@ class EventLog:
         self._watchers = 0
 
     # ---- the store's side
-    def record(self, kind: str, namespace: bytes, hashes: Sequence[bytes], parents: Sequence[bytes]) -> None:
-        """Store listener: append the change as one event (or several, if large)."""
+    def record(self, kind: str, namespace: bytes, hashes: Sequence[bytes], parents: Sequence[bytes],
+               tokens: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
+        """Store listener: append the change as one event (or several, if large). Watch
+        carries no token ids: `tokens` is for the KV events publisher."""
         if not hashes:
             return
         now = self._clock()

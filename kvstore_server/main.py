@@ -263,6 +263,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fleet-password-file", dest="fleet_password_file", type=Path, help="its password")
     p.add_argument("--fleet-tls-ca", dest="fleet_tls_ca", type=Path, help="CA bundle for rediss://")
     p.add_argument("--fleet-queue-bytes", dest="fleet_queue_bytes", help="fleet write-behind bound (256MiB)")
+    p.add_argument(
+        "--kv-events-endpoint",
+        dest="kv_events_endpoint",
+        help="publish vLLM-format KV events on this ZMQ endpoint (tcp://127.0.0.1:5557)",
+    )
+    p.add_argument("--kv-events-replay-endpoint", dest="kv_events_replay_endpoint",
+                   help="replay recent KV event batches on this ZMQ endpoint")  # fmt: skip
+    p.add_argument("--kv-events-topic", dest="kv_events_topic", help="topic of the KV events (kvstore)")
     p.add_argument("--log-level", dest="log_level", help="DEBUG, INFO, WARNING or ERROR")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.add_argument("--version", action="version", version=f"kvstore-server {__version__}")

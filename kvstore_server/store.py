@@ -120,6 +120,14 @@ class Counters:
     checksum_failures: int = 0
 
 
+def _block_tokens(token_ids: Sequence[int], blocks: int, indices: Sequence[int]) -> list[list[int]] | None:
+    """The tokens of blocks `indices` of a put's `blocks` (None: the put gave none)."""
+    if not token_ids:
+        return None
+    per = len(token_ids) // blocks
+    return [list(token_ids[i * per : (i + 1) * per]) for i in indices]
+
+
 @dataclass(frozen=True, slots=True)
 class Run:
     """`count` blocks of a pinned prefix, at positions first.. of the extent at `extent`."""
@@ -149,9 +157,10 @@ class BlockInfo:
     num_children: int
 
 
-Listener = Callable[[str, bytes, Sequence[bytes], Sequence[bytes]], None]
-"""Called as listener(kind, namespace, hashes, parents) with kind "stored" or "removed",
-under the store's lock, in commit order."""
+Listener = Callable[[str, bytes, Sequence[bytes], Sequence[bytes], "Sequence[Sequence[int]] | None"], None]
+"""Called as listener(kind, namespace, hashes, parents, tokens) with kind "stored" or
+"removed", under the store's lock, in commit order; `tokens`: each stored block's token
+ids when its put gave them, else None."""
 
 
 class Store:
@@ -292,6 +301,7 @@ class Store:
         joined: Sequence[memoryview] | None = None,
         *,
         to_fleet: bool = True,
+        token_ids: Sequence[int] = (),
     ) -> PutResult:
         """Store blocks; data[layer][block] is one block's bytes of one layer.
 
@@ -353,12 +363,14 @@ class Store:
                 if writes and to_fleet and self._fleet_writer is not None:
                     self._fleet_writer.add([w.meta.key for w in writes], block_bytes)
                 if writes:
+                    tokens = _block_tokens(token_ids, len(hashes), fresh)
                     for listener in self._listeners:
                         listener(
                             "stored",
                             namespace,
                             [w.meta.block_hash for w in writes],
                             [w.meta.parent_hash for w in writes],
+                            tokens,
                         )
                 self._changed.notify_all()
         return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
@@ -553,6 +565,8 @@ class Store:
         parent_hash: bytes,
         hashes: Sequence[bytes],
         layers: Sequence[LayerSpec],
+        *,
+        token_ids: Sequence[int] = (),
     ) -> Reservation | None:
         """Reserve an extent for the blocks of `hashes` not stored yet (None: all are).
         The caller writes them, layer-major, then commits within the lease."""
@@ -590,6 +604,7 @@ class Store:
                     hashes=[hashes[i] for i in todo],
                     parents=[hashes[i - 1] if i else parent_hash for i in todo],
                     request_index=todo,
+                    token_ids=_block_tokens(token_ids, len(hashes), todo),
                     skipped=len(hashes) - len(todo),
                     layers=tuple(layers),
                     extent=offset,
@@ -636,9 +651,10 @@ class Store:
                     memory.place(placed, placed[0].meta.created_at, dirty=True)
                     if self._fleet_writer is not None:
                         self._fleet_writer.add([p.meta.key for p in placed], placed[0].meta.size)
+                    tokens = [res.token_ids[p.position] for p in placed] if res.token_ids else None
                     for listener in self._listeners:
                         listener("stored", ns, [p.meta.block_hash for p in placed],
-                                 [p.meta.parent_hash for p in placed])  # fmt: skip
+                                 [p.meta.parent_hash for p in placed], tokens)  # fmt: skip
                 else:
                     memory.allocator.free(res.extent, res.nbytes)
                 memory.counters.commits += 1
@@ -897,7 +913,7 @@ class Store:
             by_ns.setdefault(ns, []).append(h)
         for ns, hashes in by_ns.items():
             for listener in self._listeners:
-                listener("removed", ns, hashes, [])
+                listener("removed", ns, hashes, [], None)
 
     def begin_shutdown(self) -> None:
         """Release DropSelect waiters (UNAVAILABLE); everything else keeps working."""

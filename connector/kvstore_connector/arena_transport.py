@@ -105,8 +105,9 @@ class ArenaTransport:
     def open(self, spec: SaveSpec, timeout: float) -> ArenaSave | None:
         """A reservation for one request's blocks; None: save it over gRPC instead."""
         res = self.client.reserve(
-            self.namespace, spec.hashes, self.specs, parent_hash=spec.parent_hash, timeout=timeout
-        )
+            self.namespace, spec.hashes, self.specs, parent_hash=spec.parent_hash, timeout=timeout,
+            token_ids=spec.token_ids,
+        )  # fmt: skip
         if res is None:
             return None
         if not res.blocks:

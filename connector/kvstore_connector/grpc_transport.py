@@ -131,6 +131,7 @@ class GrpcTransport:
             parent_hash=spec.parent_hash,
             timeout=self._save_timeout,
             arena=False,  # this is the gRPC transport: the arena's saves are ArenaTransport's
+            token_ids=spec.token_ids,
         )
         return GrpcSave(spec, stream, time.perf_counter(), reserved)
 

@@ -24,6 +24,7 @@ class SaveSpec:
     hashes: list[bytes]
     block_ids: list[int]
     parent_hash: bytes
+    token_ids: list[int] = field(default_factory=list)  # the blocks' tokens, for the store's KV events
 
 
 @dataclass

@@ -159,12 +159,14 @@ class SchedulerSide:
         if full <= tracked.stored:
             return
         start = tracked.stored
+        tokens = tracked.request.all_token_ids  # the prompt's, then what was generated
         meta.saves.append(
             SaveSpec(
                 req_id,
                 tracked.hashes[start:full],
                 tracked.block_ids[start:full],
                 tracked.hashes[start - 1] if start else b"",
+                list(tokens[start * self.block_size : full * self.block_size]),
             )
         )
         tracked.stored = full

@@ -25,10 +25,12 @@ from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
 from kvstore_server.events import STORED, Event, EventLog
 from kvstore_server.idle import IdleReclaim
+from kvstore_server.kv_events import KVEventsPublisher
 from kvstore_server.putbuffer import PutBudget, PutBuffer
 from kvstore_server.rpc.status import InvalidRequest, LocalReadsOff, _decoded, _decoder, translated
 from kvstore_server.rpc.validation import (
     _chunk_size,
+    check_block_tokens,
     check_hash,
     check_hashes,
     check_layers,
@@ -70,6 +72,12 @@ class Servicer:
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
         self.events = EventLog(config.event_window)
         store.add_listener(self.events.record)
+        self.kv_events: KVEventsPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            self.kv_events = KVEventsPublisher(
+                config.kv_events_endpoint, config.kv_events_replay_endpoint, topic=config.kv_events_topic
+            )
+            store.add_listener(self.kv_events.listener)
         self.reclaim = IdleReclaim(self._release_memory)
 
     def _release_memory(self) -> None:
@@ -78,8 +86,10 @@ class Servicer:
         self.store.backend.release_memory()
 
     def close(self) -> None:
-        """Stop the idle-memory thread; after the server stopped."""
+        """Stop the idle-memory thread and the KV events publisher; after the server stopped."""
         self.reclaim.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     @property
     def inflight_put_bytes(self) -> int:
@@ -122,6 +132,7 @@ class Servicer:
         if parent and parent in hashes:
             raise InvalidRequest("parent_hash is one of the put's own block hashes; a chain has no cycles")
         layers = check_layers(header.layers)
+        tokens = check_block_tokens(header.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:
@@ -143,6 +154,7 @@ class Servicer:
                 [[buffer.layer(k, i) for i in range(len(hashes))] for k in range(len(layers))],
                 buffer.checksums,
                 joined=[buffer.block(i) for i in range(len(hashes))],
+                token_ids=tokens,
             )
         finally:
             self._puts.release(buffer)
@@ -345,11 +357,14 @@ class Servicer:
                 "parent_hash is one of the request's own block hashes; a chain has no cycles"
             )
         layers = check_layers(request.layers)
+        tokens = check_block_tokens(request.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"save of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
-        res = self.store.reserve(self.scope.prefix(context), namespace, parent, hashes, layers)
+        res = self.store.reserve(
+            self.scope.prefix(context), namespace, parent, hashes, layers, token_ids=tokens
+        )
         if res is None:
             return pb.ReserveResponse(reservation_id=0)
         return pb.ReserveResponse(

@@ -40,6 +40,19 @@ def check_hashes(hashes: Sequence[bytes], limit: int, allow_empty: bool = False)
     return out
 
 
+def check_block_tokens(token_ids: Sequence[int], blocks: int) -> list[int]:
+    """A put's optional token ids: none, or the same whole number for each block."""
+    if not token_ids:
+        return []
+    per_block, rest = divmod(len(token_ids), blocks)
+    if rest or per_block > wire.MAX_TOKENS_PER_BLOCK:
+        raise InvalidRequest(
+            f"{len(token_ids)} token ids for {blocks} blocks: give the same number for each block, "
+            f"at most {wire.MAX_TOKENS_PER_BLOCK}"
+        )
+    return list(token_ids)
+
+
 def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
     if not specs:
         raise InvalidRequest("a put needs at least one layer")

@@ -354,6 +354,7 @@ class Reservation:
     extent: int
     nbytes: int
     expires: float
+    token_ids: list[list[int]] | None = None  # each one's tokens, when the request gave them (KV events)
 
 
 @dataclass

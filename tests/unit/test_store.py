@@ -607,7 +607,7 @@ def test_listener_events_in_commit_order(make_store: MakeStore) -> None:
     store = make_store(capacity=4 * BLOCK_BYTES)
     events: list[tuple[str, bytes, list[bytes], list[bytes]]] = []
     store.add_listener(
-        lambda kind, ns, hashes, parents: events.append((kind, ns, list(hashes), list(parents)))
+        lambda kind, ns, hashes, parents, tokens: events.append((kind, ns, list(hashes), list(parents)))
     )
     a, b = chain("a", 3), chain("b", 2)
     put(store, a)
