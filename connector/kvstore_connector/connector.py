@@ -50,7 +50,10 @@ from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -84,9 +87,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 if self.config.save_decode is not None
                 else transfer.kv_role == "kv_both"
             )
+            events = vllm_config.kv_events_config
             self._scheduler = SchedulerSide(
-                info, self.config, load=self._load, save=self._save, save_decode=save_decode
-            )
+                info, self.config, load=self._load, save=self._save, save_decode=save_decode,
+                kv_events=bool(events is not None and events.enable_kv_cache_events),
+            )  # fmt: skip
         else:
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -138,6 +143,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._sched().request_finished(request)
         return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """BlockStored/BlockRemoved (medium KVSTORE) for the blocks the store holds for this
+        engine, under vLLM's hashes; published with vLLM's own when --kv-events-config is on."""
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     # ---- worker side
     def _work(self) -> WorkerSide:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore_client import KVStoreClient
 from kvstore_client.errors import KVStoreError
 from kvstore_client.hashing import MultiModalInput, block_hashes
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.events import StoreEvents
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
@@ -57,7 +58,7 @@ class _Tracked:
 
 class SchedulerSide:
     def __init__(self, info: NamespaceInfo, config: ConnectorConfig, *, load: bool, save: bool,
-                 save_decode: bool = False) -> None:  # fmt: skip
+                 save_decode: bool = False, kv_events: bool = False) -> None:  # fmt: skip
         self.info = info
         self.config = config
         self.load = load
@@ -70,6 +71,10 @@ class SchedulerSide:
         self.stats = KVStoreConnectorStats()
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        # vLLM's KV events for the blocks the store holds for this engine (--kv-events-config)
+        self.events = (
+            StoreEvents(self.client, info.rank_namespace(0, 0), self.block_size) if kv_events else None
+        )
 
     def _tracked(self, request: Request) -> _Tracked:
         tracked = self._requests.get(request.request_id)
@@ -120,6 +125,8 @@ class SchedulerSide:
         self._loads.append(
             LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last]))
         )
+        if self.events is not None:
+            self.events.held(request, tracked.hashes[first:last], first)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self._loads)
@@ -169,6 +176,8 @@ class SchedulerSide:
                 list(tokens[start * self.block_size : full * self.block_size]),
             )
         )
+        if self.events is not None:
+            self.events.saving(tracked.request, tracked.hashes[start:full], start)
         tracked.stored = full
 
     def _hash_generated(self, tracked: _Tracked, computed: int) -> None:
@@ -199,5 +208,10 @@ class SchedulerSide:
     def take_stats(self) -> KVStoreConnectorStats | None:
         return self.stats.take()
 
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
+
     def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
         self.client.close()

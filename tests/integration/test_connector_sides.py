@@ -136,6 +136,47 @@ def test_save_decode_saves_generated_blocks_as_they_fill_keyed_like_a_prompt(
     side.close()
 
 
+def test_kv_events_report_committed_saves_and_store_hits_under_vllms_hashes_then_evictions(daemon) -> None:
+    side = SchedulerSide(INFO, config(daemon.address), load=True, save=True, kv_events=True)
+    try:
+        _kv_events(daemon, side)
+    finally:
+        side.close()
+
+
+def _kv_events(daemon, side: SchedulerSide) -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    vllm_hashes = [bytes([i + 1]) * 32 for i in range(6)]  # vLLM's own hashes of the 6 full blocks
+    published = [maybe_convert_block_hash(h) for h in vllm_hashes]  # as vLLM publishes its own
+    req = request("r1", PROMPT, block_hashes=vllm_hashes)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(list(range(1, 8))), 0)
+    (save,) = side.build_connector_meta(step(new=[("r1", list(range(1, 8)), 0)], scheduled={"r1": 200})).saves
+    assert side.take_events() == []  # planned is not stored: reported once the store has it
+    store_blocks(daemon.address, save.hashes[:4])  # the worker's save, here a client's Put
+    got: list = []
+    eventually(lambda: bool(got.extend(side.take_events()) or got))
+    (stored,) = got
+    assert isinstance(stored, BlockStored) and stored.medium == "KVSTORE"
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size) == (
+        published[:4], None, PROMPT[: 4 * BS], BS)  # fmt: skip
+    # another request's lookup finds the first three stored: already reported, nothing new;
+    # evicting blocks 2.. reports those of them it had reported
+    other = request("r2", PROMPT[: 3 * BS + 5], block_hashes=vllm_hashes[:3])
+    assert side.get_num_new_matched_tokens(other, 0) == (3 * BS, False)
+    side.update_state_after_alloc(other, blocks([9, 10, 11, 12]), 3 * BS)
+    assert side.take_events() == []
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        kv.evict(namespace=NS, block_hash=save.hashes[2])  # and its descendants
+    got.clear()
+    eventually(lambda: bool(got.extend(side.take_events()) or got))
+    assert [(type(e), set(e.block_hashes)) for e in got] == [
+        (BlockRemoved, set(published[2:4]))
+    ]  # leaf first
+
+
 def test_hits_are_whole_blocks_beyond_the_local_cache_and_leave_a_token(daemon) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)
     store_blocks(daemon.address, hashes[:3])

@@ -1,0 +1,175 @@
+"""KV events for vLLM's publisher (KVConnectorBase_V1.take_events): which of this engine's
+blocks the store holds, under vLLM's own block hashes, medium "KVSTORE".
+
+An engine started with --kv-events-config then publishes, beside its GPU blocks, a
+`BlockStored` once a block it saved is committed in the store (seen on the daemon's
+Watch stream, so a save that failed is never reported), or once a lookup found a block
+it will load; and a `BlockRemoved` once the store evicts a block it reported. A router
+(vLLM's subscribers, llm-d, Dynamo) then knows what a replica can load from the store,
+with no change on its side. A daemon that restarted holds nothing it reported: those
+blocks are reported removed.
+
+Bounded: at most `max_tracked` blocks are remembered (the oldest are forgotten: a
+forgotten block's removal is not reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore_client import EVENT_REMOVED, EVENT_STORED, KVStoreClient
+from kvstore_client.errors import KVStoreError
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm." + __name__)
+
+MEDIUM = "KVSTORE"
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    vllm_hash: Any  # vLLM's ExternalBlockHash (bytes, or int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    parent: Any
+    tokens: list[int]
+    lora_id: int | None
+    lora_name: str | None
+
+
+def _external(block_hash: bytes) -> Any:
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    return maybe_convert_block_hash(block_hash)  # type: ignore[arg-type]
+
+
+class StoreEvents:
+    def __init__(self, client: KVStoreClient, namespace: bytes, block_size: int, *, retry_s: float = 2.0,
+                 max_tracked: int = 65536) -> None:  # fmt: skip
+        self.client = client
+        self.namespace = namespace
+        self.block_size = block_size
+        self.retry_s = retry_s
+        self.max_tracked = max_tracked
+        self._lock = threading.Lock()
+        self._planned: OrderedDict[bytes, _Block] = OrderedDict()  # saved, not seen committed yet
+        self._reported: OrderedDict[bytes, Any] = OrderedDict()  # the store's hash -> vLLM's
+        self._out: list[Any] = []
+        self._store_id: str | None = None
+        self._stop = threading.Event()
+        self._stream: Any = None
+        self._thread = threading.Thread(target=self._watch, name="kvstore-kv-events", daemon=True)
+        self._thread.start()
+
+    # ---- the scheduler's side
+    def _blocks(self, request: Request, hashes: Sequence[bytes], first: int) -> list[tuple[bytes, _Block]]:
+        vllm_hashes = list(getattr(request, "block_hashes", ()) or ())
+        lora = request.lora_request
+        out = []
+        for i, h in enumerate(hashes, start=first):
+            if i >= len(vllm_hashes):  # vLLM hashes full blocks as they fill: it always has these
+                break
+            parent = _external(vllm_hashes[i - 1]) if i else None
+            tokens = list(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = _Block(_external(vllm_hashes[i]), parent, tokens, lora.adapter_id if lora else None,
+                           lora.name if lora else None)  # fmt: skip
+            out.append((h, block))
+        return out
+
+    def saving(self, request: Request, hashes: Sequence[bytes], first: int) -> None:
+        """Blocks `first`.. of `request` are being saved as `hashes`: report them once committed."""
+        with self._lock:
+            for h, block in self._blocks(request, hashes, first):
+                if h not in self._reported:
+                    self._planned[h] = block
+            _trim(self._planned, self.max_tracked)
+
+    def held(self, request: Request, hashes: Sequence[bytes], first: int) -> None:
+        """Blocks `first`.. of `request` are in the store (a lookup found them)."""
+        with self._lock:
+            fresh = [(h, b) for h, b in self._blocks(request, hashes, first) if h not in self._reported]
+            self._report(fresh)
+
+    def take(self) -> list[Any]:
+        with self._lock:
+            out, self._out = self._out, []
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        self._thread.join(timeout=5)
+
+    # ---- under the lock
+    def _report(self, blocks: list[tuple[bytes, _Block]]) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        # one event per run of consecutive blocks of a chain (vLLM's own shape)
+        run: list[tuple[bytes, _Block]] = []
+        for h, block in [*blocks, (b"", None)]:  # type: ignore[list-item]
+            if run and (block is None or block.parent != run[-1][1].vllm_hash):
+                first = run[0][1]
+                self._out.append(BlockStored(
+                    block_hashes=[b.vllm_hash for _, b in run], parent_block_hash=first.parent,
+                    token_ids=[t for _, b in run for t in b.tokens], block_size=self.block_size,
+                    lora_id=first.lora_id, medium=MEDIUM, lora_name=first.lora_name,
+                ))  # fmt: skip
+                run = []
+            if block is not None:
+                run.append((h, block))
+                self._reported[h] = block.vllm_hash
+        _trim(self._reported, self.max_tracked)
+
+    def _removed(self, hashes: Sequence[bytes]) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        gone = [self._reported.pop(h) for h in hashes if h in self._reported]
+        if gone:
+            self._out.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
+
+    # ---- the daemon's Watch, on a thread
+    def _watch(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                with self.client.watch(0, self.namespace) as stream:
+                    self._stream = stream
+                    self._started(stream.store_id)
+                    if failing:
+                        log.info("kvstore: KV events follow the store again")
+                        failing = False
+                    for event in stream:
+                        self._on(event)
+            except KVStoreError as exc:
+                if not failing:
+                    log.warning("kvstore: the store's Watch failed (%s): KV events wait for it", exc)
+                    failing = True
+            finally:
+                self._stream = None
+            self._stop.wait(self.retry_s)
+
+    def _started(self, store_id: str) -> None:
+        with self._lock:
+            if self._store_id is not None and store_id != self._store_id:  # a restarted daemon
+                self._removed(list(self._reported))
+                self._planned.clear()
+            self._store_id = store_id
+
+    def _on(self, event: Any) -> None:
+        with self._lock:
+            if event.kind == EVENT_STORED:
+                self._report([(h, self._planned.pop(h)) for h in event.block_hashes if h in self._planned])
+            elif event.kind == EVENT_REMOVED:
+                self._removed(event.block_hashes)
+
+
+def _trim(tracked: OrderedDict[bytes, Any], limit: int) -> None:
+    while len(tracked) > limit:
+        tracked.popitem(last=False)
