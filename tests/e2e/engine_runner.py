@@ -12,9 +12,11 @@ With "one_by_one" and "time_hooks": true, also "hook_seconds": per prompt, the
 wall time spent inside the KV connector's hooks (its own cost, for benchmarks).
 With "continue": {"from": name, "then": [[token ids]...]}, the prompts are an earlier
 engine's prompts, each followed by what it generated and then by `then`'s tokens (a
-chat's next turn). With "rounds": n, the prompts are generated n times by the one engine ("rounds": the
-tokens of each; "tokens": the last round's). With "wait": true, an engine prints `WAITING <name>` once it is up and generates only
-after a line on stdin (the test does something to the world in between).
+chat's next turn). With "rounds": n, the prompts are generated n times by the one
+engine ("rounds": the tokens of each; "tokens": the last round's). With "wait": true,
+an engine prints `WAITING <name>` once it is up and generates only after a line on
+stdin (the test does something to the world in between); with "wait_rounds": true,
+the same before each round after the first (`WAITING <name>#<n>`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ def time_hooks(name: str | None):
                 delattr(cls, hook)  # inherited: drop the wrapper
 
 
+def wait(name: str) -> None:
+    """Tell the test `name` is reached and wait for its go (a line on stdin)."""
+    print(f"WAITING {name}", flush=True)
+    if not sys.stdin.readline():
+        raise SystemExit(f"{name}: stdin closed while waiting to go")
+
+
 def run(job: dict) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -80,6 +89,11 @@ def run(job: dict) -> None:
     done: dict[str, dict] = {}  # by name: prompts and tokens of the engines run so far
     for spec in job["engines"]:
         kv = KVTransferConfig(**spec["kv"]) if spec.get("kv") else None
+        llm_extra = dict(spec.get("llm", {}))
+        if "kv_events_config" in llm_extra:
+            from vllm.config import KVEventsConfig
+
+            llm_extra["kv_events_config"] = KVEventsConfig(**llm_extra["kv_events_config"])
         kwargs = {
             "skip_tokenizer_init": True,
             "enforce_eager": True,
@@ -92,16 +106,14 @@ def run(job: dict) -> None:
             "max_model_len": 4096,
             "seed": 0,
             "disable_log_stats": not spec.get("log_stats", False),
-            **spec.get("llm", {}),
+            **llm_extra,
         }
         timed = spec["kv"]["kv_connector"] if spec.get("time_hooks") else None
         with time_hooks(timed) as spent:
             llm = LLM(model=spec.get("model") or job["model"], kv_transfer_config=kv, **kwargs)
             params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
             if spec.get("wait"):
-                print(f"WAITING {spec['name']}", flush=True)
-                if not sys.stdin.readline():
-                    raise SystemExit(f"engine {spec['name']}: stdin closed while waiting to go")
+                wait(spec["name"])
             if "continue" in spec:
                 earlier = done[spec["continue"]["from"]]
                 spec["prompts"] = [p + t + more for p, t, more in
@@ -109,10 +121,12 @@ def run(job: dict) -> None:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
             tokens, ttft, hook_seconds, rounds = [], [], [], []
             started = time.perf_counter()
-            for _ in range(spec.get("rounds", 1) - 1):
+            for i in range(spec.get("rounds", 1) - 1):
                 rounds.append(
                     [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
                 )
+                if spec.get("wait_rounds"):
+                    wait(f"{spec['name']}#{i + 2}")
             if spec.get("one_by_one"):
                 for prompt in prompts:
                     t0, hooks0 = time.perf_counter(), spent[0]

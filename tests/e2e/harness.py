@@ -63,9 +63,12 @@ def run_engines(tmp: Path, model: Path, engines: list[dict], *, env: dict[str, s
 
     `progress`: print a line (to stderr) as each engine finishes, with its time.
     `before`: by engine name, what to do once that engine is up and before it generates
-    (the engine's spec gets "wait": the runner waits for the go on its stdin)."""
+    (the engine's spec gets "wait": the runner waits for the go on its stdin); by
+    "name#n", before that engine's round n (of "rounds")."""
     before = before or {}
     engines = [{**e, "wait": True} if e["name"] in before else e for e in engines]
+    engines = [{**e, "wait_rounds": True} if any(k.startswith(e["name"] + "#") for k in before) else e
+               for e in engines]  # fmt: skip
     job = tmp / f"job-{os.getpid()}-{len(list(tmp.glob('job-*')))}.json"
     job.write_text(json.dumps({"model": str(model), "engines": engines}))
     results: dict[str, dict] = {}

@@ -8,12 +8,13 @@ baseline; store-side Stats prove the KV was served.
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import pytest
 from daemon import Daemon, eventually
 from harness import kv_config, run_engines
-from support.redis_cluster import Cluster, Node
+from support.redis_cluster import Cluster, Node, free_port
 
 from kvstore_client import KVStoreClient
 from kvstore_client.hashing import block_hashes
@@ -287,3 +288,83 @@ def test_tensor_parallel_two_ranks(tmp_path, model, prompts, store):
     assert after["hit_blocks"] == 2 * full_blocks(prompts)
     # both ranks' worker processes mapped the one arena: they saved and loaded through it
     assert after["commits"] >= 2 and after["memory_hit_blocks"] == 2 * full_blocks(prompts)
+
+
+class Subscriber:
+    """A ZMQ SUB of KV event batches on a thread, decoded with the installed vLLM's classes;
+    `connected()` waits until its connection is up (a SUB sees only what is sent after)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self.sock.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.batches: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def connected(self, timeout_ms: int = 60_000) -> None:
+        assert self._monitor.poll(timeout_ms), "the KV events subscriber never connected"
+        self._monitor.recv_multipart()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                _, _, payload = self.sock.recv_multipart()
+                self.batches.append(self._decoder.decode(payload))
+
+    def events(self) -> list:
+        return [e for b in self.batches for e in b.events]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self._ctx.term()
+
+
+def test_kv_events_from_the_engine_and_from_the_daemon(tmp_path, model, prompts):
+    from vllm.distributed.kv_events import BlockStored
+
+    daemon_events, engine_events = f"tcp://127.0.0.1:{free_port()}", free_port()
+    store = Daemon(
+        tmp_path / "data", capacity="1GiB", extra_args=["--kv-events-endpoint", daemon_events]
+    ).start()
+    from_daemon, from_engine = Subscriber(daemon_events), Subscriber(f"tcp://127.0.0.1:{engine_events}")
+    try:
+        from_daemon.connected()
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{engine_events}"}
+        saved = sum(len(p) // BLOCK for p in prompts)
+
+        def all_stored() -> None:
+            eventually(lambda: sum(len(e.block_hashes) for e in from_daemon.events()) == saved)
+
+        # two rounds: the engine reports what the store committed at its next steps
+        run_engines(tmp_path, model, [
+            {"name": "both", "kv": kv_config(store.address, "kv_both"), "prompts": prompts, "max_tokens": 2,
+             "llm": {"kv_events_config": events}, "rounds": 2},
+        ], before={"both": from_engine.connected, "both#2": all_stored})  # fmt: skip
+        from_daemon_done = from_daemon.events()
+    finally:
+        from_daemon.close()
+        from_engine.close()
+        store.stop()
+    # the daemon: every block the prefill stored, each prompt's in order, with its token ids
+    stored = [e for e in from_daemon_done if isinstance(e, BlockStored)]
+    tokens = sorted(e.token_ids for e in stored)
+    assert tokens == sorted(p[: len(p) // BLOCK * BLOCK] for p in prompts)
+    assert all(e.block_size == BLOCK and e.medium == "KVSTORE" for e in stored)
+    # the engine: the store's blocks under vLLM's own hashes (those of its GPU blocks),
+    # each reported once: the saves of round 1, seen committed by its next steps
+    engine = [e for e in from_engine.events() if isinstance(e, BlockStored)]
+    gpu = {h for e in engine if e.medium == "GPU" for h in e.block_hashes}
+    in_store = [h for e in engine if e.medium == "KVSTORE" for h in e.block_hashes]
+    assert len(in_store) == len(set(in_store)) == saved and set(in_store) <= gpu
