@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class Spec:
     hashes: list[bytes]
     block_ids: list[int]
     parent_hash: bytes = b""
+    token_ids: list[int] = field(default_factory=list)
 
 
 try:

@@ -45,7 +45,7 @@ def transport(kv: KVStoreClient, caches: dict[str, torch.Tensor]) -> ArenaTransp
 
 
 def save(t: ArenaTransport, hashes: list[bytes], ids: list[int], parent: bytes = b"") -> int:
-    spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=ids, parent_hash=parent)
+    spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=ids, parent_hash=parent, token_ids=[])
     save = t.open(spec, timeout=10)  # type: ignore[arg-type]
     assert save is not None, "the arena is not in use"
     for name, kv in t.caches.items():
