@@ -5,7 +5,6 @@
     parse_duration("15m") == 900.0            format_duration(93784) == "1d 2h"
     format_table(rows, headers, right={2})    aligned columns, two spaces apart
     parse_token_ids("1 2, 3") == [1, 2, 3]    also a JSON list: "[1, 2, 3]"
-    connector_hash_root(ns), connector_block_size(ns)   for namespaces of the vLLM connector
 
 render_namespace and parse_namespace round-trip: whatever the CLI prints as a
 namespace can be passed back to --namespace.
@@ -24,11 +23,6 @@ SHORT_HASH_DIGITS = 16
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-# A rank namespace of the vLLM connector (kvstore_connector.config.NamespaceInfo):
-#   kvc1|MODEL|KV_DTYPE|bsN|kvhN|hdN|mla-or-mha|DEVICE|tpRofN|ppRofN
-# Its blocks are hashed from the part before |tp...: one chain root for every rank.
-_CONNECTOR_NAMESPACE_RE = re.compile(r"^(?P<root>kvc1\|.*)\|tp\d+of\d+\|pp\d+of\d+$", re.DOTALL)
-_CONNECTOR_BLOCK_SIZE_RE = re.compile(r"\|bs(\d+)\|")
 MAX_TOKEN_ID = 2**32 - 1
 
 
@@ -153,20 +147,3 @@ def parse_token_ids(text: str) -> list[int]:
     if out_of_range is not None:
         raise ValueError(f"token id {out_of_range} is outside 0..{MAX_TOKEN_ID}")
     return tokens
-
-
-def connector_hash_root(namespace: bytes) -> bytes | None:
-    """The chain root of a vLLM-connector rank namespace (without |tp..|pp..); None for others."""
-    try:
-        text = namespace.decode()
-    except UnicodeDecodeError:
-        return None
-    match = _CONNECTOR_NAMESPACE_RE.match(text)
-    return match.group("root").encode() if match else None
-
-
-def connector_block_size(namespace: bytes) -> int | None:
-    """The block size (bsN) named in a vLLM-connector namespace; None for others."""
-    root = connector_hash_root(namespace)
-    match = _CONNECTOR_BLOCK_SIZE_RE.search(root.decode()) if root else None
-    return int(match.group(1)) if match else None

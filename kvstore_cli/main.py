@@ -48,8 +48,6 @@ from itertools import islice
 from typing import Any
 
 from kvstore_cli.formatting import (
-    connector_block_size,
-    connector_hash_root,
     format_duration,
     format_percent,
     format_table,
@@ -63,7 +61,7 @@ from kvstore_cli.formatting import (
 )
 from kvstore_client import Event, KVStoreClient
 from kvstore_client.errors import KVStoreError, StoreUnavailable
-from kvstore_client.hashing import block_hashes
+from kvstore_client.hashing import block_hashes, connector_block_size, connector_hash_root
 from kvstore_server.config import format_size, parse_size
 
 PROG = "kvstore-cli"

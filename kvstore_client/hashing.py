@@ -19,6 +19,7 @@ No torch, no numpy.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import sys
 from array import array
@@ -27,6 +28,11 @@ from dataclasses import dataclass
 
 HASH_BYTES = 32
 _ROOT_TAG = b"kvstore-root-v1"
+# A rank namespace of the vLLM connector (kvstore_connector.config.NamespaceInfo):
+#   kvc1|MODEL|KV_DTYPE|bsN|kvhN|hdN|mla-or-mha|DEVICE|tpRofN|ppRofN
+# Its blocks are hashed from the part before |tp...: one chain root for every rank.
+_CONNECTOR_NAMESPACE_RE = re.compile(r"^(?P<root>kvc1\|.*)\|tp\d+of\d+\|pp\d+of\d+$", re.DOTALL)
+_CONNECTOR_BLOCK_SIZE_RE = re.compile(r"\|bs(\d+)\|")
 _BLOCK_TAG = b"kvstore-block-v1"
 
 
@@ -118,3 +124,20 @@ def block_hashes(
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def connector_hash_root(namespace: bytes) -> bytes | None:
+    """The chain root of a vLLM-connector rank namespace (without |tp..|pp..); None for others."""
+    try:
+        text = namespace.decode()
+    except UnicodeDecodeError:
+        return None
+    match = _CONNECTOR_NAMESPACE_RE.match(text)
+    return match.group("root").encode() if match else None
+
+
+def connector_block_size(namespace: bytes) -> int | None:
+    """The block size (bsN) named in a vLLM-connector namespace; None for others."""
+    root = connector_hash_root(namespace)
+    match = _CONNECTOR_BLOCK_SIZE_RE.search(root.decode()) if root else None
+    return int(match.group(1)) if match else None

@@ -11,45 +11,32 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvstore_client import KVStoreClient
 from kvstore_client.errors import KVStoreError
-from kvstore_client.hashing import block_hashes
+from kvstore_client.hashing import block_hashes, connector_block_size, connector_hash_root
 
 log = logging.getLogger("kvstore-proxy")
 
 
-@dataclass(frozen=True)
 class StoreTarget:
     """The connector's namespace, as its log line prints it, e.g.
     kvc1|Qwen/Qwen2.5-7B-Instruct|bfloat16|bs16|kvh4|hd128|mha|cuda|tp0of1|pp0of1
     (a namespace without the |tp..|pp.. part stands for TP=1, PP=1)."""
 
-    namespace: str
-
-    def __post_init__(self) -> None:
-        root = self.root
-        sizes = [part for part in root.split("|") if part.startswith("bs") and part[2:].isdigit()]
-        if not root.startswith("kvc") or len(sizes) != 1 or int(sizes[0][2:]) <= 0:
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.lookup_namespace = namespace if "|tp" in namespace else namespace + "|tp0of1|pp0of1"
+        """One rank's namespace: every rank saves the same blocks."""
+        root = connector_hash_root(self.lookup_namespace.encode())
+        block_size = connector_block_size(self.lookup_namespace.encode())
+        if root is None or not block_size:
             raise ValueError(
-                f"--kv-namespace {self.namespace!r} is not a connector namespace (kvc1|MODEL|DTYPE|bsN|...): "
+                f"--kv-namespace {namespace!r} is not a connector namespace (kvc1|MODEL|DTYPE|bsN|...): "
                 "copy it from the connector's log line 'kvstore connector: ... namespace ...'"
             )
-
-    @property
-    def root(self) -> str:
-        """The chain root of the block hashes: the namespace less the rank part."""
-        return self.namespace.split("|tp", 1)[0]
-
-    @property
-    def block_size(self) -> int:
-        return next(int(p[2:]) for p in self.root.split("|") if p.startswith("bs") and p[2:].isdigit())
-
-    @property
-    def lookup_namespace(self) -> str:
-        """One rank's namespace: every rank saves the same blocks."""
-        return self.namespace if "|tp" in self.namespace else self.namespace + "|tp0of1|pp0of1"
+        self.root = root.decode()  # the chain root of the block hashes: less the rank part
+        self.block_size = block_size
 
 
 class StoreView:

@@ -16,8 +16,9 @@ hashes are the store's (32-byte chained SHA-256, the namespace in their root), s
 routers need no namespace field. Token ids are those a put gave (the connector gives
 them); a block stored without them has none (block_size 0).
 
-`listener` runs inside the store's commit: it only appends to a bounded queue (a full
-queue drops the event and counts it); a thread encodes and sends.
+`listener` runs inside the store's commit: it builds the event (work in proportion to its
+blocks and tokens) and appends it to a bounded queue (a full queue drops it, counted and
+warned of once); a thread encodes and sends.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ class KVEventsPublisher:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise OSError(f"KV events: cannot bind {endpoint} / {replay_endpoint}: {exc}") from exc
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
+        log.info("KV events on %s%s", self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                 f", replay on {replay_endpoint}" if replay_endpoint else "")  # fmt: skip
         self._queue: deque[KVCacheEvent] = deque()
         self._max_queue = max_queue
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
@@ -100,7 +101,7 @@ class KVEventsPublisher:
 
     def listener(self, kind: str, namespace: bytes, hashes: Sequence[bytes], parents: Sequence[bytes],
                  tokens: Sequence[Sequence[int]] | None) -> None:  # fmt: skip
-        """The store's listener: queue the change (constant work, never blocks)."""
+        """The store's listener: queue the change (never blocks)."""
         event: KVCacheEvent
         if kind == "stored":
             flat = [t for block in tokens for t in block] if tokens else []
@@ -117,6 +118,8 @@ class KVEventsPublisher:
             event = BlockRemoved(block_hashes=list(hashes), medium=MEDIUM)
         with self._cond:
             if len(self._queue) >= self._max_queue:
+                if not self.dropped:
+                    log.warning("KV events: %d events wait to be sent; dropping more", self._max_queue)
                 self.dropped += 1
                 return
             self._queue.append(event)
@@ -142,13 +145,12 @@ class KVEventsPublisher:
                 self._buffer.append((seq, payload))
             if self._replay is not None:
                 while poller.poll(0):
-                    self._serve_replay()
+                    self._serve_replay(self._replay)
             if stopping:
                 return
 
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
+    def _serve_replay(self, replay: zmq.Socket[bytes]) -> None:
+        frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning(
                 "KV events: a replay request of %d frames is not (id, empty, 8-byte sequence)", len(frames)
@@ -158,8 +160,8 @@ class KVEventsPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                self._replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         with self._cond:

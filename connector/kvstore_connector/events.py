@@ -68,7 +68,7 @@ class StoreEvents:
 
     # ---- the scheduler's side
     def _blocks(self, request: Request, hashes: Sequence[bytes], first: int) -> list[tuple[bytes, _Block]]:
-        vllm_hashes = list(getattr(request, "block_hashes", ()) or ())
+        vllm_hashes = request.block_hashes
         lora = request.lora_request
         out = []
         for i, h in enumerate(hashes, start=first):
@@ -112,19 +112,19 @@ class StoreEvents:
         from vllm.distributed.kv_events import BlockStored
 
         # one event per run of consecutive blocks of a chain (vLLM's own shape)
-        run: list[tuple[bytes, _Block]] = []
-        for h, block in [*blocks, (b"", None)]:  # type: ignore[list-item]
-            if run and (block is None or block.parent != run[-1][1].vllm_hash):
-                first = run[0][1]
-                self._out.append(BlockStored(
-                    block_hashes=[b.vllm_hash for _, b in run], parent_block_hash=first.parent,
-                    token_ids=[t for _, b in run for t in b.tokens], block_size=self.block_size,
-                    lora_id=first.lora_id, medium=MEDIUM, lora_name=first.lora_name,
-                ))  # fmt: skip
-                run = []
-            if block is not None:
-                run.append((h, block))
-                self._reported[h] = block.vllm_hash
+        runs: list[list[_Block]] = []
+        for h, block in blocks:
+            if not runs or block.parent != runs[-1][-1].vllm_hash:
+                runs.append([])
+            runs[-1].append(block)
+            self._reported[h] = block.vllm_hash
+        for run in runs:
+            first = run[0]
+            self._out.append(BlockStored(
+                block_hashes=[b.vllm_hash for b in run], parent_block_hash=first.parent,
+                token_ids=[t for b in run for t in b.tokens], block_size=self.block_size,
+                lora_id=first.lora_id, medium=MEDIUM, lora_name=first.lora_name,
+            ))  # fmt: skip
         _trim(self._reported, self.max_tracked)
 
     def _removed(self, hashes: Sequence[bytes]) -> None:

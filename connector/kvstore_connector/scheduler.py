@@ -183,8 +183,6 @@ class SchedulerSide:
     def _hash_generated(self, tracked: _Tracked, computed: int) -> None:
         """Extend the chain over generated tokens whose KV this step computes."""
         request = tracked.request
-        if request.prompt_token_ids is None:
-            return
         tokens = request.all_token_ids
         full = min(computed, len(tokens)) // self.block_size
         have = len(tracked.hashes)

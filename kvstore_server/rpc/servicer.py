@@ -96,6 +96,12 @@ class Servicer:
         """Bytes of Put data buffered right now, across clients."""
         return self._puts.used
 
+    def _tokens(self, token_ids: Any, blocks: int) -> list[int]:
+        """A put's token ids, checked; kept only when KV events publish them (nothing else
+        reads them: a store without the events holds none of them)."""
+        tokens = check_block_tokens(token_ids, blocks)
+        return tokens if self.kv_events is not None else []
+
     def _ns(self, context: grpc.ServicerContext, namespace: bytes) -> bytes:
         """The stored namespace for a caller's: the tenant's prefix + the validated name."""
         return self.scope.prefix(context) + check_namespace(namespace)
@@ -132,7 +138,7 @@ class Servicer:
         if parent and parent in hashes:
             raise InvalidRequest("parent_hash is one of the put's own block hashes; a chain has no cycles")
         layers = check_layers(header.layers)
-        tokens = check_block_tokens(header.token_ids, len(hashes))
+        tokens = self._tokens(header.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:
@@ -357,7 +363,7 @@ class Servicer:
                 "parent_hash is one of the request's own block hashes; a chain has no cycles"
             )
         layers = check_layers(request.layers)
-        tokens = check_block_tokens(request.token_ids, len(hashes))
+        tokens = self._tokens(request.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
         total = sum(layer.nbytes for layer in layers) * len(hashes)
         if total > self.config.max_put_bytes:

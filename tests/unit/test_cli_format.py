@@ -8,8 +8,6 @@ from datetime import timezone
 import pytest
 
 from kvstore_cli.formatting import (
-    connector_block_size,
-    connector_hash_root,
     format_duration,
     format_percent,
     format_table,
@@ -21,6 +19,7 @@ from kvstore_cli.formatting import (
     render_namespace,
     short_hash,
 )
+from kvstore_client.hashing import connector_block_size, connector_hash_root
 
 
 # ---- namespaces ---------------------------------------------------------------------
