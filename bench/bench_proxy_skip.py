@@ -95,7 +95,7 @@ def main() -> None:
         plain = Proxy(tmp / "plain.log", [prefill.url], [decode.url], model=str(model))
         proxies.append(plain)
         smart = Proxy(tmp / "smart.log", [prefill.url], [decode.url], model=str(model),
-                      args=("--store", daemon.address, "--kv-namespace", namespace.rank_namespace(0, 0).decode(),
+                      args=("--store", daemon.address, "--kv-namespace", namespace.namespace(0).decode(),
                             "--skip-prefill-below", str(args.skip_below)))  # fmt: skip
         proxies.append(smart)
         common = {"model": str(model), "temperature": 0.0, "ignore_eos": True}

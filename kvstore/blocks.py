@@ -6,6 +6,7 @@
     BlockMeta       a stored block's metadata record (JSON, never pickle)
     StoredBlock     a block read back: its record and one view per layer
     leading_blocks  the usable prefix of a read (present, one layout, verified)
+    selected_layers a read's choice of layers (a tensor-parallel rank's KV heads)
     PutResult       what a committed put did
     StorageError    stored files that cannot be opened or read
 
@@ -15,7 +16,7 @@ No torch, no grpc; the on-disk layouts of the backends are in kvstore.layouts.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -250,11 +251,15 @@ class StoredBlock:
     meta: BlockMeta
     layers: list[memoryview]
 
-    def corrupt_layer(self) -> int | None:
-        """Index of the first layer whose bytes fail the checksum, or None."""
+    def corrupt_layer(self, layers: Sequence[int] | None = None) -> int | None:
+        """Index of the first layer (of `layers`, default all) whose bytes fail the checksum,
+        or None."""
         digest = CHECKSUMS[self.meta.checksum_kind]
-        for i, (view, want) in enumerate(zip(self.layers, self.meta.checksums, strict=True)):
-            if len(view) != self.meta.layers[i].nbytes or digest(view) != want:
+        if len(self.layers) != len(self.meta.checksums):
+            return 0
+        for i in range(len(self.layers)) if layers is None else layers:
+            view = self.layers[i]
+            if len(view) != self.meta.layers[i].nbytes or digest(view) != self.meta.checksums[i]:
                 return i
         return None
 
@@ -274,9 +279,12 @@ class BlockPrefix:
         return self.blocks[0].meta.layers if self.blocks else ()
 
 
-def leading_blocks(blocks: Iterable[StoredBlock | None], *, verify: bool = True) -> BlockPrefix:
+def leading_blocks(
+    blocks: Iterable[StoredBlock | None], *, verify: bool = True, layers: Sequence[int] | None = None
+) -> BlockPrefix:
     """The leading present blocks of `blocks` (a read, in key order) that share the first
-    one's layer layout, each verified against its checksums.
+    one's layer layout, each verified against its checksums (of `layers` only, when the
+    read uses only those).
 
     verify=False leaves the checksums to the caller, which must check every layer just
     before it uses the bytes (the same-host reader does, so the copy finds them in cache).
@@ -285,14 +293,26 @@ def leading_blocks(blocks: Iterable[StoredBlock | None], *, verify: bool = True)
     for block in blocks:
         if block is None:
             return BlockPrefix(good, "missing")
+        if layers is not None and layers and layers[-1] >= len(block.meta.layers):
+            return BlockPrefix(good, "layout")
         if verify:
-            bad = block.corrupt_layer()
+            bad = block.corrupt_layer(layers)
             if bad is not None:
                 return BlockPrefix(good, "corrupt", bad)
         if good and block.meta.layers != good[0].meta.layers:
             return BlockPrefix(good, "layout")
         good.append(block)
     return BlockPrefix(good)
+
+
+def selected_layers(layers: Sequence[int], width: int) -> list[int]:
+    """A read's layer selection of `width` stored layers (empty: all). Raises ValueError for
+    indices out of range or not strictly increasing."""
+    if not layers:
+        return list(range(width))
+    if any(b <= a for a, b in zip(layers, layers[1:], strict=False)) or layers[0] < 0 or layers[-1] >= width:
+        raise ValueError(f"layers must be strictly increasing indices below {width}, not {list(layers)[:8]}")
+    return list(layers)
 
 
 @dataclass(frozen=True, slots=True)

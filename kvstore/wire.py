@@ -25,7 +25,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 HASH_BYTES: Final = 32
 MAX_NAMESPACE_BYTES: Final = 256
 MAX_LAYER_NAME_BYTES: Final = 256
-MAX_LAYERS: Final = 1024
+MAX_LAYERS: Final = 4096  # the connector stores each KV head of each layer as one
 MAX_SHAPE_DIMS: Final = 8
 MAX_BLOCKS_PER_LOOKUP: Final = 65536
 MAX_LOOKUP_NAMESPACES: Final = 64

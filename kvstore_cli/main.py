@@ -435,7 +435,7 @@ def cmd_explain(client: KVStoreClient, args: argparse.Namespace) -> int:
     partial = len(tokens) % block_size
     root_note = ""
     if args.hash_root is None and derived_root is not None:
-        root_note = " (vLLM connector namespace: the rank suffix is not part of the root)"
+        root_note = " (vLLM connector namespace: the stage suffix is not part of the root)"
     fields = [
         ("namespace", render_namespace(namespace)),
         ("hash root", render_namespace(root) + root_note),

@@ -46,7 +46,7 @@ import xxhash
 
 from kvstore import arena_format as fmt
 from kvstore import wire
-from kvstore.blocks import CHECKSUMS, XXH3
+from kvstore.blocks import CHECKSUMS, XXH3, selected_layers
 from kvstore.memory import populate_mapping
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
@@ -502,18 +502,20 @@ class ArenaSource:
     meanwhile ends it with StoreTimeout (the bytes may have been reused).
     """
 
-    def __init__(self, pinned: Pinned, hashes: Sequence[bytes]) -> None:
+    def __init__(self, pinned: Pinned, hashes: Sequence[bytes], layers: Sequence[int] = ()) -> None:
+        """`layers`: stream only these of the pinned blocks' layers (chunks count within them)."""
         self._pinned = pinned
         self._hashes = list(hashes[: pinned.num_blocks])
         self.num_blocks = pinned.num_blocks
-        self.layers = pinned.layers
+        self._used = selected_layers(layers, len(pinned.layers)) if self.num_blocks else []
+        self.layers = [pinned.layers[k] for k in self._used]
         self._cancelled = False
 
     def chunks(self) -> Iterator[wire.Chunk]:
         pinned = self._pinned
-        width = len(self.layers)
+        width = len(pinned.layers)
         try:
-            for layer in range(width):
+            for position, layer in enumerate(self._used):
                 size = pinned._sizes[layer]
                 for first, view in pinned.views(layer):
                     if self._cancelled:
@@ -523,14 +525,15 @@ class ArenaSource:
                         digest = CHECKSUMS[pinned.kinds[block]]
                         if digest(view[i * size : (i + 1) * size]) != pinned.checksums[block * width + layer]:
                             self._corrupt(block, layer)
-                    yield wire.Chunk(layer, first, view)
+                    yield wire.Chunk(position, first, view)
         finally:
             if not pinned.released and not pinned.finish():
                 raise errors.StoreTimeout("the pin's lease ran out during the read; read again")
 
     def _corrupt(self, block: int, layer: int) -> NoReturn:
         block_hash = self._hashes[block]
-        what = f"block {block_hash.hex()} layer {self.layers[layer].name!r} fails its checksum in the arena"
+        name = self._pinned.layers[layer].name
+        what = f"block {block_hash.hex()} layer {name!r} fails its checksum in the arena"
         log.warning("%s: reported to the daemon", what)
         self._pinned.release([block_hash])
         raise errors.LocalDataCorrupt(what)
@@ -613,9 +616,11 @@ class Arena:
         parent_hash: bytes,
         timeout: float | None = None,
         token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> Reservation | None:
         """A reservation; None when the arena is off (use Put). A reservation with no blocks
-        means every block is stored already."""
+        means every block is stored already. `subset`: a partial save of these of `layers`
+        (the reservation then holds only them, in that order)."""
         mapping = self.mapping()
         if mapping is None:
             return None
@@ -625,13 +630,14 @@ class Arena:
             parent_hash=parent_hash,
             layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
             token_ids=token_ids,
+            layer_subset=subset,
         )
         try:
             resp = self._call("Reserve", req, timeout)
         except errors.NotOffered:
             self._off()
             return None
-        return Reservation(self._call, mapping, resp, layers)
+        return Reservation(self._call, mapping, resp, [layers[k] for k in subset] if subset else layers)
 
     def pin(self, namespace: bytes, hashes: Sequence[bytes], timeout: float | None = None) -> Pinned | None:
         mapping = self.mapping()

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore import wire
+from kvstore.blocks import selected_layers
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client._rpc import Channel
@@ -224,6 +225,7 @@ class KVStoreClient:
         timeout: float | None = None,
         arena: bool = True,
         token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> PutStream | ArenaPutStream:
         """Open a Put for `block_hashes`; write each layer with write_layer, then commit.
 
@@ -231,14 +233,17 @@ class KVStoreClient:
         without taking this put's data or answering its commit; see PutStream. Through the
         daemon's arena when the client uses one (ArenaPutStream, same calls), unless `arena`
         is false. `token_ids`: the blocks' tokens, block after block, for the daemon's KV
-        events (optional; not stored)."""
+        events (optional; not stored). `subset`: a partial put of these of `layers` (the
+        block's whole layout), written by name; the blocks become visible once puts have
+        covered all their layers (each tensor-parallel rank puts its own KV heads)."""
         if not layers:
             raise ValueError("a put needs at least one layer")
+        carried = [layers[k] for k in selected_layers(subset, len(layers))]
         stream_timeout = timeout or max(self.timeout, 60.0)
         if self._arena is not None and arena:
             try:
                 res = self._arena.reserve(
-                    _ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids
+                    _ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids, subset
                 )
             except errors.CapacityExceeded as exc:  # the arena is full of pins: the backend may fit
                 log.debug("no room in the arena, putting over gRPC: %s", exc)
@@ -251,8 +256,9 @@ class KVStoreClient:
             parent_hash=parent_hash,
             layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers],
             token_ids=token_ids,
+            layer_subset=subset,
         )
-        return PutStream(self._rpc.put, header, layers, len(block_hashes), stream_timeout, self.chunk_bytes)
+        return PutStream(self._rpc.put, header, carried, len(block_hashes), stream_timeout, self.chunk_bytes)
 
     def put(
         self,
@@ -302,20 +308,27 @@ class KVStoreClient:
         *,
         timeout: float | None = None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+        layers: Sequence[int] = (),
     ) -> LayerStream:
         """Start reading the stored prefix of `block_hashes`, one layer at a time.
+        `layers`: only these of the stored layers (their bytes only are read and verified).
 
         Through the arena or with local reads the stream may end in errors.LocalDataCorrupt
         (the daemon was told and drops the bad block; read again for the good prefix)."""
         if self._arena is not None:
             pinned = self._arena.pin(_ns(namespace), block_hashes, timeout)
             if pinned is not None:
-                return LayerStream(ArenaSource(pinned, block_hashes), allocate, via="arena")
+                try:
+                    source = ArenaSource(pinned, block_hashes, layers)
+                except ValueError:
+                    pinned.release()
+                    raise
+                return LayerStream(source, allocate, via="arena")
         if self._local is not None:
-            source = self._local.stream_source(_ns(namespace), block_hashes)
-            if source is not None:
-                return LayerStream(source, allocate, via="files")
-        return self._get_call(namespace, block_hashes, timeout, allocate)
+            local = self._local.stream_source(_ns(namespace), block_hashes, layers)
+            if local is not None:
+                return LayerStream(local, allocate, via="files")
+        return self._get_call(namespace, block_hashes, timeout, allocate, layers)
 
     def _get_call(
         self,
@@ -323,9 +336,13 @@ class KVStoreClient:
         block_hashes: Sequence[bytes],
         timeout: float | None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+        layers: Sequence[int] = (),
     ) -> LayerStream:
         req = pb.GetRequest(
-            namespace=_ns(namespace), block_hashes=block_hashes, max_chunk_bytes=self.chunk_bytes
+            namespace=_ns(namespace),
+            block_hashes=block_hashes,
+            max_chunk_bytes=self.chunk_bytes,
+            layers=layers,
         )
         return LayerStream(CallSource(self._rpc.get(req, timeout or max(self.timeout, 60.0))), allocate)
 
@@ -354,8 +371,10 @@ class KVStoreClient:
         *,
         transfer_timeout: float | None = None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
+        layers: Sequence[int] = (),
     ) -> LayerStream:
-        """Streaming drop_select: wait up to `wait` s for all blocks, then take them layer by layer."""
+        """Streaming drop_select: wait up to `wait` s for all blocks, then take them layer by
+        layer. `layers`: take only these; a block is removed once takes covered all its layers."""
         if not wait >= 0:
             raise ValueError("wait must be a non-negative number of seconds")
         req = pb.DropSelectRequest(
@@ -363,6 +382,7 @@ class KVStoreClient:
             block_hashes=block_hashes,
             wait_seconds=wait,
             max_chunk_bytes=self.chunk_bytes,
+            layers=layers,
         )
         call = self._rpc.drop_select(req, wait + (transfer_timeout or max(self.timeout, 60.0)))
         return LayerStream(CallSource(call), allocate)
@@ -514,13 +534,17 @@ class KVStoreClient:
         parent_hash: bytes = b"",
         timeout: float | None = None,
         token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> Reservation | None:
         """Reserve arena space for the blocks of `block_hashes` the store lacks; write them
         (`reservation.layer(i)`), then `commit()`. None: no arena here (use put_stream).
-        `token_ids`: as for put_stream."""
+        `token_ids`, `subset`: as for put_stream (the reservation holds the subset's layers)."""
         if self._arena is None:
             return None
-        return self._arena.reserve(_ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids)
+        selected_layers(subset, len(layers))
+        return self._arena.reserve(
+            _ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids, subset
+        )
 
     def pin(
         self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None

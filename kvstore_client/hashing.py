@@ -28,10 +28,16 @@ from dataclasses import dataclass
 
 HASH_BYTES = 32
 _ROOT_TAG = b"kvstore-root-v1"
-# A rank namespace of the vLLM connector (kvstore_connector.config.NamespaceInfo):
-#   kvc1|MODEL|KV_DTYPE|bsN|kvhN|hdN|mla-or-mha|DEVICE|tpRofN|ppRofN
-# Its blocks are hashed from the part before |tp...: one chain root for every rank.
-_CONNECTOR_NAMESPACE_RE = re.compile(r"^(?P<root>kvc1\|.*)\|tp\d+of\d+\|pp\d+of\d+$", re.DOTALL)
+# A namespace of the vLLM connector (kvstore_connector.config.NamespaceInfo):
+#   kvc2|MODEL|KV_DTYPE|bsN|kvhN|hdN|mla-or-mha|DEVICE[|fp8 or |int8]|ppRofN
+# (kvc1, before every KV head became a store layer of its own: ...|DEVICE|tpRofN|ppRofN).
+# Its blocks are hashed from the part before the compression, |tp.. and |pp..: one chain
+# root for every rank.
+_CONNECTOR_NAMESPACE_RE = re.compile(
+    r"^(?P<root>kvc2\|.*?)(?:\|fp8|\|int8)?\|pp\d+of\d+$"
+    r"|^(?P<old>kvc1\|.*)\|tp\d+of\d+\|pp\d+of\d+$",
+    re.DOTALL,
+)
 _CONNECTOR_BLOCK_SIZE_RE = re.compile(r"\|bs(\d+)\|")
 _BLOCK_TAG = b"kvstore-block-v1"
 
@@ -127,13 +133,14 @@ def block_hashes(
 
 
 def connector_hash_root(namespace: bytes) -> bytes | None:
-    """The chain root of a vLLM-connector rank namespace (without |tp..|pp..); None for others."""
+    """The chain root of a vLLM-connector namespace (without its compression and |pp..);
+    None for others."""
     try:
         text = namespace.decode()
     except UnicodeDecodeError:
         return None
     match = _CONNECTOR_NAMESPACE_RE.match(text)
-    return match.group("root").encode() if match else None
+    return (match.group("root") or match.group("old")).encode() if match else None
 
 
 def connector_block_size(namespace: bytes) -> int | None:

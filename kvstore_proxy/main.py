@@ -1,7 +1,7 @@
 """kvstore-proxy: the XpYd prefill/decode proxy, aware of the store.
 
     kvstore-proxy --model MODEL --prefill http://p1:8100 http://p2:8100 --decode http://d1:8200 \\
-        [--store 127.0.0.1:50051 --kv-namespace 'kvc1|MODEL|bfloat16|bs16|...'] [--port 8000]
+        [--store 127.0.0.1:50051 --kv-namespace 'kvc2|MODEL|bfloat16|bs16|...'] [--port 8000]
 
 Each POST /v1/completions or /v1/chat/completions goes first to a prefill instance
 (a vLLM with kv_role kv_producer) with max_tokens=1: when it answers, the prompt's

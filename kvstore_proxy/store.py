@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -21,18 +22,18 @@ log = logging.getLogger("kvstore-proxy")
 
 class StoreTarget:
     """The connector's namespace, as its log line prints it, e.g.
-    kvc1|Qwen/Qwen2.5-7B-Instruct|bfloat16|bs16|kvh4|hd128|mha|cuda|tp0of1|pp0of1
-    (a namespace without the |tp..|pp.. part stands for TP=1, PP=1)."""
+    kvc2|Qwen/Qwen2.5-7B-Instruct|bfloat16|bs16|kvh4|hd128|mha|cuda|pp0of1
+    (a namespace without the |pp.. part stands for PP=1)."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        self.lookup_namespace = namespace if "|tp" in namespace else namespace + "|tp0of1|pp0of1"
-        """One rank's namespace: every rank saves the same blocks."""
+        self.lookup_namespace = namespace if re.search(r"\|pp\d+of\d+$", namespace) else namespace + "|pp0of1"
+        """The first pipeline stage's namespace: every stage saves the same blocks."""
         root = connector_hash_root(self.lookup_namespace.encode())
         block_size = connector_block_size(self.lookup_namespace.encode())
         if root is None or not block_size:
             raise ValueError(
-                f"--kv-namespace {namespace!r} is not a connector namespace (kvc1|MODEL|DTYPE|bsN|...): "
+                f"--kv-namespace {namespace!r} is not a connector namespace (kvc2|MODEL|DTYPE|bsN|...): "
                 "copy it from the connector's log line 'kvstore connector: ... namespace ...'"
             )
         self.root = root.decode()  # the chain root of the block hashes: less the rank part

@@ -53,6 +53,7 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "max_concurrent_rpcs": _INT,
     "max_put_bytes": _SIZE,
     "max_inflight_put_bytes": _SIZE,
+    "max_partial_bytes": _SIZE,
     "max_waiting_drop_selects": _INT,
     "grace_seconds": ((int, float), "a number"),
     "log_level": _STR,
@@ -145,6 +146,10 @@ class ServerConfig:
     """Largest single Put (all its blocks and layers)."""
     max_inflight_put_bytes: int = 4 << 30
     """Bytes of Puts buffered at once across all clients; beyond it Puts get RESOURCE_EXHAUSTED."""
+    max_partial_bytes: int = 2 << 30
+    """Bytes of blocks put in part (each tensor-parallel rank puts its own KV heads) that wait
+    for their other parts; beyond it partial puts get RESOURCE_EXHAUSTED. A block's parts
+    wait at most lease_seconds."""
     max_waiting_drop_selects: int = 32
     """DropSelect calls allowed to wait at once (each holds a worker thread)."""
     grace_seconds: float = 10.0
@@ -243,6 +248,7 @@ class ServerConfig:
         self.capacity = parse_size(self.capacity)
         self.max_put_bytes = parse_size(self.max_put_bytes)
         self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes)
+        self.max_partial_bytes = parse_size(self.max_partial_bytes)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
         if self.capacity <= 0:

@@ -171,7 +171,13 @@ def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
         )
     try:
         store = Store(
-            backend, config.capacity, memory=memory, fleet=fleet, fleet_queue_bytes=config.fleet_queue_bytes
+            backend,
+            config.capacity,
+            memory=memory,
+            fleet=fleet,
+            fleet_queue_bytes=config.fleet_queue_bytes,
+            partial_bytes=config.max_partial_bytes,
+            partial_timeout_s=config.lease_seconds,
         )
     except Exception:  # the caller reports it; the files are closed first
         backend.close()
@@ -224,6 +230,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="gRPC worker threads (default 64)")
     p.add_argument("--max-put-bytes", dest="max_put_bytes", help="largest single put (default 2GiB)")
     p.add_argument("--max-inflight-put-bytes", dest="max_inflight_put_bytes", help="default 4GiB")
+    p.add_argument(
+        "--max-partial-bytes", dest="max_partial_bytes",
+        help="blocks put in part (tensor-parallel ranks' heads) waiting for the rest (default 2GiB)",
+    )  # fmt: skip
     p.add_argument("--grace-seconds", dest="grace_seconds", type=float, help="shutdown grace (default 10)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int, help="serve Prometheus metrics (0: any)")
     p.add_argument("--metrics-host", dest="metrics_host", help="metrics address (default 127.0.0.1)")

@@ -36,6 +36,7 @@ from kvstore import arena_format as fmt
 from kvstore.blocks import CHECKSUMS, XXH3, PutResult
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
+from kvstore_server.parts import PartAssembler, PartError, PartsFull, Whole, check_subset
 from kvstore_server.tiers import (
     Backend,
     BlockKey,
@@ -102,6 +103,10 @@ class NoFleet(StoreError):
     """The daemon runs without a fleet tier."""
 
 
+class InvalidPart(StoreError):
+    """A partial put or read that does not fit the block (the caller's error)."""
+
+
 class FleetUnavailable(StoreError):
     """The fleet did not answer a call that needs it (not a lookup or a read: those miss)."""
 
@@ -126,6 +131,39 @@ def _block_tokens(token_ids: Sequence[int], blocks: int, indices: Sequence[int])
         return None
     per = len(token_ids) // blocks
     return [list(token_ids[i * per : (i + 1) * per]) for i in indices]
+
+
+def _selection(blocks: Sequence[StoredBlock | None], layers: Sequence[int]) -> tuple[int, ...] | None:
+    """A read's layer selection, checked against the first block's layout (None: all)."""
+    first = blocks[0] if blocks else None
+    if not layers or first is None:
+        return None
+    try:
+        return check_subset(layers, len(first.meta.layers))
+    except PartError as exc:
+        raise InvalidPart(str(exc)) from exc
+
+
+def _run_tokens(run: Sequence[Whole]) -> list[int]:
+    """A run's token ids, block after block; none unless every block's parts gave them."""
+    tokens: list[int] = []
+    for block in run:
+        if not block.tokens:
+            return []
+        tokens.extend(block.tokens)
+    return tokens
+
+
+def _runs(whole: Sequence[Whole]) -> list[list[Whole]]:
+    """Blocks made whole, split into runs that are chains (each block's parent is the one
+    before it): each run is one put."""
+    runs: list[list[Whole]] = []
+    for block in whole:
+        if runs and runs[-1][-1].block_hash == block.parent:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +210,8 @@ class Store:
         memory: MemoryTier | None = None,
         fleet: FleetTier | None = None,
         fleet_queue_bytes: int = 256 << 20,
+        partial_bytes: int = 2 << 30,
+        partial_timeout_s: float = 30.0,
     ) -> None:
         self.backend = backend
         self.memory = memory
@@ -187,6 +227,11 @@ class Store:
         self._closed = False  # no more writes
         self._listeners: list[Listener] = []
         self._eviction_helps = True  # see _write
+        # blocks put in parts (tensor-parallel ranks' KV heads), and the layers of each
+        # block that partial DropSelects took (removed once all are taken)
+        self.parts = PartAssembler(partial_bytes, partial_timeout_s)
+        self._parts_lock = threading.Lock()
+        self._taken: dict[BlockKey, set[int]] = {}
         self.tiers = TierChain(
             backend, memory, fleet, lock=self._lock, commit_lock=self._commit_lock, owner=self
         )
@@ -302,6 +347,7 @@ class Store:
         *,
         to_fleet: bool = True,
         token_ids: Sequence[int] = (),
+        subset: tuple[int, ...] | None = None,
     ) -> PutResult:
         """Store blocks; data[layer][block] is one block's bytes of one layer.
 
@@ -309,7 +355,13 @@ class Store:
         chunk as it arrives, outside the commit lock); else they are computed here.
         `joined[block]`, when given, is that block's layers back to back (see BlockWrite).
         `to_fleet`: queue the blocks written for the fleet (not for blocks that came from it).
+        `subset`: a partial put of these layers of `layers` (data[k] is layer subset[k]):
+        its blocks are stored once parts have covered all their layers (see put_part).
         """
+        if subset is not None:
+            return self.put_part(
+                namespace, parent_hash, hashes, layers, subset, lambda k, i: data[k][i], token_ids=token_ids
+            )
         block_bytes = sum(layer.nbytes for layer in layers)
         chain = {(namespace, h) for h in hashes}
         if parent_hash:
@@ -374,6 +426,57 @@ class Store:
                         )
                 self._changed.notify_all()
         return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
+
+    def put_part(
+        self,
+        namespace: bytes,
+        parent_hash: bytes,
+        hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        subset: tuple[int, ...],
+        data: Callable[[int, int], memoryview],
+        *,
+        token_ids: Sequence[int] = (),
+        parents: Sequence[bytes] | None = None,
+    ) -> PutResult:
+        """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k]).
+        `parents`: each block's parent, where they are not a chain from `parent_hash`.
+        Blocks already stored are skipped; the others wait in `parts` until puts have
+        covered all their layers, then are stored like a put's blocks (the result counts
+        those this part completed). Raises InvalidPart, or CapacityError when the parts
+        held would exceed the bound."""
+        if parents is None:
+            parents = [hashes[i - 1] if i else parent_hash for i in range(len(hashes))]
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the store is closed")
+            fresh = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
+        tokens = _block_tokens(token_ids, len(hashes), fresh)
+        with self._parts_lock:
+            try:
+                whole = self.parts.add(
+                    namespace, hashes, parents, tuple(layers), subset, data, indices=fresh, tokens=tokens
+                )
+            except PartError as exc:
+                raise InvalidPart(str(exc)) from exc
+            except PartsFull as exc:
+                raise CapacityError(str(exc)) from exc
+        written = skipped = nbytes = evicted = 0
+        for run in _runs(whole):
+            result = self.put(
+                namespace,
+                run[0].parent,
+                [w.block_hash for w in run],
+                run[0].layers,
+                [[w.layer(k) for w in run] for k in range(len(run[0].layers))],
+                [[w.checksums[k] for w in run] for k in range(len(run[0].layers))],
+                token_ids=_run_tokens(run),
+            )
+            written += result.blocks_written
+            skipped += result.blocks_skipped
+            nbytes += result.bytes_written
+            evicted += result.blocks_evicted
+        return PutResult(written, len(hashes) - len(fresh) + skipped, nbytes, evicted)
 
     def _check_acyclic(self, namespace: bytes, parent_hash: bytes, hashes: Sequence[bytes]) -> None:
         # Within a put the chain is linear (hashes are unique); a cycle needs an
@@ -446,23 +549,33 @@ class Store:
             raise
 
     @contextmanager
-    def read(self, namespace: bytes, hashes: Sequence[bytes]) -> Iterator[ReadResult]:
-        """The stored prefix of `hashes`, verified; a bad or vanished block ends it."""
+    def read(
+        self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[int] = ()
+    ) -> Iterator[ReadResult]:
+        """The stored prefix of `hashes`, verified; a bad or vanished block ends it.
+        `layers`: the read uses only these (verified, counted); empty: all."""
         self._from_fleet(namespace, hashes)
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n])
         keys = [(namespace, h) for h in hashes[:n]]
         with self.tiers.read(keys) as blocks:
-            result = self._verified_prefix(blocks, keys)
+            result = self._verified_prefix(blocks, keys, selected=_selection(blocks, layers))
             yield result
         self._count_read(result)
 
     @contextmanager
     def take(
-        self, namespace: bytes, hashes: Sequence[bytes], wait_seconds: float, is_active: Callable[[], bool]
+        self,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        wait_seconds: float,
+        is_active: Callable[[], bool],
+        layers: Sequence[int] = (),
     ) -> Iterator[ReadResult]:
-        """DropSelect: wait until the whole prefix is stored, then read and remove it."""
+        """DropSelect: wait until the whole prefix is stored, then read and remove it.
+        `layers`: take only these; a block is removed once takes have covered all of its
+        layers (each tensor-parallel rank takes its own heads)."""
         deadline = time.monotonic() + wait_seconds
         keys = [(namespace, h) for h in hashes]
         with ExitStack() as stack:
@@ -472,16 +585,34 @@ class Store:
                     with self._lock:
                         if self._index.prefix_len(namespace, hashes) != len(hashes):
                             continue  # another DropSelect or an eviction was first: wait again
-                        for key in reversed(keys):  # tail first: nothing left below to walk
-                            self._index.remove(*key)
-                        self._emit_removed(keys)
                     blocks = stack.enter_context(self.tiers.read(keys))
+                    selected = _selection(blocks, layers)
+                    with self._lock:
+                        gone = self._taken_whole(keys, blocks, selected)
+                        for key in reversed(gone):  # tail first: nothing left below to walk
+                            self._index.remove(*key)
+                        self._emit_removed(gone)
                     # The read snapshot keeps the bytes readable after this delete.
-                    self.tiers.delete(keys)
+                    self.tiers.delete(gone)
                 break
-            result = self._verified_prefix(blocks, keys, remove_bad=False)
+            result = self._verified_prefix(blocks, keys, remove_bad=False, selected=selected)
             yield result
         self._count_read(result)
+
+    def _taken_whole(
+        self, keys: list[BlockKey], blocks: list[StoredBlock | None], selected: tuple[int, ...] | None
+    ) -> list[BlockKey]:
+        """Of a DropSelect's blocks, those it takes the last layers of (all of them when it
+        takes every layer); the others remember which layers are taken (caller holds the lock)."""
+        if selected is None:
+            return keys
+        gone = []
+        for key, block in zip(keys, blocks, strict=True):
+            taken = self._taken.setdefault(key, set())
+            taken.update(selected)
+            if block is None or len(taken) >= len(block.meta.layers):
+                gone.append(key)
+        return gone
 
     def _wait_for_prefix(
         self,
@@ -506,9 +637,13 @@ class Store:
                 raise WaitTimeout("caller went away")
 
     def _verified_prefix(
-        self, blocks: list[StoredBlock | None], keys: list[BlockKey], remove_bad: bool = True
+        self,
+        blocks: list[StoredBlock | None],
+        keys: list[BlockKey],
+        remove_bad: bool = True,
+        selected: tuple[int, ...] | None = None,
     ) -> ReadResult:
-        result, bad = verified_prefix(blocks, keys)
+        result, bad = verified_prefix(blocks, keys, selected)
         if bad is not None:
             with self._lock:
                 self.counters.checksum_failures += 1
@@ -530,7 +665,8 @@ class Store:
 
     def _count_read(self, result: ReadResult) -> None:
         with self._lock:
-            self.counters.bytes_read += sum(layer.nbytes for layer in result.layers) * result.num_blocks
+            used = sum(result.layers[k].nbytes for k in result.used) if result.layers else 0
+            self.counters.bytes_read += used * result.num_blocks
 
     # ---- the memory tier: recovery, reservations, pins (promotion, write-behind: tiers.chain)
     def _recover_memory(self, memory: MemoryTier) -> None:
@@ -567,10 +703,15 @@ class Store:
         layers: Sequence[LayerSpec],
         *,
         token_ids: Sequence[int] = (),
+        subset: tuple[int, ...] | None = None,
     ) -> Reservation | None:
         """Reserve an extent for the blocks of `hashes` not stored yet (None: all are).
-        The caller writes them, layer-major, then commits within the lease."""
+        The caller writes them, layer-major, then commits within the lease. `subset`: a
+        partial save of these layers of `layers` (the extent holds only them; see put_part)."""
         memory = self._tier()
+        full = tuple(layers)
+        if subset is not None:
+            layers = [full[k] for k in subset]
         block_bytes = sum(layer.nbytes for layer in layers)
         now = time.time()
         with self._lock:
@@ -610,6 +751,8 @@ class Store:
                     extent=offset,
                     nbytes=nbytes,
                     expires=time.monotonic() + memory.lease_seconds,
+                    subset=subset,
+                    full_layers=full,
                 )
                 memory.reservations[res.id] = res
                 memory.counters.reservations += 1
@@ -623,16 +766,22 @@ class Store:
         memory = self._tier()
         if kind not in CHECKSUMS:
             raise InvalidCommit(f"unknown checksum kind {kind!r}; known: {', '.join(CHECKSUMS)}")
+        with self._lock:
+            part = memory.reservations.get(reservation_id)
+            if part is not None and part.prefix == prefix and part.subset is not None:
+                self._check_commit(part, checksums)
+                memory.take_reservation(reservation_id, prefix)
+                subset = part.subset
+            else:
+                part = subset = None
+        if part is not None and subset is not None:  # its blocks are put (taking the commit lock) when whole
+            return self._commit_part(memory, part, subset, checksums, kind)
         with self._commit_lock:
             with self._lock:
                 res = memory.reservations.get(reservation_id)
                 if res is None or res.prefix != prefix:
                     raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
-                if len(checksums) != len(res.hashes) * len(res.layers):
-                    raise InvalidCommit(
-                        f"a commit of {len(res.hashes)} blocks of {len(res.layers)} layers needs "
-                        f"{len(res.hashes) * len(res.layers)} checksums, not {len(checksums)}"
-                    )
+                self._check_commit(res, checksums)
                 memory.take_reservation(reservation_id, prefix)
             recorded = False
             try:
@@ -665,6 +814,52 @@ class Store:
         if self._writer is not None:
             self._writer.wake()
         return PutResult(len(placed), res.skipped + n - len(placed), incoming, len(victims))
+
+    @staticmethod
+    def _check_commit(res: Reservation, checksums: Sequence[int]) -> None:
+        if len(checksums) != len(res.hashes) * len(res.layers):
+            raise InvalidCommit(
+                f"a commit of {len(res.hashes)} blocks of {len(res.layers)} layers needs "
+                f"{len(res.hashes) * len(res.layers)} checksums, not {len(checksums)}"
+            )
+
+    def _commit_part(
+        self,
+        memory: MemoryTier,
+        res: Reservation,
+        subset: tuple[int, ...],
+        checksums: Sequence[int],
+        kind: str,
+    ) -> PutResult:
+        """A taken reservation of a partial save: its parts go to `parts` (copied out of the
+        extent, which is then freed), and the blocks they complete are stored."""
+        try:
+            sizes = [layer.nbytes for layer in res.layers]
+            n, width, view = len(res.hashes), len(res.layers), memory.file.view
+
+            def data(k: int, i: int) -> memoryview:
+                at = res.extent + fmt.block_layer_offset(sizes, n, k, i)
+                return view[at : at + sizes[k]]
+
+            if kind == XXH3:  # what the client summed is what the arena holds (a torn write fails)
+                for i in range(n):
+                    for k in range(width):
+                        if checksum(data(k, i)) != checksums[i * width + k]:
+                            raise InvalidCommit(
+                                f"block {res.hashes[i].hex()} layer {res.layers[k].name!r}: the bytes "
+                                "in the arena do not match the commit's checksum"
+                            )
+            tokens = [t for block in res.token_ids for t in block] if res.token_ids else ()
+            result = self.put_part(
+                res.namespace, res.parent_hash, res.hashes, res.full_layers, subset, data,
+                token_ids=tokens, parents=res.parents,
+            )  # fmt: skip
+        finally:
+            with self._lock:
+                memory.allocator.free(res.extent, res.nbytes)
+                memory.counters.commits += 1
+        return PutResult(result.blocks_written, res.skipped + result.blocks_skipped, result.bytes_written,
+                         result.blocks_evicted)  # fmt: skip
 
     def _commit_records(
         self, memory: MemoryTier, res: Reservation, checksums: Sequence[int], kind: str
@@ -834,8 +1029,11 @@ class Store:
         return removed
 
     def stats(self) -> dict[str, int | float | str]:
+        with self._parts_lock:
+            parts = self.parts.stats()
         with self._lock:
             return {
+                **parts,
                 "blocks": self._index.num_blocks,
                 "bytes_used": self._index.bytes_used,
                 "capacity_bytes": self.capacity_bytes,
@@ -906,6 +1104,9 @@ class Store:
             self._listeners.append(listener)
 
     def _emit_removed(self, keys: Sequence[BlockKey]) -> None:
+        if self._taken:  # a block gone no longer needs its partial takes remembered
+            for key in keys:
+                self._taken.pop(key, None)
         if not keys or not self._listeners:
             return
         by_ns: dict[bytes, list[bytes]] = {}

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -92,7 +93,13 @@ class ArenaTransport:
         caches: dict[str, torch.Tensor],
         mover: BlockMover,
         device_checksums: bool | None = None,
+        *,
+        stored: Sequence[LayerSpec] | None = None,
+        subset: Sequence[int] = (),
     ) -> None:
+        """`specs`: the layers this rank moves, `caches` their paged views by name; `stored`
+        (default: `specs`): a block's whole layout, of which `specs` are layers `subset`
+        (empty: all; see kvstore_connector.layout)."""
         self.client = client
         self.namespace = namespace
         self.specs = specs
@@ -100,13 +107,18 @@ class ArenaTransport:
         self.mover = mover
         self.device_checksums = mover.cuda if device_checksums is None else device_checksums
         self._layer_index = {spec.name: i for i, spec in enumerate(specs)}
+        self.stored = list(specs if stored is None else stored)
+        self.subset = tuple(subset)
+        self._own = list(self.subset) if self.subset else list(range(len(self.stored)))
+        if [self.stored[k] for k in self._own] != list(specs):
+            raise ValueError("specs must be layers `subset` of `stored`")
 
     # ---- saves
     def open(self, spec: SaveSpec, timeout: float) -> ArenaSave | None:
         """A reservation for one request's blocks; None: save it over gRPC instead."""
         res = self.client.reserve(
-            self.namespace, spec.hashes, self.specs, parent_hash=spec.parent_hash, timeout=timeout,
-            token_ids=spec.token_ids,
+            self.namespace, spec.hashes, self.stored, parent_hash=spec.parent_hash, timeout=timeout,
+            token_ids=spec.token_ids, subset=self.subset,
         )  # fmt: skip
         if res is None:
             return None
@@ -179,7 +191,7 @@ class ArenaTransport:
             if not n:
                 return 0
             if [(s.name, s.dtype, tuple(s.shape)) for s in pinned.layers] != [
-                (s.name, s.dtype, tuple(s.shape)) for s in self.specs
+                (s.name, s.dtype, tuple(s.shape)) for s in self.stored
             ]:
                 raise KVStoreError("stored layers do not match this engine's KV cache layout")
             ids = self.mover.to_device_for_load(torch.tensor(spec.block_ids[:n], dtype=torch.long))
@@ -203,7 +215,8 @@ class ArenaTransport:
         """Per layer: verify its checksums in the arena, then copy each pinned run into the
         paged blocks (see the NOTE above on what that trusts)."""
         events = []
-        for index, layer_spec in enumerate(pinned.layers):
+        for index in self._own:  # this rank's layers only: the others' bytes are never read
+            layer_spec = pinned.layers[index]
             bad = pinned.verify([index])
             if bad is not None:
                 self._corrupt(spec, pinned, bad, "in the arena")
@@ -230,7 +243,7 @@ class ArenaTransport:
         sizes = pinned.layer_bytes
         expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
         expected = self.mover.to_device_for_load(expected.view(-1, width))
-        groups = _layer_groups(sizes, pinned.num_blocks)
+        groups = _layer_groups(sizes, pinned.num_blocks, self._own)
         # each group's verdict lands here (pinned: read by the host once its event fired,
         # no synchronising call on any stream)
         failed = torch.zeros(len(groups), dtype=torch.bool, pin_memory=self.mover.cuda)
@@ -287,15 +300,20 @@ class ArenaTransport:
         raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum {where}")
 
 
-def _layer_groups(sizes: list[int], num_blocks: int) -> list[range]:
-    """Consecutive layers of one block size, about _GROUP_BYTES of the request each."""
-    groups, start = [], 0
-    for layer in range(1, len(sizes) + 1):
+def _layer_groups(sizes: list[int], num_blocks: int, layers: Sequence[int] | None = None) -> list[range]:
+    """Runs of consecutive layers (of `layers`, default all) of one block size, about
+    _GROUP_BYTES of the request each."""
+    todo = list(range(len(sizes))) if layers is None else list(layers)
+    groups: list[range] = []
+    for layer in todo:
+        last = groups[-1] if groups else None
         if (
-            layer == len(sizes)
-            or sizes[layer] != sizes[start]
-            or (layer - start) * sizes[start] * num_blocks >= _GROUP_BYTES
+            last is not None
+            and last.stop == layer
+            and sizes[layer] == sizes[last.start]
+            and len(last) * sizes[layer] * num_blocks < _GROUP_BYTES
         ):
-            groups.append(range(start, layer))
-            start = layer
+            groups[-1] = range(last.start, layer + 1)
+        else:
+            groups.append(range(layer, layer + 1))
     return groups

@@ -151,7 +151,9 @@ class ConnectorConfig:
 
 @dataclass(frozen=True)
 class NamespaceInfo:
-    """What must match for KV to be reusable, minus the rank (see rank_namespace)."""
+    """What must match for KV to be reusable. Not the tensor parallelism: every rank stores
+    and loads its own KV heads of one layout (kvstore_connector.layout), so engines of any
+    tp share blocks. Pipeline stages hold different layers and keep namespaces apart."""
 
     model: str
     kv_dtype: str
@@ -194,14 +196,15 @@ class NamespaceInfo:
         model = self.model
         if len(model) > _MAX_MODEL_ID:
             model = "sha256:" + hashlib.sha256(model.encode()).hexdigest()[:32]
+        # kvc2: one store layer per KV head (kvc1 namespaces held one rank's heads per layer)
         return (
-            f"kvc1|{model}|{self.kv_dtype}|bs{self.block_size}|kvh{self.num_kv_heads}"
+            f"kvc2|{model}|{self.kv_dtype}|bs{self.block_size}|kvh{self.num_kv_heads}"
             f"|hd{self.head_size}|{'mla' if self.mla else 'mha'}|{self.device}"
         )
 
-    def rank_namespace(self, tp_rank: int, pp_rank: int) -> bytes:
-        """Where one rank's shard of the KV lives: each rank stores and loads its own heads/layers."""
-        return f"{self._base()}|tp{tp_rank}of{self.tp_size}|pp{pp_rank}of{self.pp_size}".encode()
+    def namespace(self, pp_rank: int) -> bytes:
+        """Where pipeline stage `pp_rank`'s layers live (every tensor-parallel rank's heads)."""
+        return f"{self._base()}|pp{pp_rank}of{self.pp_size}".encode()
 
     def all_namespaces(self) -> list[bytes]:
-        return [self.rank_namespace(t, p) for p in range(self.pp_size) for t in range(self.tp_size)]
+        return [self.namespace(p) for p in range(self.pp_size)]

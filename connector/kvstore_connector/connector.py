@@ -98,14 +98,17 @@ class KVStoreConnector(KVConnectorBase_V1):
             if self.config.tune_malloc:
                 tune_malloc()
 
-            namespace = info.rank_namespace(get_tensor_model_parallel_rank(), get_pp_group().rank_in_group)
             self._worker = WorkerSide(
-                namespace,
+                info.namespace(get_pp_group().rank_in_group),
                 kv_cache_config.num_blocks,
                 self.config,
                 load=self._load,
                 save=self._save,
                 save_sync=save_sync,
+                num_kv_heads=info.num_kv_heads,
+                tp_size=info.tp_size,
+                tp_rank=get_tensor_model_parallel_rank(),
+                mla=info.mla,
             )
         log.info(
             "KVStoreConnector (%s, %s) -> %s, role %s, saves %s",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +32,7 @@ from kvstore_client.arena import ArenaPutStream
 from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import writable_view
 from kvstore_connector.metadata import LoadSpec, SaveSpec
-from kvstore_connector.transfer import BlockMover, PendingCopy, contiguous_cpu
+from kvstore_connector.transfer import BlockMover, PendingCopy
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -61,19 +61,35 @@ class PagePlacement:
     """Contiguous CPU caches: copy each received block straight into its paged block."""
 
     def __init__(self, caches: dict[str, torch.Tensor]) -> None:
-        # the caches' bytes: loads copy blocks from the received messages straight into these
-        self._raw = {name: memoryview(writable_view(view).data) for name, view in caches.items()}
+        # the caches' bytes (a view's blocks may lie apart: a KV head's slice of each block)
+        # and each one's block stride: loads copy received blocks straight into these
+        self._raw = {name: _pages(view) for name, view in caches.items()}
 
     def place(self, stream: LayerStream, block_ids: list[int], pending: list[str], done: Done) -> None:
         raw = self._raw
         for spec, (_, first_block, data), last in stream.layer_chunks():
-            size, dest = spec.nbytes, raw[spec.name]
+            size, (dest, stride) = spec.nbytes, raw[spec.name]
             for i in range(len(data) // size):
-                block = block_ids[first_block + i]
-                dest[block * size : (block + 1) * size] = data[i * size : (i + 1) * size]
+                at = block_ids[first_block + i] * stride
+                dest[at : at + size] = data[i * size : (i + 1) * size]
             if last:
                 pending.remove(spec.name)
                 done(spec.name)
+
+
+def pages_addressable(caches: dict[str, torch.Tensor]) -> bool:
+    """Whether every (block-major) view is on the CPU with each block's slice contiguous: a
+    load can then copy received blocks straight into their pages (PagePlacement)."""
+    return all(v.device.type == "cpu" and v[0].is_contiguous() for v in caches.values())
+
+
+def _pages(view: torch.Tensor) -> tuple[memoryview, int]:
+    """The bytes under a block-major CPU view whose block slices are contiguous, from its
+    first block's start, and the stride between blocks in bytes."""
+    stride = view.stride(0)
+    span = (view.shape[0] - 1) * stride + view[0].numel()
+    flat = view.as_strided((span,), (1,), view.storage_offset())
+    return memoryview(writable_view(flat).data), stride * view.element_size()
 
 
 class ScatterPlacement:
@@ -105,12 +121,17 @@ class GrpcTransport:
         consume: bool,
         save_timeout: float,
         on_stream: Callable[[LayerStream], None],
+        stored: Sequence[LayerSpec] | None = None,
+        subset: Sequence[int] = (),
     ) -> None:
         """`sender`: the worker's one save thread; `on_stream`: told of each load's stream
-        as it opens (the worker cancels this step's streams when it gives up its loads)."""
+        as it opens (the worker cancels this step's streams when it gives up its loads).
+        `stored`, `subset`: as for ArenaTransport (this rank's layers of a block's layout)."""
         self.client = client
         self.namespace = namespace
         self.specs = specs
+        self.stored = list(specs if stored is None else stored)
+        self.subset = tuple(subset)
         self.caches = caches
         self.mover = mover
         self._sender = sender
@@ -118,7 +139,7 @@ class GrpcTransport:
         self._on_stream = on_stream
         self._open_stream = self._take_stream if consume else self._get_stream
         self._placement: PagePlacement | ScatterPlacement = (
-            PagePlacement(caches) if contiguous_cpu(caches) else ScatterPlacement(caches, mover)
+            PagePlacement(caches) if pages_addressable(caches) else ScatterPlacement(caches, mover)
         )
         self._local = False  # the last load read the daemon's files directly
 
@@ -127,11 +148,12 @@ class GrpcTransport:
         stream = self.client.put_stream(
             self.namespace,
             spec.hashes,
-            self.specs,
+            self.stored,
             parent_hash=spec.parent_hash,
             timeout=self._save_timeout,
             arena=False,  # this is the gRPC transport: the arena's saves are ArenaTransport's
             token_ids=spec.token_ids,
+            subset=self.subset,
         )
         return GrpcSave(spec, stream, time.perf_counter(), reserved)
 
@@ -184,11 +206,14 @@ class GrpcTransport:
 
     def _take_stream(self, hashes: list[bytes], timeout: float) -> LayerStream:
         return self.client.take_stream(
-            self.namespace, hashes, wait=1.0, transfer_timeout=timeout, allocate=self._host_buffer
-        )
+            self.namespace, hashes, wait=1.0, transfer_timeout=timeout, allocate=self._host_buffer,
+            layers=self.subset,
+        )  # fmt: skip
 
     def _get_stream(self, hashes: list[bytes], timeout: float) -> LayerStream:
-        return self.client.get_stream(self.namespace, hashes, timeout=timeout, allocate=self._host_buffer)
+        return self.client.get_stream(
+            self.namespace, hashes, timeout=timeout, allocate=self._host_buffer, layers=self.subset
+        )
 
     def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
         return self.mover.host_buffer((num_blocks, *spec.shape), self.caches[spec.name].dtype)

@@ -72,9 +72,7 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         # vLLM's KV events for the blocks the store holds for this engine (--kv-events-config)
-        self.events = (
-            StoreEvents(self.client, info.rank_namespace(0, 0), self.block_size) if kv_events else None
-        )
+        self.events = StoreEvents(self.client, info.namespace(0), self.block_size) if kv_events else None
 
     def _tracked(self, request: Request) -> _Tracked:
         tracked = self._requests.get(request.request_id)

@@ -25,6 +25,12 @@ COUNTERS = (
 )
 
 
+def _per_rank(key: str) -> str:
+    """bytes_loaded_tp1 -> "Bytes loaded (tp1)"."""
+    what, rank = key.rsplit("_", 1)
+    return f"{what.replace('_', ' ').capitalize()} ({rank})"
+
+
 def _zero() -> dict[str, Any]:
     return dict.fromkeys(COUNTERS, 0)
 
@@ -61,6 +67,8 @@ class KVStoreConnectorStats(KVConnectorStats):
             "Save GB/s": round(d["bytes_saved"] / save_s / 1e9, 3) if save_s else 0.0,
             "Save errors": d["save_errors"],
             "Saves dropped (backlog full)": d["saves_dropped"],
+            # what each tensor-parallel rank moved: its own KV heads
+            **{_per_rank(key): value for key, value in sorted(self.data.items()) if "_tp" in key},
         }
 
     def is_empty(self) -> bool:

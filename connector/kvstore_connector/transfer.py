@@ -39,13 +39,6 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     raise ValueError(f"no dimension of KV cache shape {tuple(tensor.shape)} indexes its {num_blocks} blocks")
 
 
-def contiguous_cpu(caches: dict[str, torch.Tensor]) -> bool:
-    """Whether the (block-major) caches are contiguous CPU tensors: loads can then copy
-    blocks straight into their pages, on the forward thread (see WorkerSide.start_load)."""
-    first = next(iter(caches.values()))
-    return first.device.type == "cpu" and all(v.is_contiguous() for v in caches.values())
-
-
 Write = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """(kv, ids, staged): staged blocks to write into a paged view at ids (scatter_staged)."""
 

@@ -23,14 +23,14 @@ import torch
 
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream
 from kvstore_client.errors import KVStoreError
-from kvstore_client.tensors import dtype_name
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.grpc_transport import GrpcSave, GrpcSaves, GrpcTransport
+from kvstore_connector.layout import StoreLayout
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import OUTAGES, StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
-from kvstore_connector.transfer import BlockMover, contiguous_cpu, find_block_dim
+from kvstore_connector.transfer import BlockMover, find_block_dim
 
 # NOTE: under "vllm." so records go through vLLM's own logging setup, beside its lines.
 log = logging.getLogger("vllm." + __name__)
@@ -115,8 +115,18 @@ class WorkerSide:
         load: bool,
         save: bool,
         save_sync: bool,
+        num_kv_heads: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        mla: bool = False,
     ) -> None:
+        """`num_kv_heads` (the model's), `tp_size`, `tp_rank`, `mla`: which KV heads this rank
+        holds and saves (kvstore_connector.layout)."""
         self.namespace = namespace
+        self.num_kv_heads = num_kv_heads
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.mla = mla
         self.num_blocks = num_blocks
         self.config = config
         self.load = load
@@ -126,9 +136,10 @@ class WorkerSide:
         self.health = StoreHealth(config.address, config.retry_interval, log)
         self.stats = KVStoreConnectorStats()
         self._stats_lock = threading.Lock()
-        self._caches: dict[str, torch.Tensor] = {}  # block-major views
-        self._load_inline = False  # contiguous CPU caches: loads run on the forward thread
-        self._specs: list[LayerSpec] = []
+        self._caches: dict[str, torch.Tensor] = {}  # by store layer: its paged view, block-major
+        self._load_inline = False  # CPU caches: loads run on the forward thread
+        self._specs: list[LayerSpec] = []  # this rank's store layers
+        self.layout: StoreLayout | None = None
         self._mover: BlockMover | None = None
         self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-load")
         # one sender thread: a request's layers reach its stream in order
@@ -154,13 +165,17 @@ class WorkerSide:
 
     # ---- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for name, tensor in kv_caches.items():
-            view = find_block_dim(tensor, self.num_blocks)
-            self._caches[name] = view
-            self._specs.append(LayerSpec(name, dtype_name(view.dtype), tuple(view.shape[1:])))
-        first = next(iter(self._caches.values()))
+        views = {name: find_block_dim(tensor, self.num_blocks) for name, tensor in kv_caches.items()}
+        layout = self.layout = StoreLayout.build(
+            views, num_kv_heads=self.num_kv_heads, tp_size=self.tp_size, tp_rank=self.tp_rank, mla=self.mla
+        )
+        if not layout.saves:  # another rank holds the same heads (replicas, MLA) and saves them
+            self.save = False
+        self._caches = layout.views
+        self._specs = layout.own_specs
+        first = next(iter(views.values()))
         self._mover = BlockMover(first.device)
-        self._load_inline = contiguous_cpu(self._caches)
+        self._load_inline = first.device.type == "cpu"
         self._grpc = GrpcTransport(
             self.client,
             self.namespace,
@@ -171,18 +186,29 @@ class WorkerSide:
             consume=self.config.consume,
             save_timeout=self.config.save_timeout,
             on_stream=self._track_stream,
+            stored=layout.specs,
+            subset=layout.subset,
         )
         self._loads_via = self._grpc
         if self.client.arena_available(cuda=first.device.type == "cuda"):
-            self._arena = ArenaTransport(self.client, self.namespace, self._specs, self._caches, self._mover)
+            self._arena = ArenaTransport(
+                self.client, self.namespace, self._specs, self._caches, self._mover,
+                stored=layout.specs, subset=layout.subset,
+            )  # fmt: skip
             if not self.config.consume:
                 self._loads_via = self._arena
         log.info(
-            "kvstore connector: %d layers, block %s %s (%d bytes/block), namespace %s",
-            len(self._specs),
+            "kvstore connector: %d layers as %d store layers, block %s %s; this rank (tp %d) %s %d of "
+            "them (%d of %d bytes/block); namespace %s",
+            len(views),
+            len(layout.specs),
             self._specs[0].dtype,
             list(self._specs[0].shape),
-            sum(s.block_bytes for s in self._specs),
+            self.tp_rank,
+            "saves and loads" if layout.saves else "loads",
+            len(self._specs),
+            layout.own_bytes,
+            sum(s.nbytes for s in layout.specs),
             self.namespace.decode(errors="replace"),
         )
         log.info(
@@ -237,12 +263,13 @@ class WorkerSide:
                     self._load_errors.update(bad)
                 self._add_stats(load_errors=len(spec.block_ids) - loaded_blocks)
             if loaded_blocks:
-                nbytes = loaded_blocks * sum(s.block_bytes for s in self._specs)
+                nbytes = loaded_blocks * sum(s.block_bytes for s in self._specs)  # this rank's heads
                 self._add_stats(
                     loads=1,
                     blocks_loaded=loaded_blocks,
                     bytes_loaded=nbytes,
                     load_seconds=time.perf_counter() - started,
+                    **{f"bytes_loaded_tp{self.tp_rank}": nbytes},
                 )
 
     def _track_stream(self, stream: LayerStream) -> None:
@@ -292,17 +319,18 @@ class WorkerSide:
 
     # ---- saves
     def save_layer(self, meta: KVStoreConnectorMetadata, layer: str, kv_layer: torch.Tensor) -> None:
-        if not meta.saves or self._mover is None or layer not in self._caches:
+        if not meta.saves or not self.save or self.layout is None or layer not in self.layout.by_layer:
             return
         if not self._saves_opened:  # the step's first layer: open its saves once
             self._saves_opened = True
             self._open_saves(meta.saves)
-        view = self._caches[layer]
-        if self._arena is not None:
-            for arena_save in self._arena_saves:
-                self._arena.save_layer(arena_save, layer, view)
-        if self._grpc is not None:
-            self._grpc.save_layer(self._grpc_saves, layer, view)
+        for name in self.layout.by_layer[layer]:  # this rank's KV heads of the layer
+            view = self._caches[name]
+            if self._arena is not None:
+                for arena_save in self._arena_saves:
+                    self._arena.save_layer(arena_save, name, view)
+            if self._grpc is not None:
+                self._grpc.save_layer(self._grpc_saves, name, view)
 
     def _open_saves(self, specs: list[SaveSpec]) -> None:
         if not self.health.available():
@@ -355,12 +383,7 @@ class WorkerSide:
             return
         self.health.ok()
         if result is not None:
-            self._add_stats(
-                saves=1,
-                blocks_saved=result.blocks_written,
-                bytes_saved=result.bytes_written,
-                save_seconds=time.perf_counter() - save.started,
-            )
+            self._saved(result.blocks_written, save.reservation.num_blocks, save.started)
 
     def finish_step_saves(self) -> None:
         """Commit this step's saves; in sync mode, wait until the store has them."""
@@ -389,11 +412,18 @@ class WorkerSide:
         finally:
             self.backlog.release(save.reserved)
         self.health.ok()
+        self._saved(result.blocks_written, len(save.spec.block_ids), save.started)
+
+    def _saved(self, blocks_written: int, blocks_sent: int, started: float) -> None:
+        """Stats of a committed save: the blocks it made visible (with tensor parallelism, the
+        last rank's part of a block does), the bytes this rank moved (its KV heads)."""
+        nbytes = blocks_sent * sum(s.block_bytes for s in self._specs)
         self._add_stats(
             saves=1,
-            blocks_saved=result.blocks_written,
-            bytes_saved=result.bytes_written,
-            save_seconds=time.perf_counter() - save.started,
+            blocks_saved=blocks_written,
+            bytes_saved=nbytes,
+            save_seconds=time.perf_counter() - started,
+            **{f"bytes_saved_tp{self.tp_rank}": nbytes},
         )
 
     def wait_for_commits(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvstore import wire
-from kvstore.blocks import LayerSpec, StorageError, StoredBlock, checksum, leading_blocks
+from kvstore.blocks import LayerSpec, StorageError, StoredBlock, checksum, leading_blocks, selected_layers
 from kvstore.host import pid_namespace
 from kvstore.layouts import STORE_ID_FILE
 from kvstore.v1 import kvstore_pb2 as pb
@@ -121,27 +121,31 @@ class LocalSource:
         stack: ExitStack,
         blocks: list[StoredBlock],
         report: Callable[[bytes], None],
+        layers: Sequence[int] = (),
     ) -> None:
+        """`layers`: stream only these of the blocks' layers (chunks count within them)."""
         self._files = files
         self._stack: ExitStack | None = stack
         self._blocks = blocks
         self._report = report
         self._cancelled = False
         self.num_blocks = len(blocks)
-        self.layers: list[LayerSpec] = list(blocks[0].meta.layers) if blocks else []
+        stored = blocks[0].meta.layers if blocks else ()
+        self._used = selected_layers(layers, len(stored)) if blocks else []
+        self.layers: list[LayerSpec] = [stored[k] for k in self._used]
 
     def chunks(self) -> Iterator[wire.Chunk]:
         """Every (layer, block) view in stream order, each verified just before it is yielded."""
         try:
             chunk, digest, blocks = wire.Chunk, checksum, self._blocks
-            for layer in range(len(self.layers)):
+            for position, layer in enumerate(self._used):
                 for index, block in enumerate(blocks):
                     if self._cancelled:
                         raise errors.StoreTimeout("local read cancelled")
                     view = block.layers[layer]
                     if digest(view) != block.meta.checksums[layer]:
                         self._corrupt(block, layer)
-                    yield chunk(layer, index, view)
+                    yield chunk(position, index, view)
         finally:
             self.release()
 
@@ -226,8 +230,11 @@ class LocalReads:
             return None  # the rest may be in the fleet: the daemon knows
         return n
 
-    def stream_source(self, namespace: bytes, hashes: Sequence[bytes]) -> LocalSource | None:
-        """A verified snapshot of the stored prefix of `hashes`, or None: use Get."""
+    def stream_source(
+        self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[int] = ()
+    ) -> LocalSource | None:
+        """A verified snapshot of the stored prefix of `hashes` (of `layers` only, when given),
+        or None: use Get."""
         files = self._acquire([namespace], hashes)
         if files is None:
             return None
@@ -246,7 +253,12 @@ class LocalReads:
             stack.close()
             files.release()
             return None
-        return LocalSource(files, stack, good, functools.partial(self._report, namespace))
+        try:
+            return LocalSource(files, stack, good, functools.partial(self._report, namespace), layers)
+        except ValueError:
+            stack.close()
+            files.release()
+            raise
 
     def _acquire(self, namespaces: Sequence[bytes], hashes: Sequence[bytes]) -> _Files | None:
         """The files, held for one read; None: use gRPC (which also answers bad input)."""

@@ -33,6 +33,7 @@ from kvstore_server.rpc.validation import (
     check_block_tokens,
     check_hash,
     check_hashes,
+    check_layer_subset,
     check_layers,
     check_namespace,
     check_record_size,
@@ -138,12 +139,14 @@ class Servicer:
         if parent and parent in hashes:
             raise InvalidRequest("parent_hash is one of the put's own block hashes; a chain has no cycles")
         layers = check_layers(header.layers)
+        subset = check_layer_subset(header.layer_subset, len(layers))
+        carried = layers if subset is None else tuple(layers[k] for k in subset)
         tokens = self._tokens(header.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
-        total = sum(layer.nbytes for layer in layers) * len(hashes)
+        total = sum(layer.nbytes for layer in carried) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"put of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
-        buffer = self._puts.acquire(layers, len(hashes))
+        buffer = self._puts.acquire(carried, len(hashes))
         if buffer is None:
             raise CapacityError("too many bytes of puts in flight; retry later")
         try:
@@ -157,10 +160,11 @@ class Servicer:
                 parent,
                 hashes,
                 layers,
-                [[buffer.layer(k, i) for i in range(len(hashes))] for k in range(len(layers))],
+                [[buffer.layer(k, i) for i in range(len(hashes))] for k in range(len(carried))],
                 buffer.checksums,
-                joined=[buffer.block(i) for i in range(len(hashes))],
+                joined=[buffer.block(i) for i in range(len(hashes))] if subset is None else None,
                 token_ids=tokens,
+                subset=subset,
             )
         finally:
             self._puts.release(buffer)
@@ -203,7 +207,7 @@ class Servicer:
     def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetResponse | bytes]:
         namespace = self._ns(context, request.namespace)
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
-        with self.reclaim.busy(), self.store.read(namespace, hashes) as result:
+        with self.reclaim.busy(), self.store.read(namespace, hashes, request.layers) as result:
             yield from _stream(result, _chunk_size(request.max_chunk_bytes))
 
     @translated
@@ -221,7 +225,10 @@ class Servicer:
         if not self._waiters.acquire(blocking=False):
             raise CapacityError(f"more than {self.config.max_waiting_drop_selects} DropSelect calls waiting")
         try:
-            with self.store.take(namespace, hashes, wait, context.is_active) as result, self.reclaim.busy():
+            with (
+                self.store.take(namespace, hashes, wait, context.is_active, request.layers) as result,
+                self.reclaim.busy(),
+            ):
                 yield from _stream(result, _chunk_size(request.max_chunk_bytes))
         finally:
             self._waiters.release()
@@ -363,13 +370,15 @@ class Servicer:
                 "parent_hash is one of the request's own block hashes; a chain has no cycles"
             )
         layers = check_layers(request.layers)
+        subset = check_layer_subset(request.layer_subset, len(layers))
+        carried = layers if subset is None else tuple(layers[k] for k in subset)
         tokens = self._tokens(request.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
-        total = sum(layer.nbytes for layer in layers) * len(hashes)
+        total = sum(layer.nbytes for layer in carried) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"save of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
         res = self.store.reserve(
-            self.scope.prefix(context), namespace, parent, hashes, layers, token_ids=tokens
+            self.scope.prefix(context), namespace, parent, hashes, layers, token_ids=tokens, subset=subset
         )
         if res is None:
             return pb.ReserveResponse(reservation_id=0)
@@ -477,17 +486,18 @@ def _event_message(event: Event, store_id: str, prefix: bytes = b"") -> pb.Event
 
 def _stream(result: ReadResult, chunk_bytes: int) -> Iterator[pb.GetResponse | bytes]:
     """GetHeader, then each layer's blocks in chunks of at most `chunk_bytes`."""
+    used = result.used
     yield pb.GetResponse(
         header=pb.GetHeader(
             num_blocks=result.num_blocks,
-            layers=_layer_messages(result.layers),
+            layers=_layer_messages(tuple(result.layers[k] for k in used)),
         )
     )
-    for index, spec in enumerate(result.layers):
-        per_chunk = max(1, chunk_bytes // spec.nbytes)
+    for position, index in enumerate(used):  # a selection: chunks count within it
+        per_chunk = max(1, chunk_bytes // result.layers[index].nbytes)
         for first in range(0, result.num_blocks, per_chunk):
             blocks = result.blocks[first : first + per_chunk]
-            yield wire.encode_chunk(index, first, [b.layers[index] for b in blocks])
+            yield wire.encode_chunk(position, first, [b.layers[index] for b in blocks])
 
 
 def _decode_page_token(token: bytes) -> tuple[bytes, bytes]:

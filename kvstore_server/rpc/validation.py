@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from kvstore import wire
 from kvstore.blocks import intern_layout
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_server.parts import PartError, check_subset
 from kvstore_server.rpc.status import InvalidRequest
 from kvstore_server.tiers import BlockMeta, LayerSpec
 
@@ -83,6 +84,14 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
             )
         out.append(LayerSpec(name, spec.dtype, shape, nbytes))
     return intern_layout(tuple(out))
+
+
+def check_layer_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | None:
+    """A partial put's layer indices (kvstore_server.parts); None: the whole block."""
+    try:
+        return check_subset(subset, num_layers)
+    except PartError as exc:
+        raise InvalidRequest(f"layer_subset: {exc}") from exc
 
 
 def check_record_size(namespace: bytes, block_hash: bytes, layers: Sequence[LayerSpec]) -> None:

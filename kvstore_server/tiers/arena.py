@@ -355,6 +355,9 @@ class Reservation:
     nbytes: int
     expires: float
     token_ids: list[list[int]] | None = None  # each one's tokens, when the request gave them (KV events)
+    # a partial save (kvstore_server.parts): the extent holds these layers of full_layers
+    subset: tuple[int, ...] | None = None
+    full_layers: tuple[LayerSpec, ...] = ()
 
 
 @dataclass

@@ -74,19 +74,26 @@ class ReadResult:
 
     layers: tuple[LayerSpec, ...]
     blocks: list[StoredBlock] = field(default_factory=list)
+    selected: tuple[int, ...] | None = None
+    """The layers the read uses (verified, sent), by index; None: all of them."""
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
 
+    @property
+    def used(self) -> list[int]:
+        """Indices of the layers the read uses."""
+        return list(range(len(self.layers))) if self.selected is None else list(self.selected)
+
 
 def verified_prefix(
-    blocks: Sequence[StoredBlock | None], keys: Sequence[BlockKey]
+    blocks: Sequence[StoredBlock | None], keys: Sequence[BlockKey], layers: tuple[int, ...] | None = None
 ) -> tuple[ReadResult, BlockKey | None]:
-    """The leading blocks that are present, pass their checksums and share one layer
-    layout (kvstore.blocks.leading_blocks), logged where that ends early; and the key of
-    the block that failed its checksum, if one did."""
-    prefix = leading_blocks(blocks)
+    """The leading blocks that are present, pass their checksums (of `layers`, default
+    all) and share one layer layout (kvstore.blocks.leading_blocks), logged where that ends
+    early; and the key of the block that failed its checksum, if one did."""
+    prefix = leading_blocks(blocks, layers=layers)
     n = len(prefix.blocks)
     if prefix.stop == "corrupt" and prefix.bad_layer is not None:
         block = blocks[n]  # the one that failed (present: it was verified)
@@ -96,10 +103,10 @@ def verified_prefix(
             keys[n][1].hex(),
             layer,
         )
-        return ReadResult(prefix.layers, prefix.blocks), keys[n]
+        return ReadResult(prefix.layers, prefix.blocks, layers), keys[n]
     if prefix.stop == "layout":
         log.warning("block %s has another layer layout than its prefix; stopping there", keys[n][1].hex())
-    return ReadResult(prefix.layers, prefix.blocks), None
+    return ReadResult(prefix.layers, prefix.blocks, layers), None
 
 
 class TierChain:

@@ -239,7 +239,7 @@ def test_a_corrupt_block_a_stalled_store_and_a_dead_one_are_recomputes(
         with KVStoreClient(store.address) as kv:
             marks["before"] = kv.stats()
             (namespace,) = {b.namespace for b in kv.iter_blocks()}
-            root = namespace.decode().rsplit("|tp", 1)[0]
+            root = namespace.decode().rsplit("|pp", 1)[0]
             assert kv.lookup(namespace, block_hashes(root, prompts[3], BLOCK)) == len(prompts[3]) // BLOCK
             for prompt in prompts[:3]:
                 pinned = kv.pin(namespace, block_hashes(root, prompt, BLOCK)[:1])

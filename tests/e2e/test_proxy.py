@@ -139,7 +139,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         proxy = Proxy(tmp / "proxy.log", [prefill.url], [decode.url], model=str(model))
         namespace = NamespaceInfo(str(model), "bfloat16", BLOCK, 2, 64, False, "cpu", tp_size=1, pp_size=1)
         smart = Proxy(tmp / "proxy-smart.log", [prefill.url], [decode.url], model=str(model),
-                      args=("--store", store.address, "--kv-namespace", namespace.rank_namespace(0, 0).decode(),
+                      args=("--store", store.address, "--kv-namespace", namespace.namespace(0).decode(),
                             "--skip-prefill-below", str(SKIP_BELOW)))  # fmt: skip
         yield Stack(model, store, prefill, decode, proxy, smart, prompts, baseline, tmp)
     finally:
@@ -257,7 +257,7 @@ def test_a_store_that_does_not_answer_makes_the_proxy_prefill_as_before(stack: S
     namespace = NamespaceInfo(str(stack.model), "bfloat16", BLOCK, 2, 64, False, "cpu", tp_size=1, pp_size=1)
     proxy = Proxy(stack.tmp / "proxy-nostore.log", [stack.prefill.url], [stack.decode.url], model=str(stack.model),
                   args=("--store", f"127.0.0.1:{free_port()}", "--kv-namespace",
-                        namespace.rank_namespace(0, 0).decode()))  # fmt: skip
+                        namespace.namespace(0).decode()))  # fmt: skip
     try:
         status, doc = post(proxy.url + "/v1/completions", stack.body("completion"),
                            headers={"X-Request-Id": "no-store"})  # fmt: skip

@@ -219,9 +219,9 @@ def test_explain_derives_root_and_block_size_of_a_connector_namespace(
     from kvstore_connector.config import NamespaceInfo
 
     info = NamespaceInfo("org/model", "bfloat16", 8, 2, 64, False, "cpu", tp_size=2, pp_size=1)
-    rank1 = info.rank_namespace(1, 0)
+    rank1 = info.namespace(0)
     prompt = list(range(3 * 8 + 1))
-    # what the connector stores: hashed from the rank-free root, kept per rank
+    # what the connector stores: hashed from the root, kept per pipeline stage
     hashes = block_hashes(info.hash_root, prompt, info.block_size)
     with KVStoreClient(server.address) as kv:
         kv.put(rank1, hashes, layers(3))
@@ -232,8 +232,8 @@ def test_explain_derives_root_and_block_size_of_a_connector_namespace(
     assert (doc["hash_root"], doc["block_size"]) == (info.hash_root, 8)
     assert (doc["hit_blocks"], doc["reusable_tokens"]) == (3, 24)
     code, out, _ = run(capsys, server.address, "explain", "--namespace", rank1.decode(), str(path))
-    assert code == 0 and "rank suffix is not part of the root" in out
-    # an explicit root wins: hashed from the rank namespace itself, nothing matches
+    assert code == 0 and "stage suffix is not part of the root" in out
+    # an explicit root wins: hashed from the namespace itself, nothing matches
     doc = json.loads(
         run(capsys, server.address, "--json", "explain", "--namespace", rank1.decode(),
             "--hash-root", rank1.decode(), str(path))[1]

@@ -33,7 +33,7 @@ from .test_corruption import flip_payload_byte
 
 BS = 32
 INFO = NamespaceInfo("test-model", "bfloat16", BS, 2, 64, False, "cpu", tp_size=1, pp_size=1)
-NS = INFO.rank_namespace(0, 0)
+NS = INFO.namespace(0)
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 POOL = 24  # paged blocks per layer
 
@@ -77,11 +77,22 @@ def config(address: str, **kw: object) -> ConnectorConfig:
     return ConnectorConfig(address=address, **kw)  # type: ignore[arg-type]
 
 
+def per_head(layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """vLLM's layers [n, heads, ...] as the connector stores them: a layer per KV head."""
+    return {f"{name}#h{h}": t[:, h].contiguous() for name, t in layers.items() for h in range(t.shape[1])}
+
+
+def joined(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of per_head: stored layers back as vLLM's [n, heads, ...]."""
+    heads = INFO.num_kv_heads
+    return {name: torch.stack([stored[f"{name}#h{h}"] for h in range(heads)], dim=1) for name in LAYERS}
+
+
 def store_blocks(address: str, hashes: list[bytes], seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     layers = {name: torch.randn((len(hashes), 2, BS, 128), generator=g).to(torch.bfloat16) for name in LAYERS}
     with KVStoreClient(address, arena=False) as kv:  # a Put: in the persistent tier at once
-        kv.put(NS, hashes, layers)
+        kv.put(NS, hashes, per_head(layers))
     return layers
 
 
@@ -255,7 +266,15 @@ def make_worker(
 ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     """A worker over zeroed caches; `kv_first` lays them out [2, blocks, ...] (non-contiguous
     block views: loads go through host tensors instead of straight into the pages)."""
-    worker = WorkerSide(NS, POOL, config(address, **kw), load=True, save=True, save_sync=save_sync)
+    worker = WorkerSide(
+        NS,
+        POOL,
+        config(address, **kw),
+        load=True,
+        save=True,
+        save_sync=save_sync,
+        num_kv_heads=INFO.num_kv_heads,
+    )
     if kv_first:
         raw = {name: torch.zeros((2, POOL, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
         worker.register_kv_caches(raw)
@@ -297,7 +316,8 @@ def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(
     saver.wait_for_commits()
     with KVStoreClient(daemon.address, arena=False) as kv:
         assert kv.lookup(NS, hashes) == 4
-        assert kv.select(NS, hashes)[LAYERS[1]].view(torch.uint8).equal(src[LAYERS[1]][3:7].view(torch.uint8))
+        got = joined(kv.select(NS, hashes))[LAYERS[1]]
+        assert got.view(torch.uint8).equal(src[LAYERS[1]][3:7].view(torch.uint8))
         assert kv.stats()["commits"] == (1 if transport == "arena" else 0)
 
     loader, dst = make_worker(daemon.address, kv_first, **TRANSPORTS[transport])
@@ -349,7 +369,7 @@ def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:2]
     other = {name: torch.ones((2, 4, BS, 64), dtype=torch.bfloat16) for name in LAYERS}  # another shape
     with KVStoreClient(daemon.address) as kv:
-        kv.put(NS, hashes, other)
+        kv.put(NS, hashes, per_head(other))
     worker, caches = make_worker(daemon.address)
     assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2])]), caches) == {1, 2}
     assert all(c.eq(0).all() for c in caches.values())
@@ -472,7 +492,7 @@ def test_a_forward_pass_longer_than_save_timeout_still_stores_every_block(
     assert worker.health.available()
     with KVStoreClient(daemon.address) as kv:
         assert kv.lookup(NS, hashes) == 6
-        got = kv.select(NS, hashes)[LAYERS[1]]
+        got = joined(kv.select(NS, hashes))[LAYERS[1]]
         assert got.view(torch.uint8).equal(caches[LAYERS[1]][1:7].view(torch.uint8))
     worker.close()
 
@@ -544,6 +564,92 @@ def test_a_stalled_store_bounds_the_async_save_backlog(daemon, caplog: pytest.Lo
         assert kv.lookup(NS, hashes) == 4  # requests 0 and 1, then the gap
         assert kv.lookup(NS, hashes[4:8]) == 0
         assert kv.lookup(NS, hashes[8:]) == 2
-        stored = kv.select(NS, hashes[8:])[LAYERS[0]]
+        stored = joined(kv.select(NS, hashes[8:]))[LAYERS[0]]
         assert stored.view(torch.uint8).equal(caches[LAYERS[0]][9:11].view(torch.uint8))
     worker.close()
+
+
+def tp_worker(address: str, tp: int, rank: int, **kw: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    """Rank `rank` of a TP=`tp` engine over zeroed caches: vLLM gives it its KV heads only."""
+    worker = WorkerSide(NS, POOL, config(address, **kw), load=True, save=True, save_sync=True,
+                        num_kv_heads=INFO.num_kv_heads, tp_size=tp, tp_rank=rank)  # fmt: skip
+    heads = max(1, INFO.num_kv_heads // tp)
+    caches = {name: torch.zeros((POOL, heads, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def rank_heads(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s share of a TP=1 cache [blocks, heads, ...] (replicas when tp > heads)."""
+    heads = INFO.num_kv_heads
+    first = rank * heads // tp if tp <= heads else rank // (tp // heads)
+    return full[:, first : first + max(1, heads // tp)]
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize(("save_tp", "load_tp"), [(1, 2), (2, 1), (2, 2), (4, 1), (1, 4)])
+def test_kv_saved_with_one_tensor_parallelism_loads_bit_exactly_into_another(
+    daemon, save_tp: int, load_tp: int, transport: str
+) -> None:
+    """Each rank saves its KV heads (a partial put: the blocks are visible once all ranks'
+    parts are in) and loads only its heads, whatever tp saved them; 4 ranks over 2 heads
+    are replicas, and only the first of each pair saves."""
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
+    full = {name: torch.randn((POOL, 2, BS, 128)).to(torch.bfloat16) for name in LAYERS}  # what TP=1 holds
+    savers = [tp_worker(daemon.address, save_tp, r, **TRANSPORTS[transport]) for r in range(save_tp)]
+    meta = KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [3, 4, 5, 6], b"")])
+    writers = [r for r in range(save_tp) if save_tp <= 2 or r % 2 == 0]
+    for rank, (saver, caches) in enumerate(savers):
+        for name in LAYERS:
+            caches[name].copy_(rank_heads(full[name], save_tp, rank))
+        if rank <= writers[-1]:
+            with KVStoreClient(daemon.address) as kv:
+                assert kv.lookup(NS, hashes) == 0  # until the last writing rank's part is in
+        run_step(saver, meta, caches)
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(NS, hashes) == 4
+        got = joined(kv.select(NS, hashes))  # one layout: every head of every layer
+        for name in LAYERS:
+            assert got[name].view(torch.uint8).equal(full[name][3:7].view(torch.uint8))
+        before = kv.stats()
+    saved = [s.take_stats() for s, _ in savers]
+    for rank, stats in enumerate(saved):  # only the first replica of each head saves
+        assert (stats is not None) == (rank in writers)
+    block_bytes = 2 * 2 * BS * 128 * 2  # layers x heads x [BS, 128] bf16
+    assert sum(s.data["bytes_saved"] for s in saved if s is not None) == 4 * block_bytes
+
+    loaders = [tp_worker(daemon.address, load_tp, r, **TRANSPORTS[transport]) for r in range(load_tp)]
+    load = KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [10, 11, 12, 13])])
+    for rank, (loader, caches) in enumerate(loaders):
+        assert run_step(loader, load, caches) == set()
+        for name in LAYERS:
+            want = rank_heads(full[name], load_tp, rank)[3:7]
+            assert caches[name][10:14].view(torch.uint8).equal(want.contiguous().view(torch.uint8))
+        stats = loader.take_stats()
+        assert stats is not None
+        # each rank moved only its heads
+        share = block_bytes // min(load_tp, INFO.num_kv_heads)
+        assert stats.data["bytes_loaded"] == stats.data[f"bytes_loaded_tp{rank}"] == 4 * share
+    if transport == "grpc":
+        with KVStoreClient(daemon.address) as kv:  # the daemon read each rank's heads only
+            assert kv.stats()["bytes_read"] - before["bytes_read"] == 4 * block_bytes * max(1, load_tp // 2)
+    for worker, _ in savers + loaders:
+        worker.close()
+
+
+def test_consuming_ranks_each_take_their_heads_and_the_last_frees_the_blocks(daemon) -> None:
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    layers = store_blocks(daemon.address, hashes)
+    ranks = [tp_worker(daemon.address, 2, r, consume=True) for r in range(2)]
+    load = KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])])
+    assert run_step(ranks[0][0], load, ranks[0][1]) == set()
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(NS, hashes) == 3  # rank 1's heads are still to be taken
+    assert run_step(ranks[1][0], load, ranks[1][1]) == set()
+    for rank, (_, caches) in enumerate(ranks):
+        for name in LAYERS:
+            assert caches[name][1:4, 0].view(torch.uint8).equal(layers[name][:, rank].view(torch.uint8))
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(NS, hashes) == 0 and kv.stats()["blocks"] == 0
+    for worker, _ in ranks:
+        worker.close()

@@ -210,13 +210,16 @@ def test_parse_token_ids_rejects(text: str, message: str) -> None:
         parse_token_ids(text)
 
 
-def test_connector_namespaces_hash_from_their_rank_free_root() -> None:
+def test_connector_namespaces_hash_from_their_stage_free_root() -> None:
     from kvstore_connector.config import NamespaceInfo  # needs no vLLM
 
     info = NamespaceInfo("org/model|odd", "bfloat16", 16, 8, 128, False, "cpu", tp_size=2, pp_size=2)
     for namespace in info.all_namespaces():
         assert connector_hash_root(namespace) == info.hash_root.encode()
         assert connector_block_size(namespace) == 16
-    for other in (b"my-model", info.hash_root.encode(), b"\xff\xfe", b"kvc1|m|tp0of1"):
+    # the namespaces of the kvc1 layout (one per tensor-parallel rank) are still explained
+    old = info.hash_root.replace("kvc2|", "kvc1|") + "|tp1of2|pp0of1"
+    assert connector_hash_root(old.encode()) == info.hash_root.replace("kvc2|", "kvc1|").encode()
+    for other in (b"my-model", info.hash_root.encode(), b"\xff\xfe", b"kvc1|m|tp0of1", b"kvc2|m|tp0of1"):
         assert connector_hash_root(other) is None
         assert connector_block_size(other) is None

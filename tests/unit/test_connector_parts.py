@@ -71,12 +71,17 @@ def _info(**overrides: object) -> NamespaceInfo:
     return NamespaceInfo(**values)  # type: ignore[arg-type]
 
 
-def test_each_rank_has_its_own_namespace_under_one_hash_root() -> None:
-    info = _info()
-    assert info.all_namespaces() == [info.rank_namespace(0, 0), info.rank_namespace(1, 0)]
+def test_every_tensor_parallel_rank_shares_one_namespace_per_pipeline_stage() -> None:
+    info = _info(pp_size=2)
+    assert info.all_namespaces() == [info.namespace(0), info.namespace(1)]
     assert len(set(info.all_namespaces())) == 2
     for ns in info.all_namespaces():
-        assert ns.decode().startswith(info.hash_root + "|tp")
+        assert ns.decode().startswith(info.hash_root + "|pp")
+        assert b"|tp" not in ns
+    # the tensor parallelism is not part of it: TP=1 and TP=2 engines share blocks
+    assert _info(tp_size=1).all_namespaces() == _info(tp_size=4).all_namespaces()
+    # the layout changed from kvc1 (one rank's heads per layer): the old blocks stay apart
+    assert info.hash_root.startswith("kvc2|")
 
 
 @pytest.mark.parametrize(
@@ -93,12 +98,12 @@ def test_each_rank_has_its_own_namespace_under_one_hash_root() -> None:
 )
 def test_what_makes_kv_incompatible_changes_the_namespace(change: dict) -> None:
     assert _info(**change).hash_root != _info().hash_root
-    assert _info(**change).rank_namespace(0, 0) != _info().rank_namespace(0, 0)
+    assert _info(**change).namespace(0) != _info().namespace(0)
 
 
 def test_long_model_names_keep_namespaces_within_the_store_limit() -> None:
     info = _info(model="/very/long/path/" + "x" * 400)
-    assert len(info.rank_namespace(1, 0)) <= 256
+    assert len(info.namespace(0)) <= 256
     assert _info(model="/very/long/path/" + "y" * 400).hash_root != info.hash_root
 
 

@@ -51,13 +51,13 @@ def test_least_busy_takes_the_fewest_in_flight() -> None:
 
 def test_the_namespace_target_hashes_as_the_connector_does() -> None:
     info = NamespaceInfo("org/model", "bfloat16", 16, 8, 128, False, "cuda", tp_size=2, pp_size=1)
-    target = StoreTarget(info.rank_namespace(1, 0).decode())
+    target = StoreTarget(info.namespace(0).decode())
     assert target.root == info.hash_root and target.block_size == 16
-    assert target.lookup_namespace == info.rank_namespace(1, 0).decode()
+    assert target.lookup_namespace == info.namespace(0).decode()
     tokens = list(range(40))
     assert block_hashes(target.root, tokens, target.block_size) == block_hashes(info.hash_root, tokens, 16)
-    # the root alone stands for TP=1, PP=1
-    assert StoreTarget(info.hash_root).lookup_namespace == info.hash_root + "|tp0of1|pp0of1"
+    # the root alone stands for PP=1 (the tensor parallelism is not part of a namespace)
+    assert StoreTarget(info.hash_root).lookup_namespace == info.hash_root + "|pp0of1"
 
 
 @pytest.mark.parametrize("bad", ["", "my-model", "kvc1|m|bfloat16|bsx|kvh2", "kvc1|m|bs0|x"])

@@ -1,0 +1,190 @@
+"""Blocks put in parts: each tensor-parallel rank puts its own KV heads of a block.
+
+A block's layout is one list of layers for every engine (the connector stores
+each KV head of each attention layer as a layer of its own, see
+kvstore_connector.layout), so KV saved by an engine of one tensor parallelism
+loads into one of another. A rank puts the subset of layers it holds; the block
+becomes visible only when puts have covered every layer. Until then its parts
+wait here, in memory the daemon bounds (`limit_bytes`), for at most
+`timeout_s`: a rank that died, or was never started, leaves its block's other
+parts to be dropped, never half a block visible.
+
+Not thread-safe: the store calls it under its commit lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.blocks import BlockKey, LayerSpec, checksum
+
+log = logging.getLogger(__name__)
+
+
+class PartError(ValueError):
+    """A part that does not fit the block's parts already received (the caller's error)."""
+
+
+class PartsFull(Exception):
+    """The bytes held for incomplete blocks would exceed the daemon's bound."""
+
+
+@dataclass
+class _Block:
+    layers: tuple[LayerSpec, ...]
+    parent: bytes
+    data: bytearray  # the whole block, layers back to back
+    checksums: list[int | None]
+    started: float
+    tokens: list[int] | None = None
+    offsets: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return all(c is not None for c in self.checksums)
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """A block whose parts are all in: ready to store like any put's block."""
+
+    index: int  # in the put that completed it
+    block_hash: bytes
+    parent: bytes
+    layers: tuple[LayerSpec, ...]
+    data: bytearray
+    checksums: tuple[int, ...]
+    tokens: list[int] | None
+
+    def layer(self, k: int) -> memoryview:
+        start = sum(layer.nbytes for layer in self.layers[:k])
+        return memoryview(self.data)[start : start + self.layers[k].nbytes]
+
+
+def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | None:
+    """A put's or read's layer subset, validated: None for "all layers" (empty, or every
+    index). Raises PartError for indices out of range or not strictly increasing."""
+    if not subset:
+        return None
+    previous = -1
+    for index in subset:
+        if index <= previous:
+            raise PartError("layer indices must be strictly increasing")
+        if index >= num_layers:
+            raise PartError(f"layer index {index} is beyond the block's {num_layers} layers")
+        previous = index
+    return None if len(subset) == num_layers else tuple(subset)
+
+
+class PartAssembler:
+    def __init__(
+        self, limit_bytes: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limit_bytes = limit_bytes
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._blocks: dict[BlockKey, _Block] = {}
+        self.nbytes = 0
+        self.completed = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def pending(self, key: BlockKey) -> bool:
+        return key in self._blocks
+
+    def add(
+        self,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        parents: Sequence[bytes],
+        layers: tuple[LayerSpec, ...],
+        subset: Sequence[int],
+        data: Callable[[int, int], memoryview],
+        *,
+        indices: Sequence[int] | None = None,
+        tokens: Sequence[Sequence[int]] | None = None,
+    ) -> list[Whole]:
+        """Take one put's parts: for block `i` of `hashes` (those in `indices`, default
+        all), layer `subset[k]`'s bytes are `data(k, i)`. Returns the blocks this made whole,
+        in put order. All or nothing: a part that conflicts with what is held raises
+        PartError, a put that would go beyond the bound PartsFull, and nothing is taken."""
+        self.expire()
+        todo = range(len(hashes)) if indices is None else indices
+        new_bytes = 0
+        block_bytes = sum(layer.nbytes for layer in layers)
+        for i in todo:
+            held = self._blocks.get((namespace, hashes[i]))
+            if held is None:
+                new_bytes += block_bytes
+            elif held.layers != layers:
+                raise PartError(
+                    f"block {hashes[i].hex()}: another layer layout than the parts of it already put"
+                )
+            elif held.parent != parents[i]:
+                raise PartError(f"block {hashes[i].hex()}: another parent than the parts of it already put")
+        if self.nbytes + new_bytes > self.limit_bytes:
+            raise PartsFull(
+                f"blocks waiting for their other parts would hold {self.nbytes + new_bytes} bytes "
+                f"(max_partial_bytes {self.limit_bytes}); retry once their other ranks have put them"
+            )
+        now = self._clock()
+        done: list[Whole] = []
+        for n, i in enumerate(todo):
+            key = (namespace, hashes[i])
+            block = self._blocks.get(key)
+            if block is None:
+                offsets, at = [], 0
+                for layer in layers:
+                    offsets.append(at)
+                    at += layer.nbytes
+                block = _Block(
+                    layers, parents[i], bytearray(block_bytes), [None] * len(layers), now, offsets=offsets
+                )
+                self._blocks[key] = block
+                self.nbytes += block_bytes
+            if tokens is not None and block.tokens is None:
+                block.tokens = list(tokens[n])
+            for k, layer_index in enumerate(subset):
+                start = block.offsets[layer_index]
+                target = memoryview(block.data)[start : start + layers[layer_index].nbytes]
+                target[:] = data(k, i)
+                # the daemon's own xxh3 of what it holds: the persistent tier's kind
+                block.checksums[layer_index] = checksum(target)
+            if block.complete:
+                del self._blocks[key]
+                self.nbytes -= block_bytes
+                self.completed += 1
+                sums = tuple(c for c in block.checksums if c is not None)
+                done.append(Whole(i, hashes[i], block.parent, layers, block.data, sums, block.tokens))
+        return done
+
+    def expire(self) -> list[BlockKey]:
+        """Drop blocks whose parts have waited longer than timeout_s; their keys."""
+        cutoff = self._clock() - self.timeout_s
+        gone = [key for key, block in self._blocks.items() if block.started <= cutoff]
+        for key in gone:
+            block = self._blocks.pop(key)
+            self.nbytes -= len(block.data)
+        if gone:
+            self.expired += len(gone)
+            log.warning(
+                "dropped %d blocks put in part only: their other layers (another tensor-parallel "
+                "rank's KV heads) did not arrive within %gs",
+                len(gone),
+                self.timeout_s,
+            )
+        return gone
+
+    def stats(self) -> dict[str, int]:
+        self.expire()
+        return {
+            "partial_blocks": len(self._blocks),
+            "partial_bytes": self.nbytes,
+            "partials_completed": self.completed,
+            "partials_expired": self.expired,
+        }

@@ -1,0 +1,180 @@
+"""Blocks put in parts against a real server: each tensor-parallel rank puts its own KV
+heads (a subset of the block's layers) and reads only its own.
+
+A block is visible only once puts have covered every layer; parts whose other layers
+never come are dropped after the lease; reads of a subset move only its bytes.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from daemon import eventually
+
+from kvstore.blocks import PutResult
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client import KVStoreClient, LayerSpec, errors
+
+from .helpers import NS, as_bytes, assert_same, chain, header, make_layers, raw_put, raw_stream, rpc_code
+
+RANK0, RANK1 = (0, 2), (1, 3)  # layers l0#h0 l0#h1 l1#h0 l1#h1: each rank's head of each layer
+
+
+def per_head_layers(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    raw = make_layers(n, num_layers=4, shape=(4, 8), seed=seed)
+    return {f"l{i // 2}#h{i % 2}": t for i, t in enumerate(raw.values())}
+
+
+def specs(layers: dict[str, torch.Tensor]) -> list[LayerSpec]:
+    return [LayerSpec.of(name, t) for name, t in layers.items()]
+
+
+def put_part(
+    kv: KVStoreClient,
+    hashes: list[bytes],
+    layers: dict[str, torch.Tensor],
+    subset,
+    via: str,
+    parent: bytes = b"",
+):
+    """One rank's save: its layers of every block, over gRPC or through the arena."""
+    names = list(layers)
+    if via == "arena":
+        res = kv.reserve(NS, hashes, specs(layers), subset=subset, parent_hash=parent)
+        assert res is not None, "the arena is not in use"
+        if not res.blocks:  # every block is stored already
+            return PutResult(0, len(hashes), 0, 0)
+        for position, k in enumerate(subset):
+            res.layer(position).copy_(layers[names[k]][res.blocks])
+        return res.commit()
+    with kv.put_stream(NS, hashes, specs(layers), subset=subset, arena=False, parent_hash=parent) as stream:
+        for k in subset:
+            stream.write_layer(names[k], layers[names[k]])
+        return stream.commit()
+
+
+@pytest.fixture
+def arena_kv(server):
+    with KVStoreClient(server.address, timeout=20.0, arena=True) as client:
+        assert client.arena_available()
+        yield client
+
+
+@pytest.mark.parametrize("via", ["grpc", "arena"])
+def test_a_block_put_in_parts_is_visible_only_once_every_layer_is_in(arena_kv, kv, via: str) -> None:
+    hashes = chain("parts", 3)
+    layers = per_head_layers(3)
+    first = put_part(arena_kv, hashes, layers, RANK0, via)
+    assert first.blocks_written == 0
+    assert kv.lookup(NS, hashes) == 0 and kv.select(NS, hashes) == {}
+    stats = kv.stats()
+    assert (stats["partial_blocks"], stats["partial_bytes"], stats["blocks"]) == (3, 3 * 4 * 64, 0)
+    second = put_part(arena_kv, hashes, layers, RANK1, via)
+    assert second.blocks_written == 3
+    assert kv.lookup(NS, hashes) == 3
+    assert_same(kv.select(NS, hashes), layers)  # both ranks' bytes, bit-exact, in the one layout
+    stats = kv.stats()
+    assert (stats["partial_blocks"], stats["partial_bytes"], stats["partials_completed"]) == (0, 0, 3)
+    # a part of blocks stored whole is skipped, as a put of them is
+    assert put_part(arena_kv, hashes, layers, RANK0, via).blocks_skipped == 3
+    assert kv.stats()["partial_blocks"] == 0
+
+
+def test_a_chain_completed_out_of_order_keeps_its_parents(kv) -> None:
+    hashes = chain("order", 4)
+    layers = per_head_layers(4)
+    put_part(kv, hashes, layers, RANK0, "grpc")
+    put_part(
+        kv, hashes[2:], {n: t[2:] for n, t in layers.items()}, RANK1, "grpc", hashes[1]
+    )  # the tail first
+    assert kv.lookup(NS, hashes) == 0 and kv.lookup(NS, hashes[2:]) == 2
+    put_part(kv, hashes[:2], {n: t[:2] for n, t in layers.items()}, RANK1, "grpc")
+    assert kv.lookup(NS, hashes) == 4
+    parents = {b.block_hash: b.parent_hash for b in kv.iter_blocks(NS)}
+    assert parents == dict(zip(hashes, [b"", *hashes[:3]], strict=True))
+
+
+@pytest.mark.parametrize("via", ["grpc", "arena"])
+def test_each_rank_reads_only_its_layers_and_only_their_bytes_move(server, arena_kv, kv, via: str) -> None:
+    hashes = chain("reads", 3)
+    layers = per_head_layers(3)
+    kv.put(NS, hashes, layers)  # a TP=1 engine's save: every head at once
+    names = list(layers)
+    client = arena_kv if via == "arena" else kv
+    for subset in (RANK0, RANK1):
+        before = kv.stats()["bytes_read"]
+        got = client.get_stream(NS, hashes, layers=subset).read_all()
+        assert list(got) == [names[k] for k in subset]
+        for k in subset:
+            assert as_bytes(got[names[k]]) == as_bytes(layers[names[k]])
+        if via == "grpc":  # the daemon read and sent the subset's bytes, not the block's
+            assert kv.stats()["bytes_read"] - before == 3 * sum(layers[names[k]][0].nbytes for k in subset)
+
+
+def test_parts_whose_other_layers_never_come_are_dropped_after_the_lease(make_server) -> None:
+    server = make_server(lease_seconds=0.5)
+    with KVStoreClient(server.address, arena=False) as kv:
+        hashes = chain("orphan", 3)
+        layers = per_head_layers(3)
+        put_part(kv, hashes, layers, RANK0, "grpc")  # rank 1 died before its save
+        assert kv.lookup(NS, hashes) == 0
+        eventually(lambda: kv.stats()["partials_expired"] == 3)
+        stats = kv.stats()
+        assert (stats["partial_blocks"], stats["partial_bytes"], stats["blocks"]) == (0, 0, 0)
+        put_part(kv, hashes, layers, RANK1, "grpc")  # too late: it starts over, never half visible
+        assert kv.lookup(NS, hashes) == 0
+
+
+def test_parts_beyond_max_partial_bytes_are_refused_and_lose_nothing(make_server) -> None:
+    server = make_server(max_partial_bytes=2 * 4 * 64)  # two blocks' worth
+    with KVStoreClient(server.address, arena=False) as kv:
+        kept = chain("kept", 2)
+        kv.put(NS, kept, per_head_layers(2, seed=1))
+        hashes = chain("big", 3)
+        with pytest.raises(errors.CapacityExceeded, match="max_partial_bytes"):
+            put_part(kv, hashes, per_head_layers(3), RANK0, "grpc")
+        assert kv.stats()["partial_blocks"] == 0 and kv.lookup(NS, kept) == 2
+        small = per_head_layers(2)
+        put_part(kv, hashes[:2], small, RANK0, "grpc")
+        put_part(kv, hashes[:2], small, RANK1, "grpc")
+        assert kv.lookup(NS, hashes) == 2
+
+
+def test_bad_subsets_are_invalid_argument(server, kv) -> None:
+    hashes = chain("bad", 1)
+    four = [(f"l{i}", "uint8", (8,)) for i in range(4)]
+
+    def partial(subset) -> pb.PutRequest:
+        msg = header(hashes, four)
+        msg.header.layer_subset.extend(subset)
+        return msg
+
+    for subset in ([4], [2, 1], [1, 1]):
+        assert (
+            rpc_code(lambda s=subset: raw_put(server.address, [partial(s)]))
+            == grpc.StatusCode.INVALID_ARGUMENT
+        )
+    with pytest.raises(ValueError, match="strictly increasing"):
+        kv.put_stream(NS, hashes, [LayerSpec(n, d, s) for n, d, s in four], subset=[3, 0])
+    kv.put(NS, hashes, per_head_layers(1))
+    request = pb.GetRequest(namespace=NS.encode(), block_hashes=hashes, layers=[7])
+    assert rpc_code(lambda: raw_stream(server.address, "Get", request)) == grpc.StatusCode.INVALID_ARGUMENT
+    # a part of another layout than the parts already held
+    put_part(kv, chain("mixed", 1), per_head_layers(1), RANK0, "grpc")
+    other = {n: t[..., :4].contiguous() for n, t in per_head_layers(1).items()}
+    with pytest.raises(errors.InvalidRequest, match="layout"):
+        put_part(kv, chain("mixed", 1), other, RANK1, "grpc")
+
+
+def test_drop_select_of_parts_removes_a_block_once_all_its_layers_are_taken(kv) -> None:
+    hashes = chain("take", 3)
+    layers = per_head_layers(3)
+    kv.put(NS, hashes, layers)
+    names = list(layers)
+    got = kv.take_stream(NS, hashes, wait=5, layers=RANK0).read_all()
+    assert list(got) == [names[k] for k in RANK0]
+    assert kv.lookup(NS, hashes) == 3  # rank 1 has not taken its heads yet
+    got = kv.take_stream(NS, hashes, wait=5, layers=RANK1).read_all()
+    assert as_bytes(got[names[3]]) == as_bytes(layers[names[3]])
+    assert kv.lookup(NS, hashes) == 0 and kv.stats()["blocks"] == 0
