@@ -269,25 +269,58 @@ def test_a_corrupt_block_a_stalled_store_and_a_dead_one_are_recomputes(
     assert len(warnings) == 1, warnings
 
 
-def test_tensor_parallel_two_ranks(tmp_path, model, prompts, store):
-    # one TP=2 engine (each one costs three processes' start-up), saving and loading: its
-    # own prefix cache off, its second round of the prompts loads what the first saved
-    tp = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_prefix_caching": False}
+def test_prefill_and_decode_with_different_tensor_parallelism(tmp_path, model, prompts, store):
+    """One engine process, in float32 (in bf16 a random model's TP=1 and TP=2 engines
+    disagree on greedy tokens by themselves): a TP=1 prefill; a TP=2 engine (one: each
+    costs three processes' start-up) that decodes from it, then, the store emptied,
+    computes and saves its own KV, then loads it; a TP=1 decode of what TP=2 saved."""
+    fp32 = {"dtype": "float32", "enable_prefix_caching": False}
+    tp2 = {**fp32, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    marks: dict[str, dict] = {}
+
+    def empty_the_store() -> None:
+        marks["tp1-to-tp2"] = stats(store.address)
+        with KVStoreClient(store.address) as kv:
+            kv.evict(all=True)
+        marks["emptied"] = stats(store.address)
+
+    def after_tp2_saves() -> None:
+        marks["tp2-saved"] = stats(store.address)
+
     out = run_engines(tmp_path, model, [
-        {"name": "tp2", "kv": kv_config(store.address, "kv_both"), "prompts": prompts, "max_tokens": 8, "llm": tp,
-         "rounds": 2},
-    ], env=env)  # fmt: skip
+        {"name": "tp1", "kv": kv_config(store.address, "kv_producer"), "prompts": prompts, "max_tokens": 8,
+         "llm": fp32},
+        {"name": "tp2", "kv": kv_config(store.address, "kv_both", save_mode="sync", save_decode=False),
+         "prompts": prompts, "max_tokens": 8, "llm": tp2, "rounds": 3, "log_stats": True},
+        {"name": "tp1-decode", "kv": kv_config(store.address, "kv_consumer"), "prompts": prompts, "max_tokens": 8,
+         "llm": fp32},
+    ], env=env, before={"tp2#2": empty_the_store, "tp2#3": after_tp2_saves})  # fmt: skip
+    loaded_by_tp2, computed_by_tp2, loaded_own = out["tp2"]["rounds"]
+    tp1_baseline = out["tp1"]["tokens"]  # the producer loaded nothing: its own compute
+    # round 2 ran on an empty store: TP=2's own baseline; rounds 1 and 3 loaded KV
+    assert marks["tp2-saved"]["hit_blocks"] == marks["emptied"]["hit_blocks"]
+    assert loaded_by_tp2 == computed_by_tp2  # TP=1 prefill -> TP=2 decode
+    assert loaded_own == computed_by_tp2  # TP=2 -> TP=2
+    assert out["tp1-decode"]["tokens"] == tp1_baseline  # TP=2 prefill -> TP=1 decode
+    final = stats(store.address)
+    hits = full_blocks(prompts)
+    assert marks["tp1-to-tp2"]["hit_blocks"] == hits  # TP=2 found every block TP=1 saved
+    assert final["hit_blocks"] - marks["tp2-saved"]["hit_blocks"] == 2 * hits  # round 3 and TP=1's decode
+    # TP=2's saves were two partial puts per block, made whole in the daemon
+    assert marks["tp2-saved"]["partials_completed"] == marks["tp2-saved"]["blocks"] > 0
+    assert final["partial_blocks"] == 0
     with KVStoreClient(store.address) as kv:
-        namespaces = {b.namespace for b in kv.iter_blocks()}
-    # each rank saved its own KV heads, under its own namespace
-    assert len(namespaces) == 2 and all(b"tp0of2" in ns or b"tp1of2" in ns for ns in namespaces)
-    first, second = out["tp2"]["rounds"]
-    assert second == first
-    after = stats(store.address)
-    assert after["hit_blocks"] == 2 * full_blocks(prompts)
-    # both ranks' worker processes mapped the one arena: they saved and loaded through it
-    assert after["commits"] >= 2 and after["memory_hit_blocks"] == 2 * full_blocks(prompts)
+        stored = list(kv.iter_blocks())
+        (namespace,) = {b.namespace for b in stored}
+        block_bytes = stored[0].size_bytes
+    assert b"|tp" not in namespace and b"|float32|" in namespace  # one namespace for every TP
+    # each TP=2 rank moved only its KV heads: half of each block, in rounds 1 and 3
+    metrics = re.search(r"KV Transfer metrics: (.*)", out["tp2"]["log"])
+    assert metrics is not None, "no KV Transfer metrics line in vLLM's log"
+    for rank in (0, 1):
+        moved = re.search(rf"Bytes loaded \(tp{rank}\)=(\d+)", metrics.group(1))
+        assert moved is not None and int(moved.group(1)) == 2 * hits * block_bytes // 2, metrics.group(1)
 
 
 class Subscriber:
