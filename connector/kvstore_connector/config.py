@@ -17,7 +17,8 @@
         "local_data_dir": null,      # where this process sees the daemon's data dir, if elsewhere
         "token_env": "KVSTORE_TOKEN",  # environment variable holding the bearer token, if any
         "tls_ca": null,              # PEM CA bundle: connect with TLS
-        "tls_cert": null, "tls_key": null  # client certificate for mutual TLS
+        "tls_cert": null, "tls_key": null,  # client certificate for mutual TLS
+        "compression": "none"        # "fp8" | "int8": KV quantized on the device before it leaves
     }
 
 A token is read from the environment, not from this config: vLLM prints the
@@ -53,6 +54,7 @@ _KEYS = {
     "tls_ca": "tls_ca",
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
+    "compression": "compression",
 }
 _MAX_MODEL_ID = 120
 # settings that must be positive numbers (besides the *_timeout ones, in seconds), and their unit
@@ -104,8 +106,18 @@ class ConnectorConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    compression: str = "none"
+    """'fp8' (e4m3) or 'int8': each block of each KV head is quantized on the device before it
+    leaves (one float32 scale per block-layer and head) and dequantized on the device after
+    it arrives, so bytes moved and stored are about half of bf16's. Lossy; part of the
+    namespace, so compressed and raw KV never mix. KV that is fp8 in the engine already
+    (kv_cache_dtype=fp8) is stored as it is."""
 
     def __post_init__(self) -> None:
+        from kvstore_connector.compression import CODECS
+
+        if self.compression not in CODECS:
+            raise ValueError(f"compression must be one of {', '.join(CODECS)}, not {self.compression!r}")
         if self.save_mode not in (None, "sync", "async"):
             raise ValueError(f"save_mode must be 'sync' or 'async', not {self.save_mode!r}")
         for f in fields(self):
@@ -149,6 +161,11 @@ class ConnectorConfig:
         return cls(**{_KEYS[k]: v for k, v in extra.items()})
 
 
+def is_fp8_name(kv_dtype: str) -> bool:
+    """Whether vLLM's KV cache dtype name is an fp8 one ("fp8", "fp8_e4m3", "float8_e5m2", ...)."""
+    return kv_dtype.startswith("fp8") or kv_dtype.startswith("float8")
+
+
 @dataclass(frozen=True)
 class NamespaceInfo:
     """What must match for KV to be reusable. Not the tensor parallelism: every rank stores
@@ -164,9 +181,13 @@ class NamespaceInfo:
     device: str
     tp_size: int
     pp_size: int
+    compression: str = "none"
+    """The codec blocks are stored with (kvstore_connector.compression); "none": raw."""
 
     @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig, model_override: str | None) -> NamespaceInfo:
+    def from_vllm(
+        cls, vllm_config: VllmConfig, model_override: str | None, compression: str = "none"
+    ) -> NamespaceInfo:
         from vllm.platforms import current_platform
 
         model_config = vllm_config.model_config
@@ -185,6 +206,7 @@ class NamespaceInfo:
             device=current_platform.device_type,
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,
+            compression="none" if is_fp8_name(kv_dtype) else compression,  # never quantized twice
         )
 
     @property
@@ -203,8 +225,10 @@ class NamespaceInfo:
         )
 
     def namespace(self, pp_rank: int) -> bytes:
-        """Where pipeline stage `pp_rank`'s layers live (every tensor-parallel rank's heads)."""
-        return f"{self._base()}|pp{pp_rank}of{self.pp_size}".encode()
+        """Where pipeline stage `pp_rank`'s layers live (every tensor-parallel rank's heads),
+        stored with this compression."""
+        codec = "" if self.compression == "none" else f"|{self.compression}"
+        return f"{self._base()}{codec}|pp{pp_rank}of{self.pp_size}".encode()
 
     def all_namespaces(self) -> list[bytes]:
         return [self.namespace(p) for p in range(self.pp_size)]

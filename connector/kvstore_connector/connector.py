@@ -73,7 +73,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
-        info = NamespaceInfo.from_vllm(vllm_config, self.config.namespace)
+        info = NamespaceInfo.from_vllm(vllm_config, self.config.namespace, self.config.compression)
+        if info.compression != self.config.compression:
+            log.info(
+                "kvstore connector: the KV cache is %s already: stored as it is, not compressed",
+                info.kv_dtype,
+            )
         self._load = transfer.kv_role in ("kv_consumer", "kv_both")
         self._save = transfer.kv_role in ("kv_producer", "kv_both")
         save_sync = (
@@ -109,6 +114,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 tp_size=info.tp_size,
                 tp_rank=get_tensor_model_parallel_rank(),
                 mla=info.mla,
+                compression=info.compression,
             )
         log.info(
             "KVStoreConnector (%s, %s) -> %s, role %s, saves %s",

@@ -30,7 +30,7 @@ import torch
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
 from kvstore_client.arena import ArenaPutStream
 from kvstore_client.errors import KVStoreError
-from kvstore_client.tensors import writable_view
+from kvstore_client.tensors import torch_dtype, writable_view
 from kvstore_connector.metadata import LoadSpec, SaveSpec
 from kvstore_connector.transfer import BlockMover, PendingCopy
 
@@ -139,7 +139,9 @@ class GrpcTransport:
         self._on_stream = on_stream
         self._open_stream = self._take_stream if consume else self._get_stream
         self._placement: PagePlacement | ScatterPlacement = (
-            PagePlacement(caches) if pages_addressable(caches) else ScatterPlacement(caches, mover)
+            PagePlacement(caches)
+            if pages_addressable(caches) and mover.codec is None  # packed rows are decoded first
+            else ScatterPlacement(caches, mover)
         )
         self._local = False  # the last load read the daemon's files directly
 
@@ -216,4 +218,4 @@ class GrpcTransport:
         )
 
     def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:
-        return self.mover.host_buffer((num_blocks, *spec.shape), self.caches[spec.name].dtype)
+        return self.mover.host_buffer((num_blocks, *spec.shape), torch_dtype(spec.dtype))

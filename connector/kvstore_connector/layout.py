@@ -25,11 +25,15 @@ Pipeline stages hold different layers: they stay apart in the namespace
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore_client import LayerSpec
 from kvstore_client.tensors import dtype_name
+
+if TYPE_CHECKING:
+    from kvstore_connector.compression import Codec
 
 HEAD_SEP = "#h"
 
@@ -84,10 +88,24 @@ class StoreLayout:
 
     @classmethod
     def build(
-        cls, caches: dict[str, torch.Tensor], *, num_kv_heads: int, tp_size: int, tp_rank: int, mla: bool
+        cls,
+        caches: dict[str, torch.Tensor],
+        *,
+        num_kv_heads: int,
+        tp_size: int,
+        tp_rank: int,
+        mla: bool,
+        codec: Codec | None = None,
     ) -> StoreLayout:
-        """From vLLM's block-major cache views ([num_blocks, ...] per layer). Raises ValueError
+        """From vLLM's block-major cache views ([num_blocks, ...] per layer). `codec`: store
+        layers hold its packed rows (uint8) instead of the cache's dtype. Raises ValueError
         for a cache whose per-block shape does not start with this rank's KV heads."""
+
+        def spec(name: str, view: torch.Tensor, shape: tuple[int, ...]) -> LayerSpec:
+            if codec is None:
+                return LayerSpec(name, dtype_name(view.dtype), shape)
+            return LayerSpec(name, "uint8", codec.stored_shape(shape))
+
         specs: list[LayerSpec] = []
         own: list[int] = []
         views: dict[str, torch.Tensor] = {}
@@ -97,7 +115,7 @@ class StoreLayout:
                 if HEAD_SEP in name:
                     raise ValueError(f"layer name {name!r} contains {HEAD_SEP!r}")
                 own.append(len(specs))
-                specs.append(LayerSpec(name, dtype_name(view.dtype), tuple(view.shape[1:])))
+                specs.append(spec(name, view, tuple(view.shape[1:])))
                 views[name] = view
                 by_layer[name] = [name]
             return cls(tuple(specs), tuple(own), views, by_layer, tp_rank == 0)
@@ -111,7 +129,7 @@ class StoreLayout:
                     f"KV cache of {name!r} has per-block shape {list(view.shape[1:])}: the store needs "
                     f"this rank's {local} KV heads first ([num_blocks, heads, ...], vLLM's standard views)"
                 )
-            dtype, shape = dtype_name(view.dtype), tuple(view.shape[2:])
+            shape = tuple(view.shape[2:])
             by_layer[name] = []
             for head in range(num_kv_heads):
                 store_name = f"{name}{HEAD_SEP}{head}"
@@ -119,5 +137,5 @@ class StoreLayout:
                     own.append(len(specs))
                     views[store_name] = view.select(1, head - first)
                     by_layer[name].append(store_name)
-                specs.append(LayerSpec(store_name, dtype, shape))
+                specs.append(spec(store_name, view, shape))
         return cls(tuple(specs), tuple(own), views, by_layer, saves)

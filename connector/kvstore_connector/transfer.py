@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from kvstore_connector.compression import Codec
 
 
 def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -61,7 +64,11 @@ class PendingCopy:
 class BlockMover:
     """Gathers and scatters blocks of one device's KV buffers."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, codec: Codec | None = None) -> None:
+        """`codec` (kvstore_connector.compression): blocks are quantized on this device as
+        they are gathered, and dequantized on it before they are scattered; the host side
+        then holds the codec's packed rows (uint8 [n, P]), not the cache's dtype."""
+        self.codec = codec
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # an index: torch's stream lookups then take its fast path
             device = torch.device("cuda", torch.cuda.current_device())
@@ -103,28 +110,43 @@ class BlockMover:
 
     def gather(self, kv: torch.Tensor, ids: torch.Tensor) -> PendingCopy:
         """Copy blocks `ids` of a block-major view `kv` to host memory: [n, *kv.shape[1:]]
-        (pinned on CUDA); see gather_into."""
+        (pinned on CUDA; with a codec, its packed rows); see gather_into."""
         if not self.cuda:
-            return PendingCopy(kv.index_select(0, ids))
-        host = torch.empty((len(ids), *kv.shape[1:]), dtype=kv.dtype, pin_memory=True)
-        return self.gather_into(kv, ids, host)
+            blocks = kv.index_select(0, ids)
+            return PendingCopy(blocks if self.codec is None else self.codec.encode(blocks))
+        gathered = self._selected(kv, ids)
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        return self._to_host(gathered, host)
+
+    def _selected(self, kv: torch.Tensor, ids: torch.Tensor, via: torch.Tensor | None = None) -> torch.Tensor:
+        """Blocks `ids` of `kv` on its device, encoded when there is a codec (into `via`, when
+        given: dest's shape on the device)."""
+        if self.codec is None:
+            return kv.index_select(0, ids) if via is None else torch.index_select(kv, 0, ids, out=via)
+        blocks = kv.index_select(0, ids)
+        return self.codec.encode(blocks) if via is None else self.codec.encode_into(blocks, via)
 
     def gather_into(
         self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, via: torch.Tensor | None = None
     ) -> PendingCopy:
         """Copy blocks `ids` of `kv` into the host tensor `dest` ([len(ids), *kv.shape[1:]],
-        e.g. an arena reservation): on CPU one indexed copy; on CUDA the gather runs on the
-        compute stream (right after attention wrote the blocks, before anything can reuse
-        them: ~0.1 ms per 256 MB on an H200) and the device-to-host copy on the side stream.
-        `via` (dest's shape, on the device): gather there, copy from there (and keep it)."""
+        e.g. an arena reservation; with a codec, [len(ids), P] uint8): on CPU one indexed
+        copy; on CUDA the gather (and encoding) runs on the compute stream (right after
+        attention wrote the blocks, before anything can reuse them: ~0.1 ms per 256 MB on an
+        H200) and the device-to-host copy on the side stream. `via` (dest's shape, on the
+        device): gather there, copy from there (and keep it)."""
         if not self.cuda:
-            if via is None:
+            if via is None and self.codec is None:
                 torch.index_select(kv, 0, ids, out=dest)
+            elif via is None and self.codec is not None:
+                self.codec.encode_into(kv.index_select(0, ids), dest)
             else:
-                torch.index_select(kv, 0, ids, out=via)
-                dest.copy_(via)
+                dest.copy_(self._selected(kv, ids, via))
             return PendingCopy(dest)
-        gathered = kv.index_select(0, ids) if via is None else torch.index_select(kv, 0, ids, out=via)
+        return self._to_host(self._selected(kv, ids, via), dest)
+
+    def _to_host(self, gathered: torch.Tensor, dest: torch.Tensor) -> PendingCopy:
+        """Copy `gathered` (on the device, queued on the compute stream) to `dest` on the side stream."""
         stream = cast(torch.cuda.Stream, self._stream)
         stream.wait_stream(self._current())
         with self._on(stream):
@@ -140,7 +162,7 @@ class BlockMover:
     def scatter(self, kv: torch.Tensor, ids: torch.Tensor, host: torch.Tensor) -> Any:
         """Write host blocks into `kv` at `ids`. Returns a CUDA event to wait on (None on CPU)."""
         if not self.cuda:
-            kv.index_copy_(0, ids, host)
+            kv.index_copy_(0, ids, self._decoded(kv, host))
             return None
         copy_stream = cast(torch.cuda.Stream, self._stream)
         scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
@@ -150,7 +172,7 @@ class BlockMover:
             copied.record(copy_stream)
         scatter_stream.wait_event(copied)
         with self._on(scatter_stream):
-            kv.index_copy_(0, ids, staged)
+            kv.index_copy_(0, ids, self._decoded(kv, staged))
             done = torch.cuda.Event()
             done.record(scatter_stream)
         staged.record_stream(scatter_stream)
@@ -200,19 +222,25 @@ class BlockMover:
         them (None on CPU: written already)."""
         if not self.cuda:
             for kv, ids, staged in writes:
-                kv.index_copy_(0, ids, staged)
+                kv.index_copy_(0, ids, self._decoded(kv, staged))
             return None
         scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
         if ready is not None:
             scatter_stream.wait_event(ready)
         with self._on(scatter_stream):
             for kv, ids, staged in writes:
-                kv.index_copy_(0, ids, staged)
+                kv.index_copy_(0, ids, self._decoded(kv, staged))
             done = torch.cuda.Event()
             done.record(scatter_stream)
         for _kv, _ids, staged in writes:
             staged.record_stream(scatter_stream)
         return done
+
+    def _decoded(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Blocks as `kv` holds them: dequantized (on their device) when there is a codec."""
+        if self.codec is None:
+            return blocks
+        return self.codec.decode(blocks.reshape(blocks.shape[0], -1), kv.dtype, tuple(kv.shape[1:]))
 
     def wait_on_compute_stream(self, event: Any) -> None:
         """Make the compute stream wait (GPU-side, no host sync) for a scatter."""

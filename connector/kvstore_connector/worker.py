@@ -24,6 +24,7 @@ import torch
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream
 from kvstore_client.errors import KVStoreError
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
+from kvstore_connector.compression import make_codec, stored_kv_dtype_is_fp8
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.grpc_transport import GrpcSave, GrpcSaves, GrpcTransport
 from kvstore_connector.layout import StoreLayout
@@ -119,14 +120,17 @@ class WorkerSide:
         tp_size: int = 1,
         tp_rank: int = 0,
         mla: bool = False,
+        compression: str = "none",
     ) -> None:
         """`num_kv_heads` (the model's), `tp_size`, `tp_rank`, `mla`: which KV heads this rank
-        holds and saves (kvstore_connector.layout)."""
+        holds and saves (kvstore_connector.layout); `compression`: the codec its blocks are
+        stored with (kvstore_connector.compression; the namespace must name it)."""
         self.namespace = namespace
         self.num_kv_heads = num_kv_heads
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.mla = mla
+        self.codec = make_codec(compression)
         self.num_blocks = num_blocks
         self.config = config
         self.load = load
@@ -166,15 +170,18 @@ class WorkerSide:
     # ---- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         views = {name: find_block_dim(tensor, self.num_blocks) for name, tensor in kv_caches.items()}
+        first = next(iter(views.values()))
+        if self.codec is not None and stored_kv_dtype_is_fp8(first.dtype):
+            raise ValueError(f"the KV cache is {first.dtype} already: it is stored as it is, not compressed")
         layout = self.layout = StoreLayout.build(
-            views, num_kv_heads=self.num_kv_heads, tp_size=self.tp_size, tp_rank=self.tp_rank, mla=self.mla
-        )
+            views, num_kv_heads=self.num_kv_heads, tp_size=self.tp_size, tp_rank=self.tp_rank, mla=self.mla,
+            codec=self.codec,
+        )  # fmt: skip
         if not layout.saves:  # another rank holds the same heads (replicas, MLA) and saves them
             self.save = False
         self._caches = layout.views
         self._specs = layout.own_specs
-        first = next(iter(views.values()))
-        self._mover = BlockMover(first.device)
+        self._mover = BlockMover(first.device, self.codec)
         self._load_inline = first.device.type == "cpu"
         self._grpc = GrpcTransport(
             self.client,
@@ -198,12 +205,13 @@ class WorkerSide:
             if not self.config.consume:
                 self._loads_via = self._arena
         log.info(
-            "kvstore connector: %d layers as %d store layers, block %s %s; this rank (tp %d) %s %d of "
+            "kvstore connector: %d layers as %d store layers, block %s %s%s; this rank (tp %d) %s %d of "
             "them (%d of %d bytes/block); namespace %s",
             len(views),
             len(layout.specs),
             self._specs[0].dtype,
             list(self._specs[0].shape),
+            f" ({self.codec.name} of {first.dtype})" if self.codec is not None else "",
             self.tp_rank,
             "saves and loads" if layout.saves else "loads",
             len(self._specs),

@@ -127,3 +127,56 @@ def test_a_byte_flipped_after_the_save_fails_the_device_check_and_drops_the_bloc
         assert kv.lookup(NS, hashes) == 2  # the daemon verified the report and dropped block 2
         # nothing of the failing group reached the paged cache
         assert torch.equal(target["layer.2"].view(torch.int16), before["layer.2"].view(torch.int16))
+
+
+def test_layer_groups_of_a_ranks_layers_are_runs_of_consecutive_ones() -> None:
+    groups = arena_transport._layer_groups
+    assert groups([4, 4, 4, 8, 8], 10, [0, 2, 3, 4]) == [range(0, 1), range(2, 3), range(3, 5)]
+
+
+def test_a_device_checked_load_of_some_layers_touches_only_theirs(kv: KVStoreClient) -> None:
+    """A tensor-parallel rank's load: its layers of the stored blocks (staged and checked on
+    the device), the other layers' pages untouched."""
+    hashes = chain("staged-subset", 4)
+    source = paged(4)
+    assert save(transport(kv, source), hashes, [0, 1, 2, 3]) == 4
+    stored = [LayerSpec.of(name, t) for name, t in source.items()]
+    target = paged(5)
+    mine = {name: target[name] for name in ("layer.0", "layer.2")}
+    loader = ArenaTransport(kv, NS, [stored[0], stored[2]], mine, BlockMover(torch.device("cpu")),
+                            device_checksums=True, stored=stored, subset=(0, 2))  # fmt: skip
+    n, done = load(loader, hashes, [8, 9, 10, 11])
+    assert n == 4 and sorted(done) == ["layer.0", "layer.2"]
+    for name in ("layer.0", "layer.2"):
+        assert torch.equal(target[name][8:12].view(torch.int16), source[name][0:4].view(torch.int16))
+    assert torch.equal(target["layer.1"].view(torch.int16), paged(5)["layer.1"].view(torch.int16))
+
+
+@pytest.mark.parametrize("codec_name", ["fp8", "int8"])
+def test_compressed_blocks_take_the_device_path_quantized_and_back(
+    kv: KVStoreClient, codec_name: str
+) -> None:
+    from kvstore_connector.compression import make_codec
+
+    codec = make_codec(codec_name)
+    assert codec is not None
+    g = torch.Generator().manual_seed(6)
+    source = {
+        name: torch.randn((POOL, *shape), generator=g).to(torch.bfloat16) for name, shape in SHAPES.items()
+    }
+    packed = [LayerSpec(name, "uint8", codec.stored_shape(shape)) for name, shape in SHAPES.items()]
+
+    def make(caches: dict[str, torch.Tensor]) -> ArenaTransport:
+        mover = BlockMover(torch.device("cpu"), codec)
+        return ArenaTransport(kv, NS, packed, caches, mover, device_checksums=True)
+
+    hashes = chain(f"staged-{codec_name}", 3)
+    assert save(make(source), hashes, [4, 5, 6]) == 3
+    target = {name: torch.zeros_like(t) for name, t in source.items()}
+    n, _ = load(make(target), hashes, [0, 1, 2])
+    assert n == 3
+    for name in SHAPES:
+        want, got = source[name][4:7].float(), target[name][0:3].float()
+        amax = want.abs().flatten(1).amax(dim=1).view(-1, *[1] * (want.dim() - 1))
+        step = amax * 2**-4 if codec_name == "fp8" else amax / 127 / 2
+        assert ((got - want).abs() <= step + want.abs() * 2**-8 + 1e-6).all(), name

@@ -653,3 +653,50 @@ def test_consuming_ranks_each_take_their_heads_and_the_last_frees_the_blocks(dae
         assert kv.lookup(NS, hashes) == 0 and kv.stats()["blocks"] == 0
     for worker, _ in ranks:
         worker.close()
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_compressed_kv_moves_and_is_stored_at_half_size_within_its_error_bound(
+    daemon, transport: str, codec: str
+) -> None:
+    info = NamespaceInfo(
+        "test-model", "bfloat16", BS, 2, 64, False, "cpu", tp_size=1, pp_size=1, compression=codec
+    )
+    namespace = info.namespace(0)
+    assert namespace != NS and namespace.endswith(f"|{codec}|pp0of1".encode())  # never mixed with raw KV
+
+    def worker() -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+        w = WorkerSide(namespace, POOL, config(daemon.address, **TRANSPORTS[transport]), load=True, save=True,
+                       save_sync=True, num_kv_heads=2, compression=codec)  # fmt: skip
+        caches = {name: torch.zeros((POOL, 2, BS, 128), dtype=torch.bfloat16) for name in LAYERS}
+        w.register_kv_caches(caches)
+        return w, caches
+
+    hashes = block_hashes(info.hash_root, PROMPT, BS)[:4]
+    saver, src = worker()
+    for name in LAYERS:
+        src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16) * 3)
+    run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [3, 4, 5, 6], b"")]), src)
+    raw_bytes = 4 * len(LAYERS) * 2 * BS * 128 * 2
+    with KVStoreClient(daemon.address) as kv:
+        assert kv.lookup(namespace, hashes) == 4 and kv.lookup(NS, hashes) == 0
+        stored = kv.stats()["bytes_used"]
+    assert stored == 4 * len(LAYERS) * 2 * (4 + BS * 128)  # one byte per value and a scale per row
+    assert stored / raw_bytes < 0.51
+    loader, dst = worker()
+    assert (
+        run_step(loader, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [10, 11, 12, 13])]), dst)
+        == set()
+    )
+    for name in LAYERS:
+        want = src[name][3:7].float()
+        got = dst[name][10:14].float()
+        amax = want.abs().amax(dim=(2, 3), keepdim=True)  # per block and head: one scale each
+        step = amax * 2**-4 if codec == "fp8" else amax / 127 / 2
+        assert ((got - want).abs() <= step + want.abs() * 2**-8 + 1e-6).all()  # + bf16's rounding
+        assert not got.equal(want)  # lossy: what was loaded is the dequantized KV
+    stats = loader.take_stats()
+    assert stats is not None and stats.data["bytes_loaded"] == stored  # the packed bytes moved
+    for w in (saver, loader):
+        w.close()

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.transfer import BlockMover, find_block_dim
+
+from kvstore_client.hashing import connector_hash_root
 
 
 # ---- config
@@ -38,6 +41,8 @@ def test_extra_config_maps_documented_keys() -> None:
         ({"save_backlog_mib": 0}, "save_backlog_mib"),
         ({"save_backlog_mib": "1GiB"}, "save_backlog_mib"),
         ({"save_backlog_mib": True}, "save_backlog_mib"),
+        ({"compression": "zstd"}, "compression"),
+        ({"compression": None}, "compression"),
     ],
 )
 def test_bad_extra_config_is_refused_with_its_name(extra: dict, message: str) -> None:
@@ -107,6 +112,31 @@ def test_long_model_names_keep_namespaces_within_the_store_limit() -> None:
     assert _info(model="/very/long/path/" + "y" * 400).hash_root != info.hash_root
 
 
+def _vllm_config(cache_dtype: str) -> SimpleNamespace:
+    model = SimpleNamespace(model="/m", dtype=torch.bfloat16, use_mla=False,
+                            get_total_num_kv_heads=lambda: 8, get_head_size=lambda: 128)  # fmt: skip
+    return SimpleNamespace(
+        model_config=model,
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+    )
+
+
+def test_compressed_kv_lives_apart_under_the_same_hash_root() -> None:
+    raw, fp8, int8 = _info(), _info(compression="fp8"), _info(compression="int8")
+    assert len({raw.namespace(0), fp8.namespace(0), int8.namespace(0)}) == 3
+    assert raw.hash_root == fp8.hash_root == int8.hash_root  # the same prompts, the same hashes
+    for info in (raw, fp8, int8):
+        assert connector_hash_root(info.namespace(0)) == raw.hash_root.encode()
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_that_is_fp8_in_the_engine_is_never_quantized_again(cache_dtype: str) -> None:
+    info = NamespaceInfo.from_vllm(_vllm_config(cache_dtype), None, "fp8")  # type: ignore[arg-type]
+    assert info.compression == "none" and info.kv_dtype == cache_dtype
+    assert NamespaceInfo.from_vllm(_vllm_config("auto"), None, "fp8").compression == "fp8"  # type: ignore[arg-type]
+
+
 # ---- stats
 def test_stats_aggregate_reduce_and_travel_between_processes() -> None:
     a, b = KVStoreConnectorStats(), KVStoreConnectorStats()
@@ -118,6 +148,10 @@ def test_stats_aggregate_reduce_and_travel_between_processes() -> None:
     assert summary["Blocks loaded"] == 4
     assert summary["Load GB/s"] == 1.0
     assert summary["Load errors (blocks)"] == 2
+    rank1, again = KVStoreConnectorStats(), KVStoreConnectorStats()
+    rank1.add(bytes_loaded=5, bytes_loaded_tp1=5)  # a rank's own bytes, summed over its intervals
+    again.add(bytes_loaded=7, bytes_loaded_tp1=7)
+    assert rank1.aggregate(again).reduce()["Bytes loaded (tp1)"] == 12
     taken = merged.take()
     assert taken is not None and taken.data["blocks_loaded"] == 4
     assert merged.is_empty()
