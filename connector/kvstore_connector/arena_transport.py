@@ -40,7 +40,7 @@ from kvstore_client import KVStoreClient, LayerSpec
 from kvstore_client.arena import Pinned, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
 from kvstore_client.tensors import torch_dtype
-from kvstore_connector.transfer import wsum32_blocks
+from kvstore_connector.transfer import Write, wsum32_blocks
 
 if TYPE_CHECKING:
     from kvstore_client.arena import Reservation
@@ -56,7 +56,7 @@ class ArenaSave:
     reservation: Reservation
     ids: torch.Tensor | None  # paged block ids of the blocks to write, in extent order
     started: float
-    copies: list[tuple[int, Any]] = field(default_factory=list)  # (layer index, PendingCopy)
+    copies: list[tuple[range, Any]] = field(default_factory=list)  # (layer indices, PendingCopy)
     # device checksums: every layer's gathered blocks, layer-major as in the extent, on the
     # device (the gather writes here, the copy to the arena and the group sums read here)
     staging: torch.Tensor | None = None
@@ -96,10 +96,13 @@ class ArenaTransport:
         *,
         stored: Sequence[LayerSpec] | None = None,
         subset: Sequence[int] = (),
+        heads: dict[str, tuple[torch.Tensor, int]] | None = None,
     ) -> None:
         """`specs`: the layers this rank moves, `caches` their paged views by name; `stored`
         (default: `specs`): a block's whole layout, of which `specs` are layers `subset`
-        (empty: all; see kvstore_connector.layout)."""
+        (empty: all; see kvstore_connector.layout). `heads`: by layer name, the paged view of
+        its attention layer's heads ([num_blocks, heads, ...]) and its head's index there:
+        staged loads then scatter a layer's heads with one indexed copy."""
         self.client = client
         self.namespace = namespace
         self.specs = specs
@@ -110,6 +113,7 @@ class ArenaTransport:
         self.stored = list(specs if stored is None else stored)
         self.subset = tuple(subset)
         self._own = list(self.subset) if self.subset else list(range(len(self.stored)))
+        self._heads = heads or {}
         if [self.stored[k] for k in self._own] != list(specs):
             raise ValueError("specs must be layers `subset` of `stored`")
 
@@ -137,26 +141,46 @@ class ArenaTransport:
         return save
 
     def save_layer(self, save: ArenaSave, layer: str, kv: torch.Tensor) -> None:
+        """Layer `layer`'s blocks of the save, from its paged view `kv` ([num_blocks, *shape])."""
+        self._save(save, self._layer_index[layer], 1, kv, 0)
+
+    def save_heads(self, save: ArenaSave, layers: list[str], kv: torch.Tensor) -> None:
+        """Layers `layers` (consecutive ones: a rank's KV heads of one attention layer, see
+        kvstore_connector.layout) from the paged view of their heads ([num_blocks, heads,
+        *shape]): one indexed copy for all of them, into their back-to-back runs."""
+        first = self._layer_index[layers[0]]
+        if [self._layer_index[name] for name in layers] != list(range(first, first + len(layers))):
+            raise ValueError("save_heads takes consecutive layers")
+        self._save(save, first, len(layers), kv.transpose(0, 1), 1)
+
+    def _save(self, save: ArenaSave, first: int, count: int, kv: torch.Tensor, dim: int) -> None:
+        """Copy layers first..first+count-1 of the save's blocks: `kv` indexes blocks at `dim`
+        (1: [count, num_blocks, *shape], one layer per row)."""
         if save.ids is None:
             return
-        index = self._layer_index[layer]
-        dest = save.reservation.layer(index)
+        res, spec = save.reservation, self.specs[first]
+        at = res.layer_start(first)
+        nbytes = spec.nbytes * res.num_blocks * count
+        raw = res.mapping.tensor()[res.offset + at : res.offset + at + nbytes]
+        shape = (res.num_blocks, *spec.shape) if dim == 0 else (count, res.num_blocks, *spec.shape)
+        dest = raw.view(torch_dtype(spec.dtype)).view(shape)
+        layers = range(first, first + count)
         if save.staging is None:
-            save.copies.append((index, self.mover.gather_into(kv, save.ids, dest)))
+            save.copies.append((layers, self.mover.gather_into(kv, save.ids, dest, dim=dim)))
             return
-        at = save.reservation.layer_start(index)
-        via = save.staging[at : at + dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
-        save.copies.append((index, self.mover.gather_into(kv, save.ids, dest, via=via)))
-        group = save.group_of[index]
-        save.unsaved[group] -= 1
-        if not save.unsaved[group]:  # sum the group now, on the check stream, while copies run
-            layers, n = save.groups[group], save.reservation.num_blocks
-            start = save.reservation.layer_start(layers.start)
-            nbytes = self.specs[layers.start].nbytes * n * len(layers)
-            with self.mover.on_check_stream(after_compute=True):
-                got = wsum32_blocks(save.staging[start : start + nbytes].view(len(layers) * n, -1))
-            if got is not None:
-                save.sums[group] = got.view(len(layers), n)
+        via = save.staging[at : at + nbytes].view(dest.dtype).view(dest.shape)
+        save.copies.append((layers, self.mover.gather_into(kv, save.ids, dest, via=via, dim=dim)))
+        for index in layers:
+            group = save.group_of[index]
+            save.unsaved[group] -= 1
+            if not save.unsaved[group]:  # sum the group now, on the check stream, while copies run
+                members, n = save.groups[group], res.num_blocks
+                start = res.layer_start(members.start)
+                size = self.specs[members.start].nbytes * n * len(members)
+                with self.mover.on_check_stream(after_compute=True):
+                    got = wsum32_blocks(save.staging[start : start + size].view(len(members) * n, -1))
+                if got is not None:
+                    save.sums[group] = got.view(len(members), n)
 
     def commit(self, save: ArenaSave) -> Any:
         """Wait for the save's copies, then checksum and commit (the sender thread)."""
@@ -173,9 +197,10 @@ class ArenaTransport:
         save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
         per_layer: dict[int, list[int]] = {}
-        for index, copy in save.copies:
+        for layers, copy in save.copies:
             copy.wait()
-            per_layer[index] = checksums(save.reservation.layer_pieces(index))
+            for index in layers:
+                per_layer[index] = checksums(save.reservation.layer_pieces(index))
         save.copies = []
         return save.reservation.commit(save.reservation.checksums(per_layer))
 
@@ -273,19 +298,11 @@ class ArenaTransport:
             if bool(failed[g]):
                 block = pinned.verify(list(group))  # which one (on the host: the error path only)
                 self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
-            writes = []
+            writes: list[Write] = []
             for run, layers, on_device in chunks:
-                at = 0
-                for layer in layers:
-                    layer_spec = pinned.layers[layer]
-                    nbytes = sizes[layer] * run.count
-                    view = on_device[at : at + nbytes].view(torch_dtype(layer_spec.dtype))
-                    writes.append((
-                        self.caches[layer_spec.name],
-                        ids[run.first : run.first + run.count],
-                        view.view(run.count, *layer_spec.shape),
-                    ))  # fmt: skip
-                    at += nbytes
+                writes.extend(
+                    self._writes(pinned, run, layers, on_device, ids[run.first : run.first + run.count])
+                )
             event = self.mover.scatter_staged(writes, checked)
             for layer in group:
                 name = pinned.layers[layer].name
@@ -293,6 +310,39 @@ class ArenaTransport:
                 done(name, event)
             events.append(event)
         return events
+
+    def _writes(
+        self, pinned: Pinned, run: Run, layers: range, on_device: torch.Tensor, ids: torch.Tensor
+    ) -> list[Write]:
+        """The scatters of one staged span (`layers` of one run, layer-major): one per layer,
+        or one per attention layer for a rank's consecutive KV heads of it (save_heads' inverse)."""
+        writes: list[Write] = []
+        at, k = 0, 0
+        while k < len(layers):
+            spec = pinned.layers[layers[k]]
+            nbytes = pinned.layer_bytes[layers[k]] * run.count
+            target = self._heads.get(spec.name)
+            count = 1
+            if target is not None:  # the following layers that are this layer's next heads
+                while k + count < len(layers):
+                    following = self._heads.get(pinned.layers[layers[k + count]].name)
+                    if (
+                        following is None
+                        or following[0] is not target[0]
+                        or following[1] != target[1] + count
+                    ):
+                        break
+                    count += 1
+            view = on_device[at : at + nbytes * count].view(torch_dtype(spec.dtype))
+            if target is None:
+                writes.append((self.caches[spec.name], ids, view.view(run.count, *spec.shape), 0))
+            else:
+                heads, first = target
+                kv = heads.transpose(0, 1)[first : first + count]  # [heads, num_blocks, ...]
+                writes.append((kv, ids, view.view(count, run.count, *spec.shape), 1))
+            at += nbytes * count
+            k += count
+        return writes
 
     def _corrupt(self, spec: LoadSpec, pinned: Pinned, block: int, where: str) -> NoReturn:
         block_hash = spec.hashes[block]

@@ -24,7 +24,7 @@ Pipeline stages hold different layers: they stay apart in the namespace
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,6 +71,9 @@ class StoreLayout:
     views: dict[str, torch.Tensor]
     by_layer: dict[str, list[str]]
     saves: bool
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
+    """vLLM's layer name -> its paged view [num_blocks, this rank's heads, ...] (not for MLA):
+    a rank's store layers of one layer are consecutive, so one indexed copy moves them all."""
 
     @property
     def own_specs(self) -> list[LayerSpec]:
@@ -80,6 +83,16 @@ class StoreLayout:
     def subset(self) -> tuple[int, ...]:
         """The rank's store layers as a put's or read's subset: empty when it holds all."""
         return () if len(self.own) == len(self.specs) else self.own
+
+    @property
+    def head_targets(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """By this rank's store layer: the paged view of its layer's heads and its index there."""
+        return {
+            name: (self.heads[layer], i)
+            for layer, names in self.by_layer.items()
+            if layer in self.heads
+            for i, name in enumerate(names)
+        }
 
     @property
     def own_bytes(self) -> int:
@@ -138,4 +151,5 @@ class StoreLayout:
                     views[store_name] = view.select(1, head - first)
                     by_layer[name].append(store_name)
                 specs.append(spec(store_name, view, shape))
-        return cls(tuple(specs), tuple(own), views, by_layer, saves)
+        heads = {name: caches[name] for name in by_layer}
+        return cls(tuple(specs), tuple(own), views, by_layer, saves, heads)

@@ -42,8 +42,9 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     raise ValueError(f"no dimension of KV cache shape {tuple(tensor.shape)} indexes its {num_blocks} blocks")
 
 
-Write = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""(kv, ids, staged): staged blocks to write into a paged view at ids (scatter_staged)."""
+Write = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+"""(kv, ids, staged, dim): staged blocks to write into a paged view at ids (scatter_staged);
+dim 1: kv is [layers, num_blocks, ...] and staged [layers, len(ids), ...] (a rank's KV heads)."""
 
 
 @dataclass
@@ -118,32 +119,48 @@ class BlockMover:
         host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         return self._to_host(gathered, host)
 
-    def _selected(self, kv: torch.Tensor, ids: torch.Tensor, via: torch.Tensor | None = None) -> torch.Tensor:
-        """Blocks `ids` of `kv` on its device, encoded when there is a codec (into `via`, when
-        given: dest's shape on the device)."""
+    def _selected(
+        self, kv: torch.Tensor, ids: torch.Tensor, via: torch.Tensor | None = None, dim: int = 0
+    ) -> torch.Tensor:
+        """Blocks `ids` of `kv` (indexed at `dim`) on its device, encoded when there is a codec
+        (a row per block and layer), into `via` when given (dest's shape, on the device)."""
         if self.codec is None:
-            return kv.index_select(0, ids) if via is None else torch.index_select(kv, 0, ids, out=via)
-        blocks = kv.index_select(0, ids)
-        return self.codec.encode(blocks) if via is None else self.codec.encode_into(blocks, via)
+            return kv.index_select(dim, ids) if via is None else torch.index_select(kv, dim, ids, out=via)
+        blocks = kv.index_select(dim, ids)
+        rows = blocks if dim == 0 else blocks.flatten(0, 1)
+        if via is None:
+            return self.codec.encode(rows).view(*blocks.shape[: dim + 1], -1)
+        self.codec.encode_into(rows, via.view(rows.shape[0], -1))
+        return via
 
     def gather_into(
-        self, kv: torch.Tensor, ids: torch.Tensor, dest: torch.Tensor, via: torch.Tensor | None = None
+        self,
+        kv: torch.Tensor,
+        ids: torch.Tensor,
+        dest: torch.Tensor,
+        via: torch.Tensor | None = None,
+        *,
+        dim: int = 0,
     ) -> PendingCopy:
         """Copy blocks `ids` of `kv` into the host tensor `dest` ([len(ids), *kv.shape[1:]],
         e.g. an arena reservation; with a codec, [len(ids), P] uint8): on CPU one indexed
         copy; on CUDA the gather (and encoding) runs on the compute stream (right after
         attention wrote the blocks, before anything can reuse them: ~0.1 ms per 256 MB on an
         H200) and the device-to-host copy on the side stream. `via` (dest's shape, on the
-        device): gather there, copy from there (and keep it)."""
+        device): gather there, copy from there (and keep it). `dim` 1: `kv` is [layers,
+        num_blocks, ...] (a rank's KV heads of one layer) and `dest` [layers, len(ids), ...]."""
         if not self.cuda:
             if via is None and self.codec is None:
-                torch.index_select(kv, 0, ids, out=dest)
+                torch.index_select(kv, dim, ids, out=dest)
             elif via is None and self.codec is not None:
-                self.codec.encode_into(kv.index_select(0, ids), dest)
+                blocks = kv.index_select(dim, ids)
+                self.codec.encode_into(
+                    blocks if dim == 0 else blocks.flatten(0, 1), dest.view(-1, dest.shape[-1])
+                )
             else:
-                dest.copy_(self._selected(kv, ids, via))
+                dest.copy_(self._selected(kv, ids, via, dim))
             return PendingCopy(dest)
-        return self._to_host(self._selected(kv, ids, via), dest)
+        return self._to_host(self._selected(kv, ids, via, dim), dest)
 
     def _to_host(self, gathered: torch.Tensor, dest: torch.Tensor) -> PendingCopy:
         """Copy `gathered` (on the device, queued on the compute stream) to `dest` on the side stream."""
@@ -221,26 +238,29 @@ class BlockMover:
         `ready` (an event) has fired; returns one event to wait on before using any of
         them (None on CPU: written already)."""
         if not self.cuda:
-            for kv, ids, staged in writes:
-                kv.index_copy_(0, ids, self._decoded(kv, staged))
+            for kv, ids, staged, dim in writes:
+                kv.index_copy_(dim, ids, self._decoded(kv, staged, dim))
             return None
         scatter_stream = cast(torch.cuda.Stream, self._scatter_stream)
         if ready is not None:
             scatter_stream.wait_event(ready)
         with self._on(scatter_stream):
-            for kv, ids, staged in writes:
-                kv.index_copy_(0, ids, self._decoded(kv, staged))
+            for kv, ids, staged, dim in writes:
+                kv.index_copy_(dim, ids, self._decoded(kv, staged, dim))
             done = torch.cuda.Event()
             done.record(scatter_stream)
-        for _kv, _ids, staged in writes:
+        for _kv, _ids, staged, _dim in writes:
             staged.record_stream(scatter_stream)
         return done
 
-    def _decoded(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Blocks as `kv` holds them: dequantized (on their device) when there is a codec."""
+    def _decoded(self, kv: torch.Tensor, blocks: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Blocks as `kv` holds them: dequantized (on their device) when there is a codec.
+        `dim` 1: [layers, n, ...] blocks of a [layers, num_blocks, ...] `kv`."""
         if self.codec is None:
             return blocks
-        return self.codec.decode(blocks.reshape(blocks.shape[0], -1), kv.dtype, tuple(kv.shape[1:]))
+        lead = blocks.shape[: dim + 1]
+        rows = blocks.reshape(lead.numel(), -1)
+        return self.codec.decode(rows, kv.dtype, tuple(kv.shape[dim + 1 :])).view(*lead, *kv.shape[dim + 1 :])
 
     def wait_on_compute_stream(self, event: Any) -> None:
         """Make the compute stream wait (GPU-side, no host sync) for a scatter."""

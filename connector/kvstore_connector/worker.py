@@ -200,7 +200,7 @@ class WorkerSide:
         if self.client.arena_available(cuda=first.device.type == "cuda"):
             self._arena = ArenaTransport(
                 self.client, self.namespace, self._specs, self._caches, self._mover,
-                stored=layout.specs, subset=layout.subset,
+                stored=layout.specs, subset=layout.subset, heads=layout.head_targets,
             )  # fmt: skip
             if not self.config.consume:
                 self._loads_via = self._arena
@@ -332,13 +332,18 @@ class WorkerSide:
         if not self._saves_opened:  # the step's first layer: open its saves once
             self._saves_opened = True
             self._open_saves(meta.saves)
-        for name in self.layout.by_layer[layer]:  # this rank's KV heads of the layer
-            view = self._caches[name]
-            if self._arena is not None:
-                for arena_save in self._arena_saves:
-                    self._arena.save_layer(arena_save, name, view)
-            if self._grpc is not None:
-                self._grpc.save_layer(self._grpc_saves, name, view)
+        names = self.layout.by_layer[layer]  # this rank's KV heads of the layer
+        heads = self.layout.heads.get(layer)
+        if self._arena is not None:
+            for arena_save in self._arena_saves:
+                if heads is not None:  # one indexed copy for all of them
+                    self._arena.save_heads(arena_save, names, heads)
+                else:
+                    for name in names:
+                        self._arena.save_layer(arena_save, name, self._caches[name])
+        if self._grpc is not None:
+            for name in names:
+                self._grpc.save_layer(self._grpc_saves, name, self._caches[name])
 
     def _open_saves(self, specs: list[SaveSpec]) -> None:
         if not self.health.available():

@@ -180,3 +180,52 @@ def test_compressed_blocks_take_the_device_path_quantized_and_back(
         amax = want.abs().flatten(1).amax(dim=1).view(-1, *[1] * (want.dim() - 1))
         step = amax * 2**-4 if codec_name == "fp8" else amax / 127 / 2
         assert ((got - want).abs() <= step + want.abs() * 2**-8 + 1e-6).all(), name
+
+
+@pytest.mark.parametrize("codec_name", ["none", "fp8"])
+@pytest.mark.parametrize(("save_tp", "load_tp"), [(1, 1), (1, 2), (2, 1)])
+def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
+    kv: KVStoreClient, codec_name: str, save_tp: int, load_tp: int
+) -> None:
+    """The connector's layout (a store layer per KV head): saves of a layer's heads in one
+    indexed copy (save_heads, summed on the device), staged loads scattering them in one."""
+    from kvstore_connector.compression import make_codec
+    from kvstore_connector.layout import StoreLayout
+
+    codec = make_codec(codec_name)
+    g = torch.Generator().manual_seed(8)
+    names = ["attn.0", "attn.1"]
+    full = {name: torch.randn((POOL, 4, 4, 8), generator=g).to(torch.bfloat16) for name in names}
+
+    def rank(tp: int, r: int, source: dict[str, torch.Tensor] | None) -> tuple[ArenaTransport, StoreLayout]:
+        caches = {n: (source[n] if source else torch.zeros_like(full[n]))[:, r * 4 // tp : (r + 1) * 4 // tp]
+                  .contiguous() for n in names}  # fmt: skip
+        layout = StoreLayout.build(caches, num_kv_heads=4, tp_size=tp, tp_rank=r, mla=False, codec=codec)
+        t = ArenaTransport(kv, NS, layout.own_specs, layout.views, BlockMover(torch.device("cpu"), codec),
+                           device_checksums=True, stored=layout.specs, subset=layout.subset,
+                           heads=layout.head_targets)  # fmt: skip
+        return t, layout
+
+    hashes = chain(f"heads-{codec_name}-{save_tp}-{load_tp}", 3)
+    spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=[5, 6, 7], parent_hash=b"", token_ids=[])
+    for r in range(save_tp):
+        t, layout = rank(save_tp, r, full)
+        save = t.open(spec, timeout=10)  # type: ignore[arg-type]
+        assert save is not None
+        for name in names:
+            t.save_heads(save, layout.by_layer[name], layout.heads[name])
+        t.commit(save)
+    assert kv.lookup(NS, hashes) == 3
+    for r in range(load_tp):
+        t, layout = rank(load_tp, r, None)
+        n, done = load(t, hashes, [1, 2, 3])
+        assert n == 3 and sorted(done) == sorted(layout.views)
+        for name in names:
+            want = full[name][5:8, r * 4 // load_tp : (r + 1) * 4 // load_tp].float()
+            got = layout.heads[name][1:4].float()
+            if codec is None:
+                assert torch.equal(got, want)
+            else:
+                amax = want.abs().amax(dim=(2, 3), keepdim=True)
+                assert ((got - want).abs() <= amax * 2**-4 + want.abs() * 2**-8 + 1e-6).all()
+            assert layout.heads[name][[0, *range(4, POOL)]].eq(0).all()  # nothing else written
