@@ -9,7 +9,8 @@ wait here, in memory the daemon bounds (`limit_bytes`), for at most
 `timeout_s`: a rank that died, or was never started, leaves its block's other
 parts to be dropped, never half a block visible.
 
-Not thread-safe: the store calls it under its commit lock.
+Not thread-safe: the store calls it under a lock of its own (never the commit lock:
+the blocks it makes whole are then stored like a Put, which takes that lock).
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ front of the persistent tier (`backend`: LMDB or disk). The index holds every
 visible block, whichever tier has it, and `capacity_bytes` bounds them all: the
 persistent tier gets every block in the end (written behind from the arena).
 Saves through the arena (reserve -> the client writes -> commit) land in the
-memory tier and are written behind; gRPC Puts go to the persistent tier. Loads
+memory tier and are written behind; gRPC Puts go to the persistent tier. A
+partial save or put (one tensor-parallel rank's KV heads: kvstore_server.parts)
+waits in memory for the block's other parts; the block made whole is stored
+like a Put. Loads
 pin blocks in the arena, promoting those only the persistent tier holds; gRPC
 reads take each block from the first tier that has it. The chain moves blocks
 between tiers; the store decides what is stored (the index, capacity,
@@ -854,10 +857,11 @@ class Store:
                 res.namespace, res.parent_hash, res.hashes, res.full_layers, subset, data,
                 token_ids=tokens, parents=res.parents,
             )  # fmt: skip
-        finally:
+        finally:  # whatever happened, the reservation is gone: its space comes back
             with self._lock:
                 memory.allocator.free(res.extent, res.nbytes)
-                memory.counters.commits += 1
+        with self._lock:
+            memory.counters.commits += 1
         return PutResult(result.blocks_written, res.skipped + result.blocks_skipped, result.bytes_written,
                          result.blocks_evicted)  # fmt: skip
 
