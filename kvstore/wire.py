@@ -92,8 +92,9 @@ _TAG_DATA: Final = 0x1A  # LayerChunk.data, length-delimited
 
 def pack_checksums(values: Sequence[int]) -> bytes:
     """Checksums as CommitRequest/PinResponse carry them: little-endian uint64s, packed."""
-    packed = array("Q", values)
+    packed = values if isinstance(values, array) and values.typecode == "Q" else array("Q", values)
     if sys.byteorder != "little":
+        packed = array("Q", packed)  # (byteswap works in place)
         packed.byteswap()
     return packed.tobytes()
 

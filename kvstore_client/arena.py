@@ -36,6 +36,7 @@ import mmap
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -306,14 +307,15 @@ class Reservation:
         at = self.offset + self._starts[layer]
         return [view[at + i * size : at + (i + 1) * size] for i in range(len(self.blocks))]
 
-    def checksums(self, per_layer: dict[int, list[int]] | None = None) -> list[int]:
+    def checksums(self, per_layer: dict[int, list[int]] | None = None) -> array[int]:
         """Commit's checksums, block-major; `per_layer[l]` may come precomputed (e.g. each
         layer hashed as soon as its copy landed), the other layers are hashed now."""
-        done = dict(per_layer or {})
-        for layer in range(len(self.layers)):
-            if layer not in done:
-                done[layer] = checksums(self.layer_pieces(layer))
-        return [done[layer][block] for block in range(len(self.blocks)) for layer in range(len(self.layers))]
+        width = len(self.layers)
+        out = array("Q", bytes(8 * width * len(self.blocks)))
+        for layer in range(width):  # one strided assignment a layer, not an int a block-layer
+            sums = per_layer.get(layer) if per_layer else None
+            out[layer::width] = array("Q", checksums(self.layer_pieces(layer)) if sums is None else sums)
+        return out
 
     def commit(self, sums: Sequence[int] | bytes | None = None, *, kind: str = XXH3) -> Any:
         """Checksum what was written (unless `sums` come precomputed, of `kind`: "xxh3", or

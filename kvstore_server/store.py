@@ -30,6 +30,7 @@ import heapq
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -184,7 +185,7 @@ class PinResult:
     pin_id: int  # 0: nothing pinned (a miss)
     layers: tuple[LayerSpec, ...]
     runs: list[Run]
-    checksums: list[int]  # block-major: block b, layer l at b * len(layers) + l
+    checksums: Sequence[int]  # block-major: block b, layer l at b * len(layers) + l
     num_blocks: int
     lease_seconds: float
     kinds: list[str] = field(default_factory=list)  # each block's checksum kind
@@ -937,7 +938,7 @@ class Store:
         with self._lock:
             # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
             spans: list[list[int]] = []
-            sums: list[int] = []
+            sums = array("Q")  # extended a block at a time in C: a block may have hundreds of layers
             kinds: list[str] = []
             layers: tuple[LayerSpec, ...] = ()
             resident = memory.resident

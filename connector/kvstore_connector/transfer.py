@@ -42,6 +42,24 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     raise ValueError(f"no dimension of KV cache shape {tuple(tensor.shape)} indexes its {num_blocks} blocks")
 
 
+def index_select(
+    kv: torch.Tensor, dim: int, ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """torch.index_select at `dim` 0 or 1 (into `out` when given). On CPU, dim 1 is done
+    as one dim-0 select per row: torch's CPU kernel for a later dim copies element by
+    element (32 MiB of a [blocks, heads, 16, 256] bf16 view: 133 ms, against 2 ms a row at
+    a time); CUDA's is one kernel either way."""
+    if dim == 0 or kv.is_cuda:
+        return torch.index_select(kv, dim, ids) if out is None else torch.index_select(kv, dim, ids, out=out)
+    if dim != 1:
+        raise ValueError(f"index_select at dim {dim}: only 0 and 1")
+    if out is None:
+        out = kv.new_empty((kv.shape[0], len(ids), *kv.shape[2:]))
+    for row in range(kv.shape[0]):
+        torch.index_select(kv[row], 0, ids, out=out[row])
+    return out
+
+
 Write = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 """(kv, ids, staged, dim): staged blocks to write into a paged view at ids (scatter_staged);
 dim 1: kv is [layers, num_blocks, ...] and staged [layers, len(ids), ...] (a rank's KV heads)."""
@@ -125,8 +143,8 @@ class BlockMover:
         """Blocks `ids` of `kv` (indexed at `dim`) on its device, encoded when there is a codec
         (a row per block and layer), into `via` when given (dest's shape, on the device)."""
         if self.codec is None:
-            return kv.index_select(dim, ids) if via is None else torch.index_select(kv, dim, ids, out=via)
-        blocks = kv.index_select(dim, ids)
+            return index_select(kv, dim, ids, via)
+        blocks = index_select(kv, dim, ids)
         rows = blocks if dim == 0 else blocks.flatten(0, 1)
         if via is None:
             return self.codec.encode(rows).view(*blocks.shape[: dim + 1], -1)
@@ -151,9 +169,9 @@ class BlockMover:
         num_blocks, ...] (a rank's KV heads of one layer) and `dest` [layers, len(ids), ...]."""
         if not self.cuda:
             if via is None and self.codec is None:
-                torch.index_select(kv, dim, ids, out=dest)
+                index_select(kv, dim, ids, dest)
             elif via is None and self.codec is not None:
-                blocks = kv.index_select(dim, ids)
+                blocks = index_select(kv, dim, ids)
                 self.codec.encode_into(
                     blocks if dim == 0 else blocks.flatten(0, 1), dest.view(-1, dest.shape[-1])
                 )

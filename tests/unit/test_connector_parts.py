@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.stats import KVStoreConnectorStats
-from kvstore_connector.transfer import BlockMover, find_block_dim
+from kvstore_connector.transfer import BlockMover, find_block_dim, index_select
 
 from kvstore_client.hashing import connector_hash_root
 
@@ -184,6 +184,30 @@ def test_gather_then_scatter_restores_exact_blocks_on_cpu() -> None:
     for block in (5, 1, 9):
         assert torch.equal(target[block].view(torch.uint8), cache[block].view(torch.uint8))
     assert target[0].eq(0).all()
+
+
+@pytest.mark.parametrize("codec", [None, "fp8"])
+def test_a_ranks_heads_gathered_on_cpu_are_the_heads_of_each_block(codec: str | None) -> None:
+    from kvstore_connector.compression import make_codec
+
+    mover = BlockMover(torch.device("cpu"), make_codec(codec) if codec else None)
+    cache = torch.randn(16, 4, 32, 8).to(torch.bfloat16)  # [num_blocks, heads, block_size, C]
+    ids = mover.index([5, 1, 9])
+    heads = cache[:, 1:3].transpose(0, 1)  # a rank's two heads, as save_heads passes them
+    want = torch.stack([cache[[5, 1, 9], h] for h in (1, 2)])
+    assert torch.equal(index_select(heads, 1, ids), want)
+    if codec is None:
+        dest = torch.empty(2, 3, 32, 8, dtype=torch.bfloat16)
+        mover.gather_into(heads, ids, dest, dim=1).wait()
+        assert torch.equal(dest.view(torch.uint8), want.view(torch.uint8))
+    else:
+        assert mover.codec is not None
+        rows = want.flatten(0, 1)
+        dest = torch.empty(2, 3, mover.codec.stored_shape(rows.shape[1:])[-1], dtype=torch.uint8)
+        mover.gather_into(heads, ids, dest, dim=1).wait()
+        assert torch.equal(dest.view(6, -1), mover.codec.encode(rows))
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        index_select(cache, 2, ids)
 
 
 def test_load_spec_types_are_plain_data() -> None:
