@@ -30,13 +30,13 @@ import heapq
 import logging
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 from kvstore import arena_format as fmt
+from kvstore import wire
 from kvstore.blocks import CHECKSUMS, XXH3, PutResult
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
@@ -185,7 +185,7 @@ class PinResult:
     pin_id: int  # 0: nothing pinned (a miss)
     layers: tuple[LayerSpec, ...]
     runs: list[Run]
-    checksums: Sequence[int]  # block-major: block b, layer l at b * len(layers) + l
+    checksums: bytes  # packed as kvstore.wire.pack_checksums does; block b, layer l at b * len(layers) + l
     num_blocks: int
     lease_seconds: float
     kinds: list[str] = field(default_factory=list)  # each block's checksum kind
@@ -892,6 +892,7 @@ class Store:
             raise CapacityError("not enough evictable data to make room for this commit")
         now = time.time()
         n, width = len(res.hashes), len(res.layers)
+        packed = wire.pack_checksums(checksums)
         placed = [
             Placed(
                 BlockMeta(
@@ -906,6 +907,7 @@ class Store:
                 res.extent,
                 n,
                 i,
+                packed[8 * i * width : 8 * (i + 1) * width],
             )
             for i in fresh
         ]
@@ -938,7 +940,7 @@ class Store:
         with self._lock:
             # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
             spans: list[list[int]] = []
-            sums = array("Q")  # extended a block at a time in C: a block may have hundreds of layers
+            sums: list[bytes] = []  # each block's, packed (Placed.sums)
             kinds: list[str] = []
             layers: tuple[LayerSpec, ...] = ()
             resident = memory.resident
@@ -956,11 +958,11 @@ class Store:
                     last[3] += 1
                 else:
                     spans.append([placed.extent, placed.extent_blocks, placed.position, 1])
-                sums.extend(meta.checksums)
+                sums.append(placed.sums)
                 kinds.append(meta.checksum_kind)
             runs = [Run(*span) for span in spans]
             if not runs:
-                return PinResult(0, (), [], [], 0, memory.lease_seconds)
+                return PinResult(0, (), [], b"", 0, memory.lease_seconds)
             extents = list(dict.fromkeys(run.extent for run in runs))
             memory.pin_extents(extents, now)
             pin_id = memory.new_id()
@@ -973,7 +975,7 @@ class Store:
             memory.counters.memory_hit_blocks += got - promoted
             memory.counters.persistent_hit_blocks += promoted
             self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
-        return PinResult(pin_id, layers, runs, sums, got, memory.lease_seconds, kinds)
+        return PinResult(pin_id, layers, runs, b"".join(sums), got, memory.lease_seconds, kinds)
 
     def release(self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = ()) -> bool:
         """End a pin; `corrupt`: blocks the client found failing their checksum (verified

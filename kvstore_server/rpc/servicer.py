@@ -427,7 +427,7 @@ class Servicer:
                 pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
                 for r in pin.runs
             ],
-            checksums=wire.pack_checksums(pin.checksums),
+            checksums=pin.checksums,
             lease_seconds=pin.lease_seconds,
             checksum_kinds=pin.kinds,
         )

@@ -226,12 +226,22 @@ class Allocator:
 # ---- committed records ----------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Placed:
-    """A committed block in the arena: its metadata and where its extent is."""
+    """A committed block in the arena: its metadata and where its extent is. `sums`: its
+    checksums packed as a Pin sends them (little-endian uint64s, made from the metadata
+    when not given): a Pin of 512 blocks of 256 store layers spent 77% of its time
+    turning 131,072 ints into bytes."""
 
     meta: BlockMeta
     extent: int
     extent_blocks: int
     position: int
+    sums: bytes = b""
+
+    def __post_init__(self) -> None:
+        if len(self.sums) != 8 * len(self.meta.checksums):
+            if self.sums:
+                raise ValueError(f"{len(self.sums)} bytes of checksums for {len(self.meta.checksums)} layers")
+            object.__setattr__(self, "sums", _sums(len(self.meta.checksums)).pack(*self.meta.checksums))
 
     def layer_offset(self, layer: int) -> int:
         sizes = [spec.nbytes for spec in self.meta.layers]
@@ -291,9 +301,10 @@ class ArenaIndex:
         layers = layouts[digest]
         at = _RECORD.size + parent_len
         parent = bytes(raw[_RECORD.size : at])
-        sums = _sums(len(layers)).unpack_from(raw, at)
+        packer = _sums(len(layers))
+        sums = packer.unpack_from(raw, at)
         meta = BlockMeta(namespace, block_hash, parent, layers, sums, created, _KINDS[kind])
-        return Placed(meta, extent, n, position)
+        return Placed(meta, extent, n, position, bytes(raw[at : at + packer.size]))
 
     def put(self, blocks: Sequence[Placed]) -> None:
         items, layouts = [], {}
@@ -305,7 +316,7 @@ class ArenaIndex:
                 p.extent, p.extent_blocks, p.position, m.created_at, _KINDS.index(m.checksum_kind),
                 layout.digest, len(m.parent_hash),
             )  # fmt: skip
-            items.append((_key(*m.key), head + m.parent_hash + _sums(len(m.checksums)).pack(*m.checksums)))
+            items.append((_key(*m.key), head + m.parent_hash + p.sums))
         try:
             with self._env.begin(write=True) as txn:
                 for digest, record in layouts.items():
