@@ -1,21 +1,23 @@
 """KV compression (fp8, int8) through the connector: accuracy, bytes stored, save/load speed.
 
     python bench/bench_compression.py [--models small,large] [--prompts 32] [--tokens 400]
-        [--dtype bfloat16] [--compressions none,fp8,int8] [--micro-mib 256] [--device cpu]
+        [--dtype bfloat16] [--compressions none,fp8,int8] [--scores logits|logprobs]
+        [--micro-mib 256] [--device cpu]
     python bench/bench_compression.py --micro-only [--device cuda]
 
 For each random-weight Llama (nothing downloaded; presets in MODELS) one engine process
 runs, one engine after the other:
-  baseline   no connector: greedy tokens (--max-tokens, 32) and the first generated token's
-             full-vocabulary logprobs (logprobs=-1, max_logprobs=-1);
+  baseline   no connector: greedy tokens (--max-tokens, 32) and the first decode step's
+             logits over the whole vocabulary (logprobs=-1, max_logprobs=-1, logprobs_mode
+             raw_logits; --scores logprobs: its logprobs instead);
   per compression (the connector's kv_connector_extra_config "compression"; "none", the
   reference, always runs first): the store is emptied, a kv_producer engine prefills the
   prompts (saves their KV), the daemon's Stats give the bytes stored, the stored blocks
   are read back (KVStoreClient.select), then a kv_consumer engine loads the KV and
   generates like the baseline.
 It prints, per compression: generated tokens equal to the baseline's (position-wise,
-averaged over prompts), max and mean |logprob - baseline's| of the first generated token
-over the whole vocabulary, the daemon's bytes_used, blocks loaded, and the connector's
+averaged over prompts), max and mean |logit - baseline's| of the first decode step over
+the whole vocabulary, the daemon's bytes_used, blocks loaded, and the connector's
 save and load time and GB/s of uncompressed KV: its own seconds (its stats' save_seconds
 and load_seconds) and the wall time inside its hooks (as bench_connector.py measures it).
 Then the error of the dequantized KV itself: the raw ("none") blocks through this
@@ -197,8 +199,9 @@ def stored_vs_raw(raw: Blocks, stored: Blocks, name: str) -> dict[str, Any]:
     return {**doc, "matched": matched} if doc else {"note": "no blocks to compare"}
 
 
-def dense_first_logprobs(outputs: list[Any], vocab: int) -> torch.Tensor:
-    """[prompts, vocab] float64: the first generated token's logprob of every vocabulary entry."""
+def dense_first_scores(outputs: list[Any], vocab: int) -> torch.Tensor:
+    """[prompts, vocab] float64: the first decode step's score (its logit, or with --scores
+    logprobs its logprob: what vLLM's logprobs_mode returns) of every vocabulary entry."""
     import torch
 
     out = torch.full((len(outputs), vocab), float("nan"), dtype=torch.float64)
@@ -240,7 +243,8 @@ def run_job(job: dict[str, Any]) -> None:
     fill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
     kwargs = {"skip_tokenizer_init": True, "enforce_eager": True, "block_size": BLOCK, "dtype": job["dtype"],
               "kv_cache_memory_bytes": job["kv_cache_bytes"], "max_model_len": job["max_model_len"],
-              "max_logprobs": -1, "seed": 0, "disable_log_stats": True}  # fmt: skip
+              "max_logprobs": -1, "seed": 0, "disable_log_stats": True,
+              "logprobs_mode": "raw_logits" if job["scores"] == "logits" else "raw_logprobs"}  # fmt: skip
 
     def engine(name: str, kv: dict[str, Any] | None, params: SamplingParams) -> dict[str, Any]:
         with time_hooks("KVStoreConnector" if kv else None) as spent, connector_counters() as counters:
@@ -259,8 +263,11 @@ def run_job(job: dict[str, Any]) -> None:
     result: dict[str, Any] = {"label": job["label"], "compressions": {}}
     base = engine("baseline", None, decode)
     base_tokens = [list(o.outputs[0].token_ids) for o in base["outputs"]]
-    base_lp = dense_first_logprobs(base["outputs"], job["vocab"])
-    result["baseline"] = {"seconds": base["seconds"]}
+    base_lp = dense_first_scores(base["outputs"], job["vocab"])
+    finite = base_lp[base_lp.isfinite()]
+    result["baseline"] = {"seconds": base["seconds"], "score_mean": finite.mean().item(),
+                          "score_abs_mean": finite.abs().mean().item(),
+                          "score_range": [finite.min().item(), finite.max().item()]}  # fmt: skip
     raw: Blocks = []
     with KVStoreClient(job["address"]) as kv:
         for name in job["compressions"]:
@@ -297,7 +304,7 @@ def run_job(job: dict[str, Any]) -> None:
                     else {"note": f"{len(stored)} namespaces stored"}  # fmt: skip
             tokens = [list(o.outputs[0].token_ids) for o in consumer["outputs"]]
             doc["accuracy"] = compare(
-                base_tokens, base_lp, tokens, dense_first_logprobs(consumer["outputs"], job["vocab"])
+                base_tokens, base_lp, tokens, dense_first_scores(consumer["outputs"], job["vocab"])
             )
             doc["save"] = {
                 "seconds": producer["seconds"],
@@ -433,9 +440,12 @@ def report(label: str, spec: dict[str, int], args: argparse.Namespace, result: d
           f"({spec['kv_heads']} KV, head {head}), {args.dtype}, block {BLOCK}; {args.prompts} prompts x "
           f"{args.tokens} tokens: {blocks} full blocks = {blocks * block_bytes / 2**20:.1f} MiB of KV; "
           f"baseline (no connector) {result['baseline']['seconds']:.1f}s for {args.max_tokens} tokens")  # fmt: skip
+    low, high = result["baseline"]["score_range"]
+    print(f"  the baseline's first-step {args.scores}: mean {result['baseline']['score_mean']:.3g}, "
+          f"mean |x| {result['baseline']['score_abs_mean']:.3g}, from {low:.3g} to {high:.3g}")  # fmt: skip
     comps = result["compressions"]
     none_bytes = comps.get("none", {}).get("store", {}).get("bytes_used")
-    print(f"{'':<6}{'tokens':>8}{'1st tok':>8}{'logprob err':>18}{'stored':>16}{'blocks':>14}"
+    print(f"{'':<6}{'tokens':>8}{'1st tok':>8}{args.scores[:-1] + ' err':>18}{'stored':>16}{'blocks':>14}"
           f"{'save, connector':>18}{'save, hooks':>16}{'load, connector':>18}{'load, hooks':>16}")  # fmt: skip
     print(f"{'':<6}{'=base':>8}{'=base':>8}{'max':>9}{'mean':>9}{'MiB':>9}{'/none':>7}{'saved':>7}{'loaded':>7}"
           + f"{'s':>8}{'GB/s':>10}{'s':>7}{'GB/s':>9}" * 2)  # fmt: skip
@@ -496,6 +506,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="the engines' dtype")
     p.add_argument("--compressions", default=",".join(CODECS), help="comma-separated; none always runs first")
+    p.add_argument("--scores", choices=["logits", "logprobs"], default="logits",
+                   help="what is compared over the vocabulary at the first decode step (vLLM's logprobs_mode raw_*)")  # fmt: skip
     p.add_argument("--micro-only", action="store_true", help="only the codec micro benchmark")
     p.add_argument("--micro-mib", type=float, default=256, help="the micro benchmark's tensor (0: skip it)")
     p.add_argument("--micro-reps", type=int, default=5)
@@ -545,6 +557,7 @@ def bench_engines(args: argparse.Namespace, models: list[str], compressions: lis
             seq = args.tokens + args.max_tokens + BLOCK
             job = {"label": label, "model": str(model), "address": daemon.address, "prompts": prompts,
                    "max_tokens": args.max_tokens, "dtype": args.dtype, "compressions": compressions,
+                   "scores": args.scores,
                    "vocab": VOCAB, "kv_heads": spec["kv_heads"], "max_model_len": seq,
                    # every prompt's KV at once, twice over: nothing evicted from vLLM's own cache
                    "kv_cache_bytes": max(256 << 20, 2 * per_token * seq * args.prompts)}  # fmt: skip
