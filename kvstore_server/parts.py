@@ -10,7 +10,8 @@ wait here, in memory the daemon bounds (`limit_bytes`), for at most
 parts to be dropped, never half a block visible.
 
 Not thread-safe: the store calls it under a lock of its own (never the commit lock:
-the blocks it makes whole are then stored like a Put, which takes that lock).
+the blocks it makes whole are then stored, in the arena like a commit's or as a Put, which
+takes that lock).
 """
 
 from __future__ import annotations

@@ -446,9 +446,9 @@ class Store:
         """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k]).
         `parents`: each block's parent, where they are not a chain from `parent_hash`.
         Blocks already stored are skipped; the others wait in `parts` until puts have
-        covered all their layers, then are stored like a put's blocks (the result counts
-        those this part completed). Raises InvalidPart, or CapacityError when the parts
-        held would exceed the bound."""
+        covered all their layers, then are stored (_store_whole: in the arena when it has
+        room, else as a put's blocks; the result counts those this part completed).
+        Raises InvalidPart, or CapacityError when the parts held would exceed the bound."""
         if parents is None:
             parents = [hashes[i - 1] if i else parent_hash for i in range(len(hashes))]
         with self._lock:
@@ -467,20 +467,62 @@ class Store:
                 raise CapacityError(str(exc)) from exc
         written = skipped = nbytes = evicted = 0
         for run in _runs(whole):
-            result = self.put(
-                namespace,
-                run[0].parent,
-                [w.block_hash for w in run],
-                run[0].layers,
-                [[w.layer(k) for w in run] for k in range(len(run[0].layers))],
-                [[w.checksums[k] for w in run] for k in range(len(run[0].layers))],
-                token_ids=_run_tokens(run),
-            )
+            result = self._store_whole(namespace, run)
             written += result.blocks_written
             skipped += result.blocks_skipped
             nbytes += result.bytes_written
             evicted += result.blocks_evicted
         return PutResult(written, len(hashes) - len(fresh) + skipped, nbytes, evicted)
+
+    def _store_whole(self, namespace: bytes, run: list[Whole]) -> PutResult:
+        """Store a chain of blocks that parts made whole: in the arena when there is one and
+        it has room (so the next Pin finds them there; write-behind persists them as any
+        commit's), else as a put to the persistent tier."""
+        layers = run[0].layers
+        memory = self.memory
+        if memory is not None:
+            placed = self._whole_into_arena(memory, namespace, run)
+            if placed is not None:
+                if self._writer is not None:
+                    self._writer.wake()
+                return placed
+        return self.put(
+            namespace,
+            run[0].parent,
+            [w.block_hash for w in run],
+            layers,
+            [[w.layer(k) for w in run] for k in range(len(layers))],
+            [[w.checksums[k] for w in run] for k in range(len(layers))],
+            token_ids=_run_tokens(run),
+        )
+
+    def _whole_into_arena(self, memory: MemoryTier, namespace: bytes, run: list[Whole]) -> PutResult | None:
+        """`run` copied into a fresh extent and committed like a reservation; None when the
+        arena has no room for it (nothing changed)."""
+        layers, n = run[0].layers, len(run)
+        sizes = [layer.nbytes for layer in layers]
+        nbytes = fmt.extent_bytes(sum(sizes), n)
+        if nbytes > memory.allocator.total:
+            return None
+        with self._commit_lock:
+            try:
+                offset = self.tiers.allocate(nbytes, time.time())
+            except NoRoom as exc:
+                log.debug("blocks made whole go to the persistent tier: %s", exc)
+                return None
+            view = memory.file.view
+            for i, block in enumerate(run):
+                for k, size in enumerate(sizes):
+                    at = offset + fmt.block_layer_offset(sizes, n, k, i)
+                    view[at : at + size] = block.layer(k)
+            tokens = [block.tokens or [] for block in run] if all(block.tokens for block in run) else None
+            res = Reservation(
+                id=0, prefix=b"", namespace=namespace, parent_hash=run[0].parent,
+                hashes=[block.block_hash for block in run], parents=[block.parent for block in run],
+                request_index=list(range(n)), skipped=0, layers=layers, extent=offset, nbytes=nbytes,
+                expires=0.0, token_ids=tokens,
+            )  # fmt: skip
+            return self._record_taken(memory, res, [c for block in run for c in block.checksums], XXH3)
 
     def _check_acyclic(self, namespace: bytes, parent_hash: bytes, hashes: Sequence[bytes]) -> None:
         # Within a put the chain is linear (hashes are unique); a cycle needs an
@@ -787,36 +829,46 @@ class Store:
                     raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
                 self._check_commit(res, checksums)
                 memory.take_reservation(reservation_id, prefix)
-            recorded = False
-            try:
-                placed, victims, incoming = self._commit_records(memory, res, checksums, kind)
-                recorded = True
-            finally:
-                if not recorded:  # whatever failed, the reservation is gone: its space comes back
-                    with self._lock:
-                        memory.allocator.free(res.extent, res.nbytes)
-            ns, n = res.namespace, len(res.hashes)
+            result = self._record_taken(memory, res, checksums, kind)
             with self._lock:
-                if placed:
-                    for p in placed:
-                        m = p.meta
-                        self._index.add(ns, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
-                    memory.place(placed, placed[0].meta.created_at, dirty=True)
-                    if self._fleet_writer is not None:
-                        self._fleet_writer.add([p.meta.key for p in placed], placed[0].meta.size)
-                    tokens = [res.token_ids[p.position] for p in placed] if res.token_ids else None
-                    for listener in self._listeners:
-                        listener("stored", ns, [p.meta.block_hash for p in placed],
-                                 [p.meta.parent_hash for p in placed], tokens)  # fmt: skip
-                else:
-                    memory.allocator.free(res.extent, res.nbytes)
                 memory.counters.commits += 1
-                self.counters.puts += 1
-                self.counters.blocks_written += len(placed)
-                self.counters.bytes_written += incoming
-                self._changed.notify_all()
         if self._writer is not None:
             self._writer.wake()
+        return result
+
+    def _record_taken(
+        self, memory: MemoryTier, res: Reservation, checksums: Sequence[int], kind: str
+    ) -> PutResult:
+        """Make a taken reservation's blocks visible (under the commit lock): recorded in
+        the arena's index, queued for write-behind, announced; its extent is freed when
+        nothing of it was placed or the records failed."""
+        recorded = False
+        try:
+            placed, victims, incoming = self._commit_records(memory, res, checksums, kind)
+            recorded = True
+        finally:
+            if not recorded:  # whatever failed, the reservation is gone: its space comes back
+                with self._lock:
+                    memory.allocator.free(res.extent, res.nbytes)
+        ns, n = res.namespace, len(res.hashes)
+        with self._lock:
+            if placed:
+                for p in placed:
+                    m = p.meta
+                    self._index.add(ns, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
+                memory.place(placed, placed[0].meta.created_at, dirty=True)
+                if self._fleet_writer is not None:
+                    self._fleet_writer.add([p.meta.key for p in placed], placed[0].meta.size)
+                tokens = [res.token_ids[p.position] for p in placed] if res.token_ids else None
+                for listener in self._listeners:
+                    listener("stored", ns, [p.meta.block_hash for p in placed],
+                             [p.meta.parent_hash for p in placed], tokens)  # fmt: skip
+            else:
+                memory.allocator.free(res.extent, res.nbytes)
+            self.counters.puts += 1
+            self.counters.blocks_written += len(placed)
+            self.counters.bytes_written += incoming
+            self._changed.notify_all()
         return PutResult(len(placed), res.skipped + n - len(placed), incoming, len(victims))
 
     @staticmethod

@@ -76,6 +76,16 @@ def test_a_block_put_in_parts_is_visible_only_once_every_layer_is_in(arena_kv, k
     assert_same(kv.select(NS, hashes), layers)  # both ranks' bytes, bit-exact, in the one layout
     stats = kv.stats()
     assert (stats["partial_blocks"], stats["partial_bytes"], stats["partials_completed"]) == (0, 0, 3)
+    # made whole, the blocks sit in the arena as a commit's do: a Pin finds them there,
+    # promoting nothing, and write-behind persists them
+    assert (stats["memory_blocks"], stats["promotions"]) == (3, 0)
+    pin = arena_kv.pin(NS, hashes)
+    assert pin is not None and pin.num_blocks == 3
+    assert pin.verify() is None  # every layer's checksum holds
+    pin.release()
+    assert kv.stats()["promotions"] == 0
+    eventually(lambda: kv.stats()["write_behind_blocks"] == 0)
+    assert kv.stats()["write_behind_dropped"] == 0
     # a part of blocks stored whole is skipped, as a put of them is
     assert put_part(arena_kv, hashes, layers, RANK0, via).blocks_skipped == 3
     assert kv.stats()["partial_blocks"] == 0
