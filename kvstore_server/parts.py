@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvstore.blocks import BlockKey, LayerSpec, checksum
+from kvstore.blocks import BlockKey, LayerSpec, checksum, selected_layers
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ class _Block:
     data: bytearray  # the whole block, layers back to back
     checksums: list[int | None]
     started: float
+    offsets: list[int]  # each layer's start in `data` (one list per put: its layout's)
     tokens: list[int] | None = None
-    offsets: list[int] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -60,9 +60,10 @@ class Whole:
     data: bytearray
     checksums: tuple[int, ...]
     tokens: list[int] | None
+    offsets: list[int]
 
     def layer(self, k: int) -> memoryview:
-        start = sum(layer.nbytes for layer in self.layers[:k])
+        start = self.offsets[k]
         return memoryview(self.data)[start : start + self.layers[k].nbytes]
 
 
@@ -71,14 +72,11 @@ def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | No
     index). Raises PartError for indices out of range or not strictly increasing."""
     if not subset:
         return None
-    previous = -1
-    for index in subset:
-        if index <= previous:
-            raise PartError("layer indices must be strictly increasing")
-        if index >= num_layers:
-            raise PartError(f"layer index {index} is beyond the block's {num_layers} layers")
-        previous = index
-    return None if len(subset) == num_layers else tuple(subset)
+    try:
+        chosen = selected_layers(subset, num_layers)
+    except ValueError as exc:
+        raise PartError(str(exc)) from exc
+    return None if len(chosen) == num_layers else tuple(chosen)
 
 
 class PartAssembler:
@@ -110,9 +108,11 @@ class PartAssembler:
         *,
         indices: Sequence[int] | None = None,
         tokens: Sequence[Sequence[int]] | None = None,
+        sums: Callable[[int, int], int] | None = None,
     ) -> list[Whole]:
         """Take one put's parts: for block `i` of `hashes` (those in `indices`, default
-        all), layer `subset[k]`'s bytes are `data(k, i)`. Returns the blocks this made whole,
+        all), layer `subset[k]`'s bytes are `data(k, i)`, and their xxh3 `sums(k, i)` where
+        the caller has it already (else it is computed). Returns the blocks this made whole,
         in put order. All or nothing: a part that conflicts with what is held raises
         PartError, a put that would go beyond the bound PartsFull, and nothing is taken."""
         self.expire()
@@ -135,18 +135,16 @@ class PartAssembler:
                 f"(max_partial_bytes {self.limit_bytes}); retry once their other ranks have put them"
             )
         now = self._clock()
+        offsets, at = [], 0
+        for layer in layers:
+            offsets.append(at)
+            at += layer.nbytes
         done: list[Whole] = []
         for n, i in enumerate(todo):
             key = (namespace, hashes[i])
             block = self._blocks.get(key)
             if block is None:
-                offsets, at = [], 0
-                for layer in layers:
-                    offsets.append(at)
-                    at += layer.nbytes
-                block = _Block(
-                    layers, parents[i], bytearray(block_bytes), [None] * len(layers), now, offsets=offsets
-                )
+                block = _Block(layers, parents[i], bytearray(block_bytes), [None] * len(layers), now, offsets)
                 self._blocks[key] = block
                 self.nbytes += block_bytes
             if tokens is not None and block.tokens is None:
@@ -155,14 +153,16 @@ class PartAssembler:
                 start = block.offsets[layer_index]
                 target = memoryview(block.data)[start : start + layers[layer_index].nbytes]
                 target[:] = data(k, i)
-                # the daemon's own xxh3 of what it holds: the persistent tier's kind
-                block.checksums[layer_index] = checksum(target)
+                # xxh3 of what it holds (the persistent tier's kind): summed once, here or by the caller
+                block.checksums[layer_index] = checksum(target) if sums is None else sums(k, i)
             if block.complete:
                 del self._blocks[key]
                 self.nbytes -= block_bytes
                 self.completed += 1
-                sums = tuple(c for c in block.checksums if c is not None)
-                done.append(Whole(i, hashes[i], block.parent, layers, block.data, sums, block.tokens))
+                whole = tuple(c for c in block.checksums if c is not None)
+                done.append(
+                    Whole(i, hashes[i], block.parent, layers, block.data, whole, block.tokens, offsets)
+                )
         return done
 
     def expire(self) -> list[BlockKey]:

@@ -11,8 +11,8 @@ persistent tier gets every block in the end (written behind from the arena).
 Saves through the arena (reserve -> the client writes -> commit) land in the
 memory tier and are written behind; gRPC Puts go to the persistent tier. A
 partial save or put (one tensor-parallel rank's KV heads: kvstore_server.parts)
-waits in memory for the block's other parts; the block made whole is stored
-like a Put. Loads
+waits in memory for the block's other parts; the block made whole goes to the
+memory tier like a commit's (a Put's way when the arena has no room). Loads
 pin blocks in the arena, promoting those only the persistent tier holds; gRPC
 reads take each block from the first tier that has it. The chain moves blocks
 between tiers; the store decides what is stored (the index, capacity,
@@ -364,8 +364,9 @@ class Store:
         """
         if subset is not None:
             return self.put_part(
-                namespace, parent_hash, hashes, layers, subset, lambda k, i: data[k][i], token_ids=token_ids
-            )
+                namespace, parent_hash, hashes, layers, subset, lambda k, i: data[k][i], token_ids=token_ids,
+                sums=None if checksums is None else lambda k, i: checksums[k][i],
+            )  # fmt: skip
         block_bytes = sum(layer.nbytes for layer in layers)
         chain = {(namespace, h) for h in hashes}
         if parent_hash:
@@ -442,9 +443,11 @@ class Store:
         *,
         token_ids: Sequence[int] = (),
         parents: Sequence[bytes] | None = None,
+        sums: Callable[[int, int], int] | None = None,
     ) -> PutResult:
-        """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k]).
-        `parents`: each block's parent, where they are not a chain from `parent_hash`.
+        """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k];
+        `sums(k, i)`: its xxh3, when the caller has it). `parents`: each block's parent,
+        where they are not a chain from `parent_hash`.
         Blocks already stored are skipped; the others wait in `parts` until puts have
         covered all their layers, then are stored (_store_whole: in the arena when it has
         room, else as a put's blocks; the result counts those this part completed).
@@ -459,8 +462,9 @@ class Store:
         with self._parts_lock:
             try:
                 whole = self.parts.add(
-                    namespace, hashes, parents, tuple(layers), subset, data, indices=fresh, tokens=tokens
-                )
+                    namespace, hashes, parents, tuple(layers), subset, data, indices=fresh, tokens=tokens,
+                    sums=sums,
+                )  # fmt: skip
             except PartError as exc:
                 raise InvalidPart(str(exc)) from exc
             except PartsFull as exc:
@@ -909,6 +913,7 @@ class Store:
             result = self.put_part(
                 res.namespace, res.parent_hash, res.hashes, res.full_layers, subset, data,
                 token_ids=tokens, parents=res.parents,
+                sums=(lambda k, i: checksums[i * width + k]) if kind == XXH3 else None,  # verified above
             )  # fmt: skip
         finally:  # whatever happened, the reservation is gone: its space comes back
             with self._lock:

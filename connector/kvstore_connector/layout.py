@@ -123,10 +123,11 @@ class StoreLayout:
         own: list[int] = []
         views: dict[str, torch.Tensor] = {}
         by_layer: dict[str, list[str]] = {}
+        for name in caches:
+            if HEAD_SEP in name:
+                raise ValueError(f"layer name {name!r} contains {HEAD_SEP!r}")
         if mla:
             for name, view in caches.items():
-                if HEAD_SEP in name:
-                    raise ValueError(f"layer name {name!r} contains {HEAD_SEP!r}")
                 own.append(len(specs))
                 specs.append(spec(name, view, tuple(view.shape[1:])))
                 views[name] = view
@@ -135,8 +136,6 @@ class StoreLayout:
         first, end, saves = head_range(num_kv_heads, tp_size, tp_rank)
         local = end - first
         for name, view in caches.items():
-            if HEAD_SEP in name:
-                raise ValueError(f"layer name {name!r} contains {HEAD_SEP!r}")
             if view.dim() < 3 or view.shape[1] != local:
                 raise ValueError(
                     f"KV cache of {name!r} has per-block shape {list(view.shape[1:])}: the store needs "

@@ -130,10 +130,9 @@ class BlockMover:
     def gather(self, kv: torch.Tensor, ids: torch.Tensor) -> PendingCopy:
         """Copy blocks `ids` of a block-major view `kv` to host memory: [n, *kv.shape[1:]]
         (pinned on CUDA; with a codec, its packed rows); see gather_into."""
-        if not self.cuda:
-            blocks = kv.index_select(0, ids)
-            return PendingCopy(blocks if self.codec is None else self.codec.encode(blocks))
         gathered = self._selected(kv, ids)
+        if not self.cuda:
+            return PendingCopy(gathered)
         host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
         return self._to_host(gathered, host)
 
@@ -141,7 +140,7 @@ class BlockMover:
         self, kv: torch.Tensor, ids: torch.Tensor, via: torch.Tensor | None = None, dim: int = 0
     ) -> torch.Tensor:
         """Blocks `ids` of `kv` (indexed at `dim`) on its device, encoded when there is a codec
-        (a row per block and layer), into `via` when given (dest's shape, on the device)."""
+        (a row per block and layer), into `via` when given (dest's shape, on kv's device)."""
         if self.codec is None:
             return index_select(kv, dim, ids, via)
         blocks = index_select(kv, dim, ids)
@@ -167,14 +166,9 @@ class BlockMover:
         H200) and the device-to-host copy on the side stream. `via` (dest's shape, on the
         device): gather there, copy from there (and keep it). `dim` 1: `kv` is [layers,
         num_blocks, ...] (a rank's KV heads of one layer) and `dest` [layers, len(ids), ...]."""
-        if not self.cuda:
-            if via is None and self.codec is None:
-                index_select(kv, dim, ids, dest)
-            elif via is None and self.codec is not None:
-                blocks = index_select(kv, dim, ids)
-                self.codec.encode_into(
-                    blocks if dim == 0 else blocks.flatten(0, 1), dest.view(-1, dest.shape[-1])
-                )
+        if not self.cuda:  # into dest itself, or through via
+            if via is None:
+                self._selected(kv, ids, dest, dim)
             else:
                 dest.copy_(self._selected(kv, ids, via, dim))
             return PendingCopy(dest)

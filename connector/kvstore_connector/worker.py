@@ -143,6 +143,7 @@ class WorkerSide:
         self._caches: dict[str, torch.Tensor] = {}  # by store layer: its paged view, block-major
         self._load_inline = False  # CPU caches: loads run on the forward thread
         self._specs: list[LayerSpec] = []  # this rank's store layers
+        self._block_bytes = 0  # one block's bytes of them (what this rank moves per block)
         self.layout: StoreLayout | None = None
         self._mover: BlockMover | None = None
         self._loader = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-load")
@@ -181,6 +182,7 @@ class WorkerSide:
             self.save = False
         self._caches = layout.views
         self._specs = layout.own_specs
+        self._block_bytes = layout.own_bytes
         self._mover = BlockMover(first.device, self.codec)
         self._load_inline = first.device.type == "cpu"
         self._grpc = GrpcTransport(
@@ -271,7 +273,7 @@ class WorkerSide:
                     self._load_errors.update(bad)
                 self._add_stats(load_errors=len(spec.block_ids) - loaded_blocks)
             if loaded_blocks:
-                nbytes = loaded_blocks * sum(s.block_bytes for s in self._specs)  # this rank's heads
+                nbytes = loaded_blocks * self._block_bytes  # this rank's heads
                 self._add_stats(
                     loads=1,
                     blocks_loaded=loaded_blocks,
@@ -351,13 +353,12 @@ class WorkerSide:
         grpc = self._grpc
         if grpc is None:
             raise RuntimeError("save before register_kv_caches")
-        block_bytes = sum(s.block_bytes for s in self._specs)
         for spec in specs:
             if self._arena is not None and self._open_arena_save(spec):
                 continue
             reserved = 0
             if not self.save_sync:
-                reserved = len(spec.block_ids) * block_bytes
+                reserved = len(spec.block_ids) * self._block_bytes
                 if not self.backlog.admit(reserved):
                     self._add_stats(saves_dropped=1)
                     continue
@@ -430,7 +431,7 @@ class WorkerSide:
     def _saved(self, blocks_written: int, blocks_sent: int, started: float) -> None:
         """Stats of a committed save: the blocks it made visible (with tensor parallelism, the
         last rank's part of a block does), the bytes this rank moved (its KV heads)."""
-        nbytes = blocks_sent * sum(s.block_bytes for s in self._specs)
+        nbytes = blocks_sent * self._block_bytes
         self._add_stats(
             saves=1,
             blocks_saved=blocks_written,
