@@ -18,7 +18,11 @@ The daemon keeps which extent holds which committed block in its own index
 (not in this file); clients learn extents from the Reserve and Pin answers.
 The header's `store_id` is the daemon run's id (LocalAccess/ArenaAccess report
 the same): a client maps the file only when the two agree, which proves it sees
-the daemon's file, not another one at the same path.
+the daemon's file, not another one at the same path. Its `owner` is the data
+directory the arena belongs to (the other half of that record is the data
+directory's ARENA file; kvstore.arenas tells live, recoverable and orphaned
+arenas apart with both). The owner lies after the fixed fields, flagged, so
+readers of arenas written before it was recorded see an empty owner.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ DATA_OFFSET = HEADER_BYTES
 ALIGN = 4096
 # magic, version, flags, file size, data offset, arena id (random per file), store id (per run)
 _HEADER = struct.Struct("<8sIIQQ32s64s")
+# flags: the header records its owner (the data directory's path, UTF-8) at _OWNER_AT
+FLAG_OWNER = 1
+_OWNER_AT = 256
+_OWNER_LEN = struct.Struct("<H")
+MAX_OWNER_BYTES = HEADER_BYTES - _OWNER_AT - _OWNER_LEN.size
 
 
 class ArenaFormatError(ValueError):
@@ -48,31 +57,48 @@ class Header:
     arena_id: str
     store_id: str
     data_offset: int = DATA_OFFSET
+    owner: str = ""  # the owning data directory's absolute path; "" when not recorded
 
     def pack(self) -> bytes:
+        owner = self.owner.encode()
+        if len(owner) > MAX_OWNER_BYTES:
+            raise ArenaFormatError(f"an arena's owner path is at most {MAX_OWNER_BYTES} bytes")
         raw = _HEADER.pack(
             MAGIC,
             VERSION,
-            0,
+            FLAG_OWNER if owner else 0,
             self.size,
             self.data_offset,
             self.arena_id.encode().ljust(32, b"\0"),
             self.store_id.encode().ljust(64, b"\0"),
         )
+        raw = raw.ljust(_OWNER_AT, b"\0") + _OWNER_LEN.pack(len(owner)) + owner
         return raw.ljust(HEADER_BYTES, b"\0")
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> Header:
         if len(raw) < _HEADER.size:
             raise ArenaFormatError("arena header is truncated")
-        magic, version, _flags, size, data_offset, arena_id, store_id = _HEADER.unpack_from(raw)
+        magic, version, flags, size, data_offset, arena_id, store_id = _HEADER.unpack_from(raw)
         if magic != MAGIC:
             raise ArenaFormatError("not a kvstore arena file (bad magic)")
         if version != VERSION:
             raise ArenaFormatError(f"arena format version {version}, expected {VERSION}")
         if data_offset != DATA_OFFSET or size < data_offset:
             raise ArenaFormatError(f"arena header has a bad layout (size {size}, data at {data_offset})")
-        return cls(size, arena_id.rstrip(b"\0").decode(), store_id.rstrip(b"\0").decode(), data_offset)
+        owner = ""
+        if flags & FLAG_OWNER:
+            if len(raw) < _OWNER_AT + _OWNER_LEN.size:
+                raise ArenaFormatError("arena header is truncated")
+            (length,) = _OWNER_LEN.unpack_from(raw, _OWNER_AT)
+            start = _OWNER_AT + _OWNER_LEN.size
+            if length > MAX_OWNER_BYTES or len(raw) < start + length:
+                raise ArenaFormatError(f"arena header has a bad owner length {length}")
+            try:
+                owner = bytes(raw[start : start + length]).decode()
+            except UnicodeDecodeError as exc:
+                raise ArenaFormatError("arena header's owner is not UTF-8") from exc
+        return cls(size, arena_id.rstrip(b"\0").decode(), store_id.rstrip(b"\0").decode(), data_offset, owner)
 
 
 def extent_bytes(block_bytes: int, num_blocks: int) -> int:
@@ -99,4 +125,14 @@ def arena_file(memory_dir: Path, data_dir: Path) -> Path:
     """The arena file of the daemon on `data_dir`: one per data directory, stable across
     restarts (so a restarted daemon finds the file that outlived its predecessor)."""
     tag = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
-    return memory_dir / f"kvstore-{tag}.arena"
+    return memory_dir / f"{ARENA_PREFIX}{tag}{ARENA_SUFFIX}"
+
+
+ARENA_PREFIX = "kvstore-"
+ARENA_SUFFIX = ".arena"
+INDEX_SUFFIX = ".index"
+"""The arena's index (an LMDB directory) is the arena file's path + INDEX_SUFFIX."""
+
+
+def index_path(arena: Path) -> Path:
+    return arena.with_name(arena.name + INDEX_SUFFIX)

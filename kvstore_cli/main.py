@@ -20,6 +20,9 @@ Commands:
     explain --namespace NS [--block-size N] [--hash-root ROOT] [FILE]
                                     which blocks of a prompt (token ids from FILE or stdin)
                                     are stored, where its chain breaks, tokens reusable
+    arenas [--memory-dir DIR] [--remove-orphans [--include-unowned]]
+                                    on the daemon's host, no daemon needed: the arena files
+                                    in DIR (/dev/shm): live, recoverable, orphan, unowned
 
 Security: --token (or $KVSTORE_TOKEN) sends a bearer token; --tls-ca (or
 $KVSTORE_TLS_CA) connects with TLS, --tls-cert/--tls-key add a client certificate.
@@ -47,6 +50,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
+from kvstore_cli import arenas as arenas_command
 from kvstore_cli.formatting import (
     format_duration,
     format_percent,
@@ -627,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("--cache-salt", metavar="SALT", help="the request's cache salt, if it had one")
     explain.add_argument("--lora", metavar="NAME", help="the request's LoRA adapter name, if it had one")
+    arenas_command.add_command(sub)
     return parser
 
 
@@ -636,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error (2)
         return int(exc.code or 0)
+    if getattr(args, "local", None) is not None:  # a command on this host's files, no daemon
+        return int(args.local(args))
     try:
         client = KVStoreClient(
             args.address,

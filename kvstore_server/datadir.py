@@ -23,6 +23,7 @@ import os
 import time
 from pathlib import Path
 
+from kvstore import arenas
 from kvstore.layouts import BACKEND_DIRS, STORE_ID_FILE
 from kvstore_server.tiers import NO_SPACE
 
@@ -77,6 +78,31 @@ def publish_store_id(path: Path, store_id: str | None) -> None:
         (path / STORE_ID_FILE).unlink(missing_ok=True)
         return
     write_record(path / STORE_ID_FILE, store_id.encode(), sync=False)
+
+
+def claim_arena(data_dir: Path, arena: Path, arena_id: str) -> None:
+    """Record in `data_dir` that the arena at `arena` is its own (kvstore.arenas: the
+    other half of the record is the arena header's owner). A full filesystem only
+    costs the claim: logged, and the arena is then an orphan once its daemon is gone."""
+    try:
+        write_record(
+            data_dir / arenas.CLAIM_FILE, arenas.claim_record(arena.absolute(), arena_id), sync=False
+        )
+    except OSError as exc:
+        log.warning(
+            "cannot record the memory tier %s in %s (%s): after a crash it will be removed, not recovered",
+            arena,
+            data_dir,
+            exc,
+        )
+
+
+def withdraw_arena_claim(data_dir: Path) -> None:
+    """`data_dir` claims no arena (its arena was removed, or it runs without one)."""
+    try:
+        (data_dir / arenas.CLAIM_FILE).unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("cannot withdraw the memory tier's claim in %s: %s", data_dir, exc)
 
 
 class DataDirInUse(RuntimeError):

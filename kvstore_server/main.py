@@ -42,7 +42,7 @@ from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.rpc import SERVICE_NAME, Servicer, generic_handler
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
-from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier
+from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier, sweep_memory_dir
 from kvstore_server.tiers.fleet import FleetSettings, FleetTier
 
 log = logging.getLogger("kvstore_server")
@@ -140,6 +140,7 @@ def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
     size = config.memory_bytes()
     if rebooted:
         discard_memory_tier(config.memory_dir, config.data_dir)
+    sweep_memory_dir(config.memory_dir, config.data_dir, enabled=bool(size))
     if size:
         try:
             memory = open_memory_tier(

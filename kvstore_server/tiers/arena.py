@@ -39,8 +39,10 @@ from pathlib import Path
 import lmdb
 
 from kvstore import arena_format as fmt
+from kvstore import arenas
 from kvstore.blocks import WSUM32, XXH3, Layout, layout_of
 from kvstore.memory import MADV_POPULATE_WRITE
+from kvstore_server.datadir import claim_arena, withdraw_arena_claim
 from kvstore_server.tiers.base import NO_SPACE, BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,9 @@ class ArenaFile:
     recovered); anything else at the path is replaced by a fresh, zeroed arena.
     """
 
-    def __init__(self, path: Path, size: int, store_id: str, *, group: int | None = None) -> None:
+    def __init__(
+        self, path: Path, size: int, store_id: str, *, owner: str = "", group: int | None = None
+    ) -> None:
         if size < fmt.DATA_OFFSET + fmt.ALIGN:
             raise ArenaError(
                 f"memory tier of {size} bytes is too small (at least {fmt.DATA_OFFSET + fmt.ALIGN})"
@@ -88,17 +92,20 @@ class ArenaFile:
         size -= size % fmt.ALIGN
         self.path = path
         self.size = size
-        old = self._existing_header(path, size)
+        self.owner = owner
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Held for the daemon's life: the lock tells orphan removers it is live.
+            self._fd = arenas.open_locked(path)
+        except OSError as exc:
+            raise ArenaError(f"cannot create the memory tier's file {path}: {exc.strerror or exc}") from exc
+        fd = self._fd
+        old = self._existing_header(fd, size)
         self.fresh = old is None
         arena_id = old.arena_id if old is not None else secrets.token_hex(16)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             if self.fresh:
-                path.unlink(missing_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ArenaError(f"cannot create the memory tier's file {path}: {exc.strerror}") from exc
-        try:
+                os.ftruncate(fd, 0)  # another size or format: nothing of it is kept
             os.fchmod(fd, 0o660 if group is not None else 0o600)
             if group is not None:
                 os.fchown(fd, -1, group)
@@ -108,16 +115,15 @@ class ArenaFile:
             os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            os.close(fd)
             if self.fresh:
                 path.unlink(missing_ok=True)
+            os.close(fd)
             if exc.errno in NO_SPACE:
                 raise ArenaError(
                     f"no room for a memory tier of {size} bytes in {path.parent} "
                     "(a container's /dev/shm is 64 MiB unless shm_size says more)"
                 ) from exc
             raise ArenaError(f"cannot size the memory tier's file {path}: {exc.strerror}") from exc
-        os.close(fd)
         started = time.perf_counter()
         try:
             self._map.madvise(MADV_POPULATE_WRITE)
@@ -125,35 +131,40 @@ class ArenaFile:
             log.debug("memory tier not pre-faulted in this process: %s", exc)
         log.debug("memory tier mapped in %.2fs", time.perf_counter() - started)
         self.view = memoryview(self._map)
-        self.header = fmt.Header(size, arena_id, store_id)
+        self.header = fmt.Header(size, arena_id, store_id, owner=owner)
         self.view[: fmt.HEADER_BYTES] = self.header.pack()
 
     @staticmethod
-    def _existing_header(path: Path, size: int) -> fmt.Header | None:
+    def _existing_header(fd: int, size: int) -> fmt.Header | None:
         try:
-            with open(path, "rb") as f:
-                header = fmt.Header.unpack(f.read(fmt.HEADER_BYTES))
-            if header.size != size or path.stat().st_size != size:
+            if os.fstat(fd).st_size == 0:
+                return None
+            header = fmt.Header.unpack(os.pread(fd, fmt.HEADER_BYTES, 0))
+            if header.size != size or os.fstat(fd).st_size != size:
                 log.info("memory tier resized to %d bytes: starting it empty", size)
                 return None
             return header
-        except FileNotFoundError:
-            return None
         except (OSError, fmt.ArenaFormatError) as exc:
-            log.warning("replacing the memory tier's file %s: %s", path, exc)
+            log.warning("replacing the memory tier's file: %s", exc)
             return None
 
     def publish(self, store_id: str) -> None:
         """Write the serving daemon run's id into the header (clients check it)."""
-        self.header = fmt.Header(self.size, self.header.arena_id, store_id)
+        self.header = fmt.Header(self.size, self.header.arena_id, store_id, owner=self.owner)
         self.view[: fmt.HEADER_BYTES] = self.header.pack()
 
-    def close(self) -> None:
+    def close(self, *, remove: bool = False) -> None:
+        """Unmap; `remove`: also delete the file (before its lock goes with the descriptor)."""
         try:
             self.view.release()
             self._map.close()
         except BufferError:  # a view of a read is still referenced: the mapping goes with it
             log.debug("memory tier mapping still in use at close; left to the garbage collector")
+        try:
+            if remove:
+                self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
 
 
 # ---- allocation -------------------------------------------------------------------
@@ -424,16 +435,17 @@ class MemoryTier:
         everything is written behind: the memory goes back to the host). Otherwise they
         stay for the next start to recover."""
         self.index.close()
-        self.file.close()
-        if remove:
-            try:
-                self.file.path.unlink(missing_ok=True)
+        try:
+            self.file.close(remove=remove)
+            if remove:
                 shutil.rmtree(self.index.path, ignore_errors=False)
-            except OSError as exc:
-                log.warning("could not remove the memory tier's files: %s", exc)
-            else:
+        except OSError as exc:
+            log.warning("could not remove the memory tier's files: %s", exc)
+        else:
+            if remove and self.file.owner:
+                withdraw_arena_claim(Path(self.file.owner))
                 log.info("memory tier written behind and removed")
-        elif self.dirty or self.memory_only:
+        if not remove and (self.dirty or self.memory_only):
             log.warning(
                 "%d blocks are in the memory tier only; %s keeps them for the next start",
                 len(self.dirty) + len(self.memory_only),
@@ -634,11 +646,26 @@ class MemoryTier:
 def discard_memory_tier(memory_dir: Path, data_dir: Path) -> None:
     """Remove the data directory's arena and its index, if any (after a reboot)."""
     path = fmt.arena_file(memory_dir, data_dir)
-    index = path.with_name(path.name + ".index")
+    index = fmt.index_path(path)
     if path.exists() or index.exists():
         log.warning("discarding the memory tier %s: it outlived a reboot and was never synced", path)
         path.unlink(missing_ok=True)
         shutil.rmtree(index, ignore_errors=True)
+
+
+def sweep_memory_dir(memory_dir: Path, data_dir: Path, *, enabled: bool) -> list[arenas.ArenaInfo]:
+    """Before the memory tier opens: withdraw `data_dir`'s claim when it runs without
+    one (its old arena, if any, is then an orphan), and remove the orphaned arenas of
+    `memory_dir` that no live daemon holds (see kvstore.arenas). Returns what went."""
+    if not enabled:
+        withdraw_arena_claim(data_dir)
+    try:
+        return arenas.remove_orphans(
+            memory_dir, keep=fmt.arena_file(memory_dir, data_dir) if enabled else None
+        )
+    except OSError as exc:
+        log.warning("could not look for orphaned arenas in %s: %s", memory_dir, exc)
+        return []
 
 
 def open_memory_tier(
@@ -651,12 +678,14 @@ def open_memory_tier(
     write_behind_bytes: int,
     group: int | None = None,
 ) -> MemoryTier:
-    """The data directory's arena under `memory_dir`, recovered if it outlived a daemon."""
+    """The data directory's arena under `memory_dir`, recovered if it outlived a daemon,
+    locked while it is open and claimed by `data_dir` (see kvstore.arenas)."""
     path = fmt.arena_file(memory_dir, data_dir)
-    file = ArenaFile(path, size, store_id, group=group)
+    file = ArenaFile(path, size, store_id, owner=str(data_dir.resolve()), group=group)
     try:
-        index = ArenaIndex(path.with_name(path.name + ".index"), file.header.arena_id)
+        index = ArenaIndex(fmt.index_path(path), file.header.arena_id)
     except ArenaError:
         file.close()
         raise
+    claim_arena(data_dir, path, file.header.arena_id)
     return MemoryTier(file, index, lease_seconds, write_behind_bytes)
