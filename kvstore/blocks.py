@@ -6,6 +6,7 @@
     BlockMeta       a stored block's metadata record (JSON, never pickle)
     StoredBlock     a block read back: its record and one view per layer
     leading_blocks  the usable prefix of a read (present, one layout, verified)
+    STOP_*          why a read returned fewer blocks than it was asked for
     selected_layers a read's choice of layers (a tensor-parallel rank's KV heads)
     PutResult       what a committed put did
     StorageError    stored files that cannot be opened or read
@@ -264,6 +265,27 @@ class StoredBlock:
         return None
 
 
+# Why a read (Get, DropSelect, Pin; KVStoreClient.select) returned fewer blocks than it
+# was asked for: what stopped it at the first block it did not return. The wire carries
+# them as kvstore.v1.StopReason (kvstore.wire.STOP_REASONS).
+STOP_NONE = "none"
+"""Nothing stopped it: every block asked for came."""
+STOP_NOT_STORED = "not_stored"
+"""The block is not stored (a lookup stops there too)."""
+STOP_LAYER_SET_DIFFERS = "layer_set_differs"
+"""Stored with other layers (names, dtypes, shapes) than the blocks before it: a read never
+mixes layer sets, but a lookup counts the block."""
+STOP_CHECKSUM_FAILED = "checksum_failed"
+"""Its bytes failed their checksum (the daemon removed it)."""
+STOP_EVICTED = "evicted"
+"""Removed between finding the prefix and reading it (evicted, taken, or unreadable)."""
+STOP_NO_ROOM = "no_room"
+"""A load through the memory tier: no room there to bring the block in from the
+persistent tier (a Get would read it)."""
+STOP_UNKNOWN = "unknown"
+"""The daemon (or the source of the read) did not say."""
+
+
 @dataclass(frozen=True, slots=True)
 class BlockPrefix:
     """The leading usable blocks of a read, and why the block after them is not usable."""
@@ -277,6 +299,15 @@ class BlockPrefix:
     @property
     def layers(self) -> tuple[LayerSpec, ...]:
         return self.blocks[0].meta.layers if self.blocks else ()
+
+    def stop_reason(self, missing: str = STOP_NOT_STORED) -> str:
+        """`stop` as a STOP_* reason; `missing`: what an absent block means to the reader
+        (not stored, for a reader of the files; evicted, for the daemon, whose index had it)."""
+        if self.stop is None:
+            return STOP_NONE
+        return {"missing": missing, "corrupt": STOP_CHECKSUM_FAILED, "layout": STOP_LAYER_SET_DIFFERS}[
+            self.stop
+        ]
 
 
 def leading_blocks(

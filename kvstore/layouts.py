@@ -2,9 +2,12 @@
 clients read them (kvstore_client.local) without importing the daemon.
 
     <data_dir>/STORE_ID                  this daemon run's id (STORE_ID_FILE)
-    <data_dir>/lmdb/                     the LMDB backend: databases META_DB and DATA_DB,
-                                         both keyed by lmdb_key(namespace, hash); a block's
-                                         data is its layers back to back (split_layers)
+    <data_dir>/lmdb/                     the LMDB backend's index: databases BLOCKS_DB
+                                         (lmdb_key(namespace, hash) -> a binary record,
+                                         kvstore.records) and LAYOUTS_DB (digest -> layout)
+    <data_dir>/lmdb/segments/seg-XXXXXXXX
+                                         its payloads: a block's layers back to back, in one
+                                         extent of a segment file (the record says where)
     <data_dir>/blocks/<ns>/<hh>/<hash>.safetensors
                                          the disk backend: one safetensors file per block
                                          (block_path, block_file_header, parse_block_file)
@@ -23,7 +26,8 @@ from io import BufferedReader
 from pathlib import Path
 from typing import Any, Final
 
-from kvstore.blocks import BlockKey, BlockMeta, StorageError, StoredBlock
+from kvstore import records
+from kvstore.blocks import BlockKey, BlockMeta, LayerSpec, Layout, StorageError, StoredBlock
 from kvstore.wire import DTYPES
 
 log = logging.getLogger(__name__)
@@ -43,28 +47,69 @@ def backend_dir(kind: str, data_dir: Path) -> Path:
     return data_dir / BACKEND_DIRS[kind]
 
 
-# ---- LMDB: two named databases in one environment, so a block's record and bytes
-# commit in one transaction
-META_DB: Final = b"meta"
-DATA_DB: Final = b"data"
+# ---- LMDB: the index (records and layouts) in one environment; payloads in segments
+BLOCKS_DB: Final = b"blocks"
+LAYOUTS_DB: Final = b"layouts"
 LMDB_MAX_DBS: Final = 2
+FORMAT_KEY: Final = b"format"
+"""In the main database: LMDB_FORMAT (an environment without it is of an older layout)."""
+LMDB_FORMAT: Final = b"segments-1"
+SEGMENTS_DIR: Final = "segments"
 # Same-host clients take reader slots too: one per read in flight.
 LMDB_MAX_READERS: Final = 1024
 
-
-def lmdb_key(namespace: bytes, block_hash: bytes) -> bytes:
-    """`len(ns)` (2 bytes, big-endian) || ns || hash."""
-    return len(namespace).to_bytes(2, "big") + namespace + block_hash
+lmdb_key = records.index_key
 
 
 def split_layers(data: memoryview, meta: BlockMeta) -> list[memoryview] | None:
-    """A stored value's per-layer views; None when its size does not match the record."""
+    """A stored payload's per-layer views; None when its size does not match the record."""
     views = []
     offset = 0
     for layer in meta.layers:
         views.append(data[offset : offset + layer.nbytes])
         offset += layer.nbytes
     return views if offset == len(data) else None
+
+
+def segment_path(root: Path, segment: int) -> Path:
+    """Segment file `segment` of the LMDB backend rooted at `root`."""
+    return root / SEGMENTS_DIR / f"seg-{segment:08x}"
+
+
+class SegmentMaps:
+    """Read-only mappings of a backend's segment files, made as they are first read and
+    kept (a segment never shrinks while its daemon lives). Views into them stay valid
+    while this object lives. The daemon may reuse a freed extent while another
+    process still reads it: every reader verifies checksums, so that is a failed check
+    (and a read through the daemon), never wrong bytes used."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def view(self, segment: int, offset: int, nbytes: int) -> memoryview | None:
+        m = self._maps.get(segment)
+        if m is None:
+            try:
+                with open(segment_path(self.root, segment), "rb") as f:
+                    m = self._maps[segment] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot map segment %d of %s: %s", segment, self.root, exc)
+                return None
+        if offset + nbytes > len(m):
+            return None
+        return memoryview(m)[offset : offset + nbytes]
+
+    def maps(self) -> list[mmap.mmap]:
+        return list(self._maps.values())
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view is still referenced: the mapping goes with it
+                log.debug("a segment mapping is still in use at close")
+        self._maps.clear()
 
 
 # ---- disk: one safetensors file per block (readable by the `safetensors` library as-is),
@@ -132,25 +177,58 @@ def parse_block_file(buf: mmap.mmap | bytearray) -> tuple[BlockMeta, list[memory
 BAD_RECORD = (ValueError, KeyError, TypeError, StorageError)
 
 
-def read_lmdb_block(txn: Any, meta_db: Any, data_db: Any, key: BlockKey) -> StoredBlock | None:
-    """One block in an open LMDB read transaction (buffers=True): its views point into
-    the map until the transaction ends. None when absent or unreadable (logged);
-    lmdb.Error propagates to the caller, which owns the transaction."""
-    raw_key = lmdb_key(*key)
-    raw_meta = txn.get(raw_key, db=meta_db)
-    data = txn.get(raw_key, db=data_db)
-    if raw_meta is None or data is None:
+def read_lmdb_record(txn: Any, blocks_db: Any, layouts_db: Any, key: BlockKey) -> records.Record | None:
+    """A block's record in an open read transaction of the LMDB index; None when absent
+    or unreadable (logged). lmdb.Error propagates to the caller, which owns the
+    transaction."""
+    raw = txn.get(lmdb_key(*key), db=blocks_db)
+    if raw is None:
         return None
     try:
-        meta = BlockMeta.from_json(raw_meta)
-    except BAD_RECORD as exc:
-        log.warning("unreadable metadata for block %s: %s", key[1].hex(), exc)
+        return records.parse(lmdb_key(*key), raw, LayoutReader(txn, layouts_db))
+    except (*BAD_RECORD, *records.BAD_RECORD) as exc:
+        log.warning("unreadable record of block %s: %s", key[1].hex(), exc)
         return None
-    views = split_layers(data, meta)
+
+
+def read_lmdb_block(
+    txn: Any, blocks_db: Any, layouts_db: Any, maps: SegmentMaps, key: BlockKey
+) -> StoredBlock | None:
+    """One block: its record from the index and views of its payload in the segment
+    files. None when absent or unreadable (logged)."""
+    record = read_lmdb_record(txn, blocks_db, layouts_db, key)
+    if record is None:
+        return None
+    offset, segment, nbytes = record.where
+    data = maps.view(segment, offset, nbytes)
+    views = split_layers(data, record.meta) if data is not None else None
     if views is None:
-        log.warning("block %s: stored size does not match its metadata", key[1].hex())
+        log.warning("block %s: its extent does not match its record", key[1].hex())
         return None
-    return StoredBlock(meta, views)
+    return StoredBlock(record.meta, views)
+
+
+class LayoutReader(dict[bytes, tuple[LayerSpec, ...]]):
+    """Layouts looked up in the index as records name them (cached process-wide)."""
+
+    def __init__(self, txn: Any, layouts_db: Any) -> None:
+        super().__init__()
+        self._txn = txn
+        self._db = layouts_db
+
+    def __missing__(self, digest: bytes) -> tuple[LayerSpec, ...]:
+        found = _LAYOUT_CACHE.get(digest)
+        if found is None:
+            raw = self._txn.get(digest, db=self._db)
+            if raw is None:
+                raise KeyError(f"unknown layout {digest.hex()}")
+            if len(_LAYOUT_CACHE) > 256:
+                _LAYOUT_CACHE.clear()
+            found = _LAYOUT_CACHE[digest] = Layout.parse(raw)
+        return found
+
+
+_LAYOUT_CACHE: dict[bytes, tuple[LayerSpec, ...]] = {}
 
 
 def read_block_file(root: Path, key: BlockKey) -> StoredBlock | None:

@@ -74,6 +74,25 @@ DTYPES: Final[dict[str, tuple[int, str]]] = {
 }
 
 
+# kvstore.blocks' STOP_* reasons <-> kvstore.v1.StopReason (GetHeader, PinResponse).
+# NOTE: spelled out, not imported from kvstore.blocks, which imports this module.
+STOP_REASONS: Final[dict[str, pb.StopReason]] = {
+    "none": pb.STOP_REASON_NONE,
+    "not_stored": pb.STOP_REASON_NOT_STORED,
+    "layer_set_differs": pb.STOP_REASON_LAYER_SET_DIFFERS,
+    "checksum_failed": pb.STOP_REASON_CHECKSUM_FAILED,
+    "evicted": pb.STOP_REASON_EVICTED,
+    "no_room": pb.STOP_REASON_NO_ROOM,
+}
+_STOP_NAMES: Final[dict[int, str]] = {value: name for name, value in STOP_REASONS.items()}
+
+
+def stop_reason_name(value: int) -> str:
+    """A StopReason from the wire as kvstore.blocks names it; "unknown" for UNSPECIFIED (a
+    daemon that does not say) and for values this side does not know."""
+    return _STOP_NAMES.get(value, "unknown")
+
+
 def layer_block_bytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     """Bytes of one block of one layer (shape excludes the block dimension)."""
     size = DTYPES[dtype][0]

@@ -2,6 +2,9 @@
 
     parse_namespace("0x6e73") == b"ns"       render_namespace(b"ns") == "ns"
     parse_hash("ab" * 32)                     short_hash(h) -> first 16 hex digits
+    parse_hash_prefix("3f2a9c")               a hash, or a prefix of one (as ls shows them)
+    close_namespaces(b"chta", stored)         the stored namespaces it may have meant
+    missing_namespace_hint(b"chta", stored)   one line saying so, for a namespace with no blocks
     parse_duration("15m") == 900.0            format_duration(93784) == "1d 2h"
     format_table(rows, headers, right={2})    aligned columns, two spaces apart
     parse_token_ids("1 2, 3") == [1, 2, 3]    also a JSON list: "[1, 2, 3]"
@@ -12,13 +15,19 @@ namespace can be passed back to --namespace.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
+import shlex
 from collections.abc import Iterable, Sequence
 from datetime import datetime, tzinfo
 
 HASH_HEX_DIGITS = 64
 SHORT_HASH_DIGITS = 16
+MIN_PREFIX_DIGITS = 4
+"""The shortest hash prefix accepted (as git takes abbreviated commit ids)."""
+_HEX_RE = re.compile(r"^[0-9a-f]*$")
+_NAMESPACES_SHOWN = 5
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([smhd]?)\s*$", re.IGNORECASE)
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -65,8 +74,53 @@ def parse_hash(text: str) -> bytes:
         raise ValueError(f"invalid block hash {text!r}: not hex") from None
 
 
+def parse_hash_prefix(text: str) -> str:
+    """A block hash, or the leading digits of one, as lowercase hex: 64 digits name a block
+    outright; from MIN_PREFIX_DIGITS up, a prefix the caller resolves (`ls` shows 16)."""
+    digits = text.strip().lower()
+    if not MIN_PREFIX_DIGITS <= len(digits) <= HASH_HEX_DIGITS:
+        raise ValueError(
+            f"a block hash is {HASH_HEX_DIGITS} hex digits, or a unique prefix of at least "
+            f"{MIN_PREFIX_DIGITS} (ls shows {SHORT_HASH_DIGITS}); got {len(digits)} characters"
+        )
+    if not _HEX_RE.match(digits):
+        raise ValueError(f"invalid block hash {text!r}: not hex")
+    return digits
+
+
 def short_hash(block_hash: bytes) -> str:
     return block_hash.hex()[:SHORT_HASH_DIGITS]
+
+
+def shell_namespace(namespace: bytes) -> str:
+    """The printed form of `namespace`, quoted for a shell where it needs it (a connector
+    namespace's `|`), so it can be pasted back into --namespace."""
+    return shlex.quote(render_namespace(namespace))
+
+
+def close_namespaces(wanted: bytes, stored: Iterable[bytes], n: int = 3) -> list[bytes]:
+    """Up to `n` of the `stored` namespaces that `wanted` may have meant, best first: those
+    that extend it by a `|` part (a connector namespace pasted without its |ppRofN), then
+    those whose printed forms difflib finds close (a typo)."""
+    spaces = list(stored)
+    extending = sorted(ns for ns in spaces if ns.startswith(wanted + b"|"))
+    printed = {render_namespace(ns): ns for ns in spaces}
+    close = difflib.get_close_matches(render_namespace(wanted), list(printed), n=n)
+    return list(dict.fromkeys([*extending, *(printed[text] for text in close)]))[:n]
+
+
+def missing_namespace_hint(wanted: bytes, stored: Sequence[bytes]) -> str:
+    """One line for a namespace that holds no blocks: which stored namespaces it may have
+    meant, else a few of those stored, else that the daemon holds none."""
+    name = shell_namespace(wanted)
+    if not stored:
+        return f"namespace {name} holds no blocks, and no namespace does: the daemon stores nothing"
+    close = close_namespaces(wanted, stored)
+    if close:
+        return f"namespace {name} holds no blocks; did you mean {' or '.join(map(shell_namespace, close))}?"
+    some = ", ".join(shell_namespace(ns) for ns in stored[:_NAMESPACES_SHOWN])
+    more = f" and {len(stored) - _NAMESPACES_SHOWN} more" if len(stored) > _NAMESPACES_SHOWN else ""
+    return f"namespace {name} holds no blocks; the namespaces stored are {some}{more} (kvstore-cli ls)"
 
 
 def parse_duration(text: str) -> float:

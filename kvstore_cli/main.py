@@ -7,11 +7,12 @@ Commands:
     stats                           blocks, bytes used of capacity, uptime, counters
     ls [--namespace NS] [--limit N] stored blocks in (namespace, hash) order (default 100; 0: all)
     show HASH --namespace NS        one block: parent, children, times, and its layers
+                                    (HASH: 64 hex digits, or a unique prefix of 4 or more)
     evict SELECTOR                  remove blocks; prints blocks evicted and bytes freed.
                                     SELECTOR is exactly one of:
         --all [--yes]                   every block (asks first unless --yes)
-        --namespace NS                  every block of one namespace
-        --block HASH --namespace NS     one block and all its descendants
+        --namespace NS                  every block of one namespace (exit 1 if it holds none)
+        --block HASH --namespace NS     one block and all its descendants (HASH as for show)
         --older-than DURATION           blocks last used longer ago (90s, 15m, 2h, 7d, seconds)
         --down-to SIZE                  least recently used chain tails until usage <= SIZE (10GiB)
     watch [--from SEQ] [--namespace NS] [--count N]
@@ -19,7 +20,8 @@ Commands:
                                     or N events; --from replays from sequence SEQ
     explain --namespace NS [--block-size N] [--hash-root ROOT] [FILE]
                                     which blocks of a prompt (token ids from FILE or stdin)
-                                    are stored, where its chain breaks, tokens reusable
+                                    are stored, where its chain breaks, tokens reusable;
+                                    hints when nothing hits (block size, namespace)
     arenas [--memory-dir DIR] [--remove-orphans [--include-unowned]]
                                     on the daemon's host, no daemon needed: the arena files
                                     in DIR (/dev/shm): live, recoverable, orphan, unowned
@@ -27,14 +29,19 @@ Commands:
 Security: --token (or $KVSTORE_TOKEN) sends a bearer token; --tls-ca (or
 $KVSTORE_TLS_CA) connects with TLS, --tls-cert/--tls-key add a client certificate.
 
-The address defaults to $KVSTORE_ADDRESS, else 127.0.0.1:50051. --address,
---timeout and --json may also follow the command. Namespaces are UTF-8 text, or
-hex after `0x` (0x6e73 is "ns"); namespaces that are not printable text are
-shown in that form. Block hashes are 64 hex digits.
+The address defaults to $KVSTORE_ADDRESS, else 127.0.0.1:50051; a HOST without
+a port means the daemon's port, 50051. --address, --timeout and --json may also
+follow the command. Namespaces are UTF-8 text, or hex after `0x` (0x6e73 is
+"ns"); namespaces that are not printable text are shown in that form. Block
+hashes are 64 hex digits; `show` and `evict --block` also take a prefix of at
+least 4 digits (ls shows 16) that names one block of the namespace, as git takes
+abbreviated commit ids. Where a namespace holds no blocks, `explain` and `evict
+--namespace` name the stored namespaces it may have meant.
 
-Exit status: 0 success; 1 an error reported by the daemon, an unknown block, a
-refused confirmation, or health not SERVING; 2 a usage error or an unreachable
-daemon.
+Exit status: 0 success; 1 an error reported by the daemon, an unknown block or
+hash prefix (or one that names several blocks), `evict --namespace` of a
+namespace that holds no blocks, a refused confirmation, or health not SERVING;
+2 a usage error or an unreachable daemon.
 """
 
 from __future__ import annotations
@@ -52,21 +59,26 @@ from typing import Any
 
 from kvstore_cli import arenas as arenas_command
 from kvstore_cli.formatting import (
+    HASH_HEX_DIGITS,
+    SHORT_HASH_DIGITS,
     format_duration,
     format_percent,
     format_table,
     format_timestamp,
+    missing_namespace_hint,
     parse_duration,
-    parse_hash,
+    parse_hash_prefix,
     parse_namespace,
     parse_token_ids,
     render_namespace,
+    shell_namespace,
     short_hash,
 )
 from kvstore_client import Event, KVStoreClient
+from kvstore_client.address import with_default_port
 from kvstore_client.errors import KVStoreError, StoreUnavailable
 from kvstore_client.hashing import block_hashes, connector_block_size, connector_hash_root
-from kvstore_server.config import format_size, parse_size
+from kvstore_server.config import attach_values, format_size, parse_size
 
 PROG = "kvstore-cli"
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -77,6 +89,10 @@ LS_HEADERS = ("NAMESPACE", "HASH", "SIZE", "CHILDREN", "LAST ACCESS", "CREATED")
 LAYER_HEADERS = ("LAYER", "DTYPE", "SHAPE", "BYTES", "CHECKSUM")
 EXPLAIN_HEADERS = ("BLOCK", "TOKENS", "HASH", "STATUS")
 DEFAULT_EXPLAIN_BLOCK_SIZE = 32
+# blocks named in the error for a hash prefix that matches several
+PREFIX_CANDIDATES_SHOWN = 4
+# flags whose value may start with '-' (taken as the value, so its parser can refuse it)
+VALUE_FLAGS = ("--down-to",)
 # explain's statuses: in the stored prefix; the first block not stored (the chain
 # breaks there); after the break, stored but not reachable as a prefix, or not stored.
 HIT, MISS, UNREACHABLE, MISSING = "hit", "miss", "unreachable", "missing"
@@ -92,6 +108,11 @@ Command = Callable[[KVStoreClient, argparse.Namespace], int]
 
 class UsageError(Exception):
     """A command-line combination argparse cannot express; exits 2 like argparse errors."""
+
+
+class Failure(Exception):
+    """What was asked cannot be done, found out from the daemon's answers (an unknown or
+    ambiguous hash prefix, a namespace that holds no blocks); exits 1 with the message."""
 
 
 # ---- output ------------------------------------------------------------------------
@@ -228,8 +249,39 @@ def cmd_ls(client: KVStoreClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _resolve_block(client: KVStoreClient, namespace: bytes, given: str) -> bytes:
+    """The block hash `given` names in `namespace`: all 64 digits as they are (no call), or
+    the one stored block whose hash starts with the prefix, found by listing the namespace
+    in hash order (paged; it stops past the prefix). Raises Failure when no block or more
+    than one has it."""
+    if len(given) == HASH_HEX_DIGITS:
+        return bytes.fromhex(given)
+    matches: list[bytes] = []
+    for block in client.iter_blocks(namespace, page_size=PAGE_SIZE):
+        digits = block.block_hash.hex()
+        if digits.startswith(given):
+            matches.append(block.block_hash)
+            if len(matches) > PREFIX_CANDIDATES_SHOWN:
+                break
+        elif digits > given:  # listed in hash order: no later block starts with it
+            break
+    if len(matches) == 1:
+        return matches[0]
+    where = f"namespace {shell_namespace(namespace)}"
+    if not matches:
+        if not client.list_blocks(namespace, limit=1)[0]:
+            raise Failure(missing_namespace_hint(namespace, client.namespaces()))
+        raise Failure(f"no block in {where} has a hash starting with {given}")
+    width = SHORT_HASH_DIGITS if len(given) < SHORT_HASH_DIGITS else HASH_HEX_DIGITS
+    shown = [h.hex()[:width] for h in matches[:PREFIX_CANDIDATES_SHOWN]]
+    more = ", and more" if len(matches) > PREFIX_CANDIDATES_SHOWN else ""
+    raise Failure(
+        f"the hash prefix {given} names several blocks in {where}: {', '.join(shown)}{more}; give more digits"
+    )
+
+
 def cmd_show(client: KVStoreClient, args: argparse.Namespace) -> int:
-    resp = client.describe(args.namespace, args.hash)
+    resp = client.describe(args.namespace, _resolve_block(client, args.namespace, args.hash))
     block = resp.block
     layers = [
         {
@@ -295,6 +347,8 @@ def _confirm(question: str) -> bool:
 
 def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
     selector = _evict_selector(args)
+    if "block_hash" in selector:
+        selector["block_hash"] = _resolve_block(client, args.namespace, selector["block_hash"])
     if args.all and not args.yes:
         if not sys.stdin.isatty():
             _error("refusing to evict every block: stdin is not a terminal; pass --yes to confirm")
@@ -316,6 +370,11 @@ def cmd_evict(client: KVStoreClient, args: argparse.Namespace) -> int:
         if args.fleet:
             line += f"; removed {result.fleet_objects_removed} objects from the fleet"
         print(line)
+    if set(selector) == {"namespace"} and not result.blocks_evicted and not result.fleet_objects_removed:
+        # nothing of it was stored: most likely a typo, or a connector namespace without its
+        # |ppRofN (exit 1, so a script notices)
+        _error(missing_namespace_hint(args.namespace, client.namespaces()))
+        return 1
     return 0
 
 
@@ -396,8 +455,17 @@ def cmd_explain(client: KVStoreClient, args: argparse.Namespace) -> int:
         raise UsageError(f"{where}: {exc}") from None
     namespace: bytes = args.namespace
     derived_root = connector_hash_root(namespace)
-    root = args.hash_root if args.hash_root is not None else (derived_root or namespace)
-    block_size = args.block_size or connector_block_size(namespace) or DEFAULT_EXPLAIN_BLOCK_SIZE
+    # a connector namespace pasted without its |ppRofN hashes as its first stage's would
+    staged = namespace if derived_root is not None else namespace + b"|pp0of1"
+    root = args.hash_root if args.hash_root is not None else (connector_hash_root(staged) or namespace)
+    connector_size = connector_block_size(staged)
+    block_size = args.block_size or connector_size or DEFAULT_EXPLAIN_BLOCK_SIZE
+    if args.block_size:
+        size_from = "from --block-size"
+    elif connector_size:
+        size_from = "the connector namespace's bsN"
+    else:
+        size_from = "the default"
     hashes = block_hashes(root, tokens, block_size, cache_salt=args.cache_salt, lora_name=args.lora)
     hit = client.lookup(namespace, hashes) if hashes else 0
     statuses = [HIT] * hit
@@ -405,6 +473,7 @@ def cmd_explain(client: KVStoreClient, args: argparse.Namespace) -> int:
         statuses.append(MISS)
         # one-block lookups: which blocks past the break are stored all the same
         statuses += [UNREACHABLE if client.lookup(namespace, [h]) else MISSING for h in hashes[hit + 1 :]]
+    hints = _explain_hints(client, namespace, len(tokens), statuses, block_size, size_from)
     # vLLM computes at least the prompt's last token: a prompt that is all whole,
     # stored blocks reuses one block less.
     max_reusable = (len(tokens) - 1) // block_size
@@ -433,6 +502,7 @@ def cmd_explain(client: KVStoreClient, args: argparse.Namespace) -> int:
                 "reusable_blocks": reusable,
                 "reusable_tokens": reusable * block_size,
                 "blocks": blocks,
+                "hints": hints,
             }
         )
         return 0
@@ -461,7 +531,34 @@ def cmd_explain(client: KVStoreClient, args: argparse.Namespace) -> int:
         noun = "block" if reusable == 1 else "blocks"
         summary += f" ({reusable} {noun}: a prompt reuses at most the blocks that leave one token to compute)"
     print(summary)
+    for hint in hints:
+        print(f"hint: {hint}")
     return 0
+
+
+def _explain_hints(
+    client: KVStoreClient, namespace: bytes, num_tokens: int, statuses: list[str], block_size: int,
+    size_from: str,
+) -> list[str]:  # fmt: skip
+    """Why no block of the prompt is stored, when none is (hit or behind the break): the
+    namespace holds no blocks (and which it may have meant), or it does and the prompt
+    fills no block, or its blocks were hashed otherwise than the writer's (most often:
+    another block size)."""
+    if any(status in (HIT, UNREACHABLE) for status in statuses):
+        return []
+    if not client.list_blocks(namespace, limit=1)[0]:
+        return [missing_namespace_hint(namespace, client.namespaces())]
+    if not statuses:
+        return [
+            f"the prompt's {num_tokens} tokens fill no block of {block_size} tokens ({size_from}; "
+            "--block-size N sets it): only full blocks are stored"
+        ]
+    return [
+        f"none of the prompt's {len(statuses)} blocks is stored, but namespace "
+        f"{shell_namespace(namespace)} holds blocks: were they stored with another block size? "
+        f"this used {block_size} tokens per block ({size_from}; --block-size N sets it). "
+        "Else the hash root, cache salt or LoRA differ from the writer's"
+    ]
 
 
 # ---- command line ------------------------------------------------------------------
@@ -500,7 +597,7 @@ def _positive_int(text: str) -> int:
 
 
 _NAMESPACE = _checked(parse_namespace, "namespace")
-_HASH = _checked(parse_hash, "hash")
+_HASH = _checked(parse_hash_prefix, "hash")
 
 
 def _global_options(parser: argparse.ArgumentParser) -> None:
@@ -561,13 +658,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     show = command("show", cmd_show, "describe one block and its layers")
-    show.add_argument("hash", metavar="HASH", type=_HASH, help="block hash, 64 hex digits")
+    show.add_argument(
+        "hash", metavar="HASH", type=_HASH, help="block hash: 64 hex digits, or a unique prefix of 4 or more"
+    )
     show.add_argument("--namespace", type=_NAMESPACE, required=True, help="its namespace (text or 0xHEX)")
 
     evict = command("evict", cmd_evict, "evict blocks by exactly one selector")
     evict.add_argument("--all", action="store_true", help="every block (asks first unless --yes)")
     evict.add_argument("--namespace", type=_NAMESPACE, help="every block of NS; with --block, its namespace")
-    evict.add_argument("--block", metavar="HASH", type=_HASH, help="this block and all its descendants")
+    evict.add_argument(
+        "--block",
+        metavar="HASH",
+        type=_HASH,
+        help="this block (a hash or a unique prefix) and its descendants",
+    )
     evict.add_argument(
         "--older-than",
         metavar="DURATION",
@@ -638,11 +742,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        # `--down-to -1GiB` reaches parse_size, which says what is wrong with it
+        args = parser.parse_args(attach_values(sys.argv[1:] if argv is None else argv, VALUE_FLAGS))
     except SystemExit as exc:  # --help, or a usage error (2)
         return int(exc.code or 0)
     if getattr(args, "local", None) is not None:  # a command on this host's files, no daemon
         return int(args.local(args))
+    try:
+        args.address = with_default_port(args.address)  # the daemon's port, not gRPC's 443
+    except ValueError as exc:
+        parser.print_usage(sys.stderr)
+        _error(f"error: --address: {exc}")
+        return 2
     try:
         client = KVStoreClient(
             args.address,
@@ -665,6 +776,9 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnavailable as exc:
         _error(f"the kvstore daemon at {args.address} is unreachable: {exc}")
         return 2
+    except Failure as exc:
+        _error(str(exc))
+        return 1
     except KVStoreError as exc:
         _error(f"error: {exc}")
         return 1

@@ -8,7 +8,15 @@ from kvstore.memory import tune_malloc
 from kvstore_client.client import KVStoreClient
 from kvstore_client.errors import KVStoreError
 from kvstore_client.streams import LayerSource, LayerStream, PutStream, WatchStream
-from kvstore_client.types import EVENT_REMOVED, EVENT_STORED, Event, EvictResult, LayerSpec, PutResult
+from kvstore_client.types import (
+    EVENT_REMOVED,
+    EVENT_STORED,
+    Event,
+    EvictResult,
+    LayerSpec,
+    PutResult,
+    Selection,
+)
 
 __all__ = [
     "EVENT_REMOVED",
@@ -22,6 +30,7 @@ __all__ = [
     "LayerStream",
     "PutResult",
     "PutStream",
+    "Selection",
     "WatchStream",
     "tune_malloc",
 ]

@@ -380,6 +380,8 @@ class Pinned:
             raise errors.StoreInternalError(f"Pin answer: {exc}") from exc
         self.kinds = list(resp.checksum_kinds) or [XXH3] * self.num_blocks
         """Each block's checksum kind (kvstore.blocks.CHECKSUMS)."""
+        self.stop_reason = wire.stop_reason_name(resp.stop_reason)
+        """Why num_blocks is short of the blocks asked for (kvstore.blocks' STOP_* reasons)."""
         self._sizes = _layer_sizes(self.layers)
         runs, first = [], 0
         for r in resp.runs:
@@ -509,6 +511,7 @@ class ArenaSource:
         self._pinned = pinned
         self._hashes = list(hashes[: pinned.num_blocks])
         self.num_blocks = pinned.num_blocks
+        self.stop_reason = pinned.stop_reason
         self._used = selected_layers(layers, len(pinned.layers)) if self.num_blocks else []
         self.layers = [pinned.layers[k] for k in self._used]
         self._cancelled = False

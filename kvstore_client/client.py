@@ -3,7 +3,7 @@
     with KVStoreClient("127.0.0.1:50051") as kv:
         kv.insert("ns", hashes, {"layer.0": t0, "layer.1": t1})   # non-blocking -> Future
         n = kv.lookup("ns", hashes)                                # blocks stored as a prefix
-        layers = kv.select("ns", hashes)                           # {} on a miss
+        layers = kv.select("ns", hashes)                           # {} on a miss; .stop_reason
         layers = kv.drop_select("ns", hashes, timeout=5.0)         # waits, then consumes
         with kv.watch(from_sequence=0) as events:                  # stored/removed Events
             for event in events: ...                               # until events.cancel()
@@ -13,6 +13,11 @@ number of blocks; contiguous CPU tensors (copy device tensors to pinned host
 memory first). Streaming forms, one layer at a time: `put_stream` (write each
 layer when it is ready, then commit) and `get_stream` (iterate layers as they
 arrive).
+
+Stored blocks are immutable: a put of a hash that is stored already skips that block
+(the first writer wins; its bytes are never compared or replaced: evict it first to
+change it). `lookup` counts the stored prefix by hash alone; `select` returns the part
+of it that reads back in one layer set, and says why it stopped (Selection.stop_reason).
 
 Thread-safe: one client may be shared by threads. Every call has a deadline
 (`timeout`, default from the constructor). Errors are kvstore_client.errors.
@@ -33,14 +38,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore import wire
-from kvstore.blocks import selected_layers
+from kvstore.blocks import STOP_NONE, selected_layers
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client._rpc import Channel
+from kvstore_client.address import with_default_port
 from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Reservation
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
-from kvstore_client.types import EvictResult, LayerSpec, PutResult
+from kvstore_client.types import EvictResult, LayerSpec, PutResult, Selection
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +80,9 @@ class KVStoreClient:
         local_data_dir: str | Path | None = None,
         arena: bool = True,
     ) -> None:
-        """`token`: bearer token sent with every call (daemons run with --token-file).
+        """`address`: HOST:PORT, or HOST alone for the daemon's default port (50051), or a
+        gRPC target URI (unix:PATH); ValueError for a port that is not a number.
+        `token`: bearer token sent with every call (daemons run with --token-file).
         TLS when `tls` is true or a CA is given: `tls_ca` (PEM path or bytes; default: the
         system roots), `tls_cert` + `tls_key` for a client certificate (mutual TLS).
         `local_reads`: on the daemon's host, get_stream/select read blocks straight from its
@@ -87,6 +95,7 @@ class KVStoreClient:
             raise ValueError("timeout must be positive")
         if not 0 < chunk_bytes <= wire.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_bytes must be in 1..{wire.MAX_CHUNK_BYTES}")
+        address = with_default_port(address)
         self.address = address
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
@@ -170,6 +179,10 @@ class KVStoreClient:
     ) -> int:
         """How many leading blocks of `block_hashes` are stored. One round trip.
 
+        Counted by hash from the store's index: a block stored with another layer set
+        than the blocks before it (another put's layers), or one that fails its checksum
+        when read, is counted here, and `select` then stops before it (its
+        Selection.stop_reason says why). So select may return fewer blocks than this.
         With a list of namespaces: the prefix stored in all of them (e.g. every TP rank).
         With local reads: answered from the daemon's files, no round trip; the same
         Lookup still goes to the daemon in the background (recency, hit counters).
@@ -270,7 +283,12 @@ class KVStoreClient:
         timeout: float | None = None,
         token_ids: Sequence[int] = (),
     ) -> PutResult:
-        """Store blocks and wait for the commit (`token_ids`: as for put_stream)."""
+        """Store blocks and wait for the commit (`token_ids`: as for put_stream).
+
+        Blocks whose hash is stored already are skipped, whatever their bytes: the first
+        writer wins, and nothing compares the new bytes with the stored ones (a hash names
+        its tokens, so equal hashes should mean equal KV). PutResult.blocks_skipped counts
+        them. To replace a block, evict it (and its descendants) first."""
         if not layers:
             raise ValueError("a put needs at least one layer")
         specs = [LayerSpec.of(name, t) for name, t in layers.items()]
@@ -293,7 +311,8 @@ class KVStoreClient:
         """LookupBuffer insert: store in the background and return at once.
 
         The tensors are read by a background thread: do not modify them until
-        the returned future is done. Blocks already stored are skipped.
+        the returned future is done. Blocks already stored are skipped, their new bytes
+        dropped unread (first writer wins, as for put; the result's blocks_skipped).
         """
         if self._closed.is_set():
             raise errors.StoreUnavailable("client is closed")
@@ -356,12 +375,22 @@ class KVStoreClient:
 
     def select(
         self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None
-    ) -> dict[str, torch.Tensor]:
-        """The stored prefix of `block_hashes` as {layer: [n, ...]}; {} on a miss. Non-destructive."""
+    ) -> Selection:
+        """The stored prefix of `block_hashes` as {layer: [n, ...]}; {} on a miss. Non-destructive.
+
+        A Selection: a dict, with `num_blocks` and `stop_reason`, why it holds no more of
+        the blocks asked for ("none" when it holds them all; "not_stored",
+        "layer_set_differs", "checksum_failed", "evicted", ...: see Selection). It holds
+        blocks of one layer set only: where blocks of one prefix were put with different
+        layers, it stops at the first that differs, where `lookup` counts on."""
         try:
-            return self.get_stream(namespace, block_hashes, timeout=timeout).read_all()
+            stream = self.get_stream(namespace, block_hashes, timeout=timeout)
+            layers = stream.read_all()
         except errors.LocalDataCorrupt:
-            return self._get_call(namespace, block_hashes, timeout).read_all()
+            stream = self._get_call(namespace, block_hashes, timeout)
+            layers = stream.read_all()
+        reason = STOP_NONE if stream.num_blocks == len(block_hashes) else stream.stop_reason
+        return Selection(layers, stream.num_blocks, reason)
 
     def take_stream(
         self,
@@ -462,6 +491,19 @@ class KVStoreClient:
         )
         resp = self._unary(self._rpc.list, req, timeout)
         return list(resp.blocks), resp.next_page_token
+
+    def namespaces(self, *, timeout: float | None = None) -> list[bytes]:
+        """The namespaces that hold blocks (this tenant's), sorted. One round trip; from a
+        daemon that predates the question, one List call per 1000 blocks."""
+        resp = self._unary(self._rpc.list, pb.ListRequest(namespaces_only=True), timeout)
+        if not resp.blocks:
+            return list(resp.namespaces)
+        seen = dict.fromkeys(b.namespace for b in resp.blocks)  # an older daemon listed blocks
+        token = resp.next_page_token
+        while token:
+            blocks, token = self.list_blocks(page_token=token, timeout=timeout)
+            seen.update(dict.fromkeys(b.namespace for b in blocks))
+        return sorted(seen)
 
     def iter_blocks(
         self, namespace: str | bytes | None = None, *, page_size: int = 1000

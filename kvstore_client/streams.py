@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore import wire
+from kvstore.blocks import STOP_UNKNOWN
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client._rpc import WATCH_START_SEQUENCE, WATCH_STORE_ID, PutCall, ServerStream
@@ -47,6 +48,8 @@ class LayerSource(Protocol):
         cancel()    from any thread, while another iterates: the iteration ends with a
                     KVStoreError at its next chunk, never under a copy in progress.
                     Safe to call twice, and after the end
+        stop_reason optional: why num_blocks is short of the blocks asked for, one of
+                    kvstore.blocks' STOP_* reasons (a source without it: "unknown")
     """
 
     @property
@@ -120,6 +123,7 @@ class CallSource:
             stream.cancel()
             raise errors.StoreInternalError("Get stream did not start with a header")
         self.num_blocks: int = first.header.num_blocks
+        self.stop_reason = wire.stop_reason_name(first.header.stop_reason)
         try:
             self.layers = [LayerSpec(s.name, s.dtype, tuple(s.shape)) for s in first.header.layers]
         except ValueError as exc:
@@ -147,6 +151,8 @@ class LayerStream:
     says where the bytes come from: "arena" (the daemon's memory tier, mapped
     here: kvstore_client.arena), "files" (the daemon's backend files, read here:
     kvstore_client.local) or "grpc"; `local` is true for the first two.
+    `stop_reason` says why `num_blocks` is short of the blocks asked for (one of
+    kvstore.blocks' STOP_* reasons: "none" when it is not).
     Iterate it once, in one of its three ways.
     """
 
@@ -163,6 +169,7 @@ class LayerStream:
         self.local = via != "grpc"
         self.num_blocks: int = source.num_blocks
         self.layers: list[LayerSpec] = list(source.layers)
+        self.stop_reason: str = getattr(source, "stop_reason", STOP_UNKNOWN)
 
     def layer_chunks(self) -> Iterator[tuple[LayerSpec, wire.Chunk, bool]]:
         """Each chunk with its layer's spec and whether it completes that layer.

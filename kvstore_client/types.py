@@ -2,17 +2,23 @@
 
 LayerSpec     one layer's per-block slice (kvstore.blocks, shared with the daemon)
 PutResult     what a committed put did (kvstore.blocks)
+Selection     what a select returned: {layer: tensor}, and why it stopped short
 EvictResult   what an evict removed
 Event         one change reported by Watch; kind EVENT_STORED or EVENT_REMOVED
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.blocks import LayerSpec, PutResult
 
-__all__ = ["EVENT_REMOVED", "EVENT_STORED", "Event", "EvictResult", "LayerSpec", "PutResult"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EVENT_REMOVED", "EVENT_STORED", "Event", "EvictResult", "LayerSpec", "PutResult", "Selection"]
 
 EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
@@ -41,3 +47,32 @@ class Event:
     """Unix seconds of the commit."""
     store_id: str
     """Random per daemon start: a new value means the store's picture must be rebuilt."""
+
+
+class Selection(dict[str, "torch.Tensor"]):
+    """What KVStoreClient.select returns: a dict {layer name: [num_blocks, *shape] tensor},
+    empty on a miss, with two attributes more.
+
+    `num_blocks`: the blocks it holds, the leading ones of those asked for.
+    `stop_reason`: why it holds no more, one of kvstore.blocks' STOP_* reasons:
+        "none"               every block asked for is here
+        "not_stored"         the next block is not stored (lookup stops there too)
+        "layer_set_differs"  the next block is stored with other layers (names, dtypes,
+                             shapes): a select never mixes layer sets, a lookup counts it
+        "checksum_failed"    the next block failed its checksum (the daemon removed it)
+        "evicted"            the next block was removed between the lookup and the read
+        "no_room"            through the memory tier: no room there to bring it in
+        "unknown"            a daemon that does not say
+    It compares equal to a plain dict of the same tensors (the attributes are left out).
+    """
+
+    __slots__ = ("num_blocks", "stop_reason")
+
+    def __init__(self, layers: Mapping[str, torch.Tensor], num_blocks: int, stop_reason: str) -> None:
+        super().__init__(layers)
+        self.num_blocks = num_blocks
+        self.stop_reason = stop_reason
+
+    def __repr__(self) -> str:
+        layers = dict.__repr__(self)
+        return f"Selection({layers}, num_blocks={self.num_blocks}, stop_reason={self.stop_reason!r})"

@@ -33,6 +33,7 @@ import httpx
 import uvicorn
 
 from kvstore_client import KVStoreClient
+from kvstore_client.address import with_default_port
 from kvstore_proxy.app import Proxy, ProxySettings, create_app, served_models
 from kvstore_proxy.instances import POLICIES, normalize_url
 from kvstore_proxy.store import StoreTarget, StoreView
@@ -75,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
                    help="decode instances (Y); env DECODE_URLS, comma-separated")  # fmt: skip
     p.add_argument("--policy", choices=sorted(POLICIES), default="round_robin", help="default round_robin")
     p.add_argument("--store", default=env("KVSTORE_ADDRESS"), metavar="HOST:PORT",
-                   help="the kvstore daemon to ask before a prefill (env KVSTORE_ADDRESS)")  # fmt: skip
+                   help="the kvstore daemon to ask before a prefill (env KVSTORE_ADDRESS; "
+                        "HOST alone: port 50051)")  # fmt: skip
     p.add_argument(
         "--kv-namespace",
         default=env("KVSTORE_NAMESPACE"),
@@ -135,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--skip-prefill-below must be 0 or more")
     if bool(args.store) != bool(args.kv_namespace):
         p.error("--store and --kv-namespace go together (prompts are hashed under the connector's namespace)")
+    if args.store:
+        try:
+            args.store = with_default_port(args.store)  # the daemon's port, not gRPC's 443
+        except ValueError as exc:
+            p.error(f"--store: {exc}")
     target = None
     if args.kv_namespace:
         try:

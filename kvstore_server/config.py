@@ -3,6 +3,9 @@
 Precedence: built-in defaults < `--config FILE` (TOML, keys as below with `_`
 or `-`) < command-line flags actually given. `kvstore-server --print-config`
 prints the effective result as TOML.
+
+Sizes (SIZE_SETTINGS) are byte counts or strings such as "64GiB" (parse_size); a bad
+one is an error that names the flag or the file's key, and the forms accepted.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import ipaddress
 import os
 import re
 import sys
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,8 @@ _UNITS = {
     "tib": 1 << 40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_FORMS = "use a number of bytes or a number with B, KiB, MiB, GiB, TiB, KB, MB, GB, TB: 512MiB, 16GiB"
+"""What parse_size accepts, as its errors say it."""
 # What a setting may be in the TOML file, and how to say so.
 _STR = ((str,), "a string")
 _INT = ((int,), "an integer")
@@ -85,6 +91,8 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "kv_events_replay_endpoint": _STR,
     "kv_events_topic": _STR,
 }
+SIZE_SETTINGS: tuple[str, ...] = tuple(name for name, kind in _TOML_TYPES.items() if kind is _SIZE)
+"""The settings that are sizes; each one's flag is --NAME-WITH-DASHES."""
 
 DEFAULT_MEMORY = 1 << 30
 
@@ -99,17 +107,46 @@ def _loopback(host: str) -> bool:
         return False  # a host name (or *): it may resolve to anything
 
 
-def parse_size(value: str | int) -> int:
-    """'512MiB' -> 536870912. Binary units (KiB, MiB, GiB, TiB; K, M, G, T), decimal KB/MB/GB/TB."""
+def parse_size(value: str | int, what: str = "") -> int:
+    """'512MiB' -> 536870912. Binary units (KiB, MiB, GiB, TiB; K, M, G, T), decimal KB/MB/GB/TB.
+
+    Raises ValueError naming the value and the forms accepted (SIZE_FORMS), after `what`
+    (the flag or setting it came from) when given: "--memory: invalid size 'lots' (...)".
+    """
+    where = f"{what}: " if what else ""
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"size must not be negative: {value}")
+            raise ValueError(f"{where}invalid size {value}: a size must not be negative ({SIZE_FORMS})")
         return value
+    if value.strip().startswith("-"):
+        raise ValueError(f"{where}invalid size {value!r}: a size must not be negative ({SIZE_FORMS})")
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"invalid size {value!r}; expected e.g. 512MiB, 64GiB, 10GB or a byte count")
+        raise ValueError(f"{where}invalid size {value!r} ({SIZE_FORMS})")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def attach_values(argv: Sequence[str], flags: Collection[str]) -> list[str]:
+    """`argv` with each of `flags` followed by a value that starts with '-' joined to it:
+    `--memory -1GiB` becomes `--memory=-1GiB`.
+
+    NOTE: argparse reads `-1GiB` as an option and stops with "expected one argument" and
+    its whole usage; joined, the value reaches its parser, which says what is wrong with it.
+    Only a '-' then a digit or '.' is taken as a value: an option after the flag stays one.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        following = argv[i + 1] if i + 1 < len(argv) else ""
+        if arg in flags and re.match(r"-[\d.]", following):
+            out.append(f"{arg}={following}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def format_size(n: float) -> str:
@@ -230,14 +267,14 @@ class ServerConfig:
         self.data_dir = Path(self.data_dir).expanduser()
         self.memory_dir = Path(self.memory_dir).expanduser()
         if self.memory is not None:
-            self.memory = parse_size(self.memory)
+            self.memory = parse_size(self.memory, "memory")
         if self.write_behind_bytes is not None:
-            self.write_behind_bytes = parse_size(self.write_behind_bytes)
+            self.write_behind_bytes = parse_size(self.write_behind_bytes, "write_behind_bytes")
         if self.memory_group is not None:
             self.memory_group = str(self.memory_group)
         if not self.lease_seconds > 0:
             raise ValueError("lease_seconds must be positive")
-        self.fleet_queue_bytes = parse_size(self.fleet_queue_bytes)
+        self.fleet_queue_bytes = parse_size(self.fleet_queue_bytes, "fleet_queue_bytes")
         if self.fleet is not None:
             from kvstore_server.tiers.fleet import parse_url
 
@@ -245,10 +282,10 @@ class ServerConfig:
         for name in ("fleet_lookup_seconds", "fleet_timeout_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        self.capacity = parse_size(self.capacity)
-        self.max_put_bytes = parse_size(self.max_put_bytes)
-        self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes)
-        self.max_partial_bytes = parse_size(self.max_partial_bytes)
+        self.capacity = parse_size(self.capacity, "capacity")
+        self.max_put_bytes = parse_size(self.max_put_bytes, "max_put_bytes")
+        self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes, "max_inflight_put_bytes")
+        self.max_partial_bytes = parse_size(self.max_partial_bytes, "max_partial_bytes")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
         if self.capacity <= 0:
@@ -344,6 +381,8 @@ class ServerConfig:
                 want, what = _TOML_TYPES.get(name, ((object,), ""))
                 if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
                     raise ValueError(f"{path}: {key} must be {what}, not {value!r}")
+                if name in SIZE_SETTINGS and isinstance(value, (int, str)):
+                    value = parse_size(value, f"{path}: {key}")
                 values[name] = value
         values.update(overrides or {})
         return cls(**values)

@@ -123,9 +123,9 @@ class EventLog:
 
     # ---- the store's side
     def record(self, kind: str, namespace: bytes, hashes: Sequence[bytes], parents: Sequence[bytes],
-               tokens: Sequence[Sequence[int]] | None = None) -> None:  # fmt: skip
+               tokens: Sequence[Sequence[int]] | None = None, tier: str | None = None) -> None:  # fmt: skip
         """Store listener: append the change as one event (or several, if large). Watch
-        carries no token ids: `tokens` is for the KV events publisher."""
+        carries no token ids and no tier: `tokens` and `tier` are for the KV events publisher."""
         if not hashes:
             return
         now = self._clock()

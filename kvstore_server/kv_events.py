@@ -4,9 +4,12 @@
 
 A ZMQ PUB socket sends each batch as three frames: the topic, an 8-byte big-endian
 sequence number (0, 1, 2, ... per daemon run) and a msgpack `EventBatch` of
-`BlockStored` (block hashes, the first one's parent, token ids, block size, medium
-"KVSTORE"), `BlockRemoved` and `AllBlocksCleared` events. The first batch of a run is
-an `AllBlocksCleared`: a subscriber's earlier sequence means nothing after a restart.
+`BlockStored` (block hashes, the first one's parent, token ids, block size, medium),
+`BlockRemoved` and `AllBlocksCleared` events. The first batch of a run is an
+`AllBlocksCleared`: a subscriber's earlier sequence means nothing after a restart.
+The medium is vLLM's name for the tier a commit put the blocks in ("CPU": the memory
+tier; "STORAGE": the persistent tier), and a removal (the block left every tier) comes
+once per medium of the daemon's tiers: kvstore.kv_events_media says why.
 A ROUTER socket replays: a request of an 8-byte big-endian start sequence gets every
 batch still held from there, then an end frame (sequence -1, empty payload).
 
@@ -33,9 +36,10 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvstore.kv_events_media import MEDIUM, PERSISTENT, removal_media
+
 log = logging.getLogger(__name__)
 
-MEDIUM = "KVSTORE"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -50,6 +54,9 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # t
 
 
 class BlockStored(KVCacheEvent):
+    # NOTE: vLLM's has more fields with defaults (extra_keys, group_idx, locality, ...,
+    # vLLM 0.34's lookahead_token_ids): left out, they decode as their defaults. No
+    # lookahead tokens: the store's hashes cover a block's own tokens only.
     block_hashes: list[bytes]
     parent_block_hash: bytes | None
     token_ids: list[int]
@@ -72,8 +79,12 @@ class KVEventsPublisher:
     """PUB (and optionally ROUTER replay) sockets fed by the store's listener."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "kvstore",
-                 buffer_batches: int = 10_000, max_queue: int = 100_000) -> None:  # fmt: skip
+                 buffer_batches: int = 10_000, max_queue: int = 100_000,
+                 tiers: Sequence[str] = (PERSISTENT,)) -> None:  # fmt: skip
+        """`tiers`: the daemon's tiers (kvstore.kv_events_media), whose media a removal is
+        reported under."""
         self.topic = topic.encode()
+        self._removal_media = removal_media(tiers)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(100_000)
@@ -100,29 +111,30 @@ class KVEventsPublisher:
         self._thread.start()
 
     def listener(self, kind: str, namespace: bytes, hashes: Sequence[bytes], parents: Sequence[bytes],
-                 tokens: Sequence[Sequence[int]] | None) -> None:  # fmt: skip
+                 tokens: Sequence[Sequence[int]] | None, tier: str | None = None) -> None:  # fmt: skip
         """The store's listener: queue the change (never blocks)."""
-        event: KVCacheEvent
+        events: list[KVCacheEvent]
         if kind == "stored":
             flat = [t for block in tokens for t in block] if tokens else []
-            event = BlockStored(
+            stored = BlockStored(
                 block_hashes=list(hashes),
                 parent_block_hash=(parents[0] or None) if parents else None,
                 token_ids=flat,
                 block_size=len(tokens[0]) if tokens else 0,
                 lora_id=None,
-                medium=MEDIUM,
+                medium=MEDIUM[tier or PERSISTENT],
                 lora_name=None,
             )
+            events = [stored]
         else:
-            event = BlockRemoved(block_hashes=list(hashes), medium=MEDIUM)
+            events = [BlockRemoved(block_hashes=list(hashes), medium=m) for m in self._removal_media]
         with self._cond:
-            if len(self._queue) >= self._max_queue:
+            if len(self._queue) + len(events) > self._max_queue:
                 if not self.dropped:
                     log.warning("KV events: %d events wait to be sent; dropping more", self._max_queue)
                 self.dropped += 1
                 return
-            self._queue.append(event)
+            self._queue.extend(events)
             self._cond.notify()
 
     def _run(self) -> None:

@@ -16,10 +16,12 @@ Everything else goes to the log (stderr).
 from __future__ import annotations
 
 import argparse
+import errno
 import grp
 import logging
 import resource
 import signal
+import socket
 import sys
 from concurrent import futures
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from kvstore.memory import limit_arenas, tune_malloc
 from kvstore.v1 import kvstore_pb2
 from kvstore_server import __version__
 from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
-from kvstore_server.config import ServerConfig, format_size
+from kvstore_server.config import SIZE_SETTINGS, ServerConfig, attach_values, format_size, parse_size
 from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
@@ -66,10 +68,58 @@ class Running:
     servicer: Servicer | None = None
 
 
+class ListenError(OSError):
+    """The listen address cannot be bound; the message says why and names --listen."""
+
+
+# Why a bind fails, by errno, as the daemon says it.
+_BIND_ERRORS = {
+    errno.EADDRINUSE: "the address is already in use (another kvstore-server?)",
+    errno.EADDRNOTAVAIL: "no network interface of this host has that address",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+}
+
+
+def listen_problem(listen: str) -> str | None:
+    """Why `listen` (HOST:PORT) cannot be bound now, as one line naming --listen, or None
+    when it can: at least one of the addresses HOST resolves to binds (gRPC serves on
+    those that do), or the port is 0 (any free one).
+
+    NOTE: probed with a socket of our own, closed at once: gRPC's bind failure says only
+    "Failed to bind ...; set GRPC_VERBOSITY=debug", and the errno goes to its own log."""
+    host, _, port_text = listen.rpartition(":")
+    host = host.strip("[]")
+    port = int(port_text)
+    try:
+        infos = socket.getaddrinfo(
+            None if host in ("", "*") else host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        return f"cannot listen on {listen}: the host {host!r} does not resolve ({exc.strerror}); fix --listen"
+    if port == 0:
+        return None
+    failures: list[OSError] = []
+    for family, kind, proto, _name, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listeners
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                failures.append(exc)
+                continue
+        return None
+    if not failures:
+        return None
+    first = failures[0]
+    reason = _BIND_ERRORS.get(first.errno or 0, first.strerror or str(first))
+    return f"cannot listen on {listen}: {reason}; choose another with --listen"
+
+
 def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None = None) -> Running:
     """A bound, not yet started server for `store`; port 0 binds a free port.
 
     `tokens` (else loaded from config.token_file) turns on bearer-token auth and tenants.
+    Raises ListenError when the address cannot be bound.
     """
     metrics = Metrics() if config.metrics_port is not None else None
     if tokens is None and config.token_file is not None:
@@ -115,17 +165,26 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         ),
         server,
     )
+    credentials = None
     if config.tls_cert is not None and config.tls_key is not None:
         credentials = grpc.ssl_server_credentials(
             [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
             root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
             require_client_auth=config.tls_client_ca is not None,
         )
-        port = server.add_secure_port(config.listen, credentials)
-    else:
-        port = server.add_insecure_port(config.listen)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(config.listen, credentials)
+        else:
+            port = server.add_insecure_port(config.listen)
+    except RuntimeError as exc:  # "Failed to bind to address ...": find out why
+        raise ListenError(
+            listen_problem(config.listen) or f"cannot listen on {config.listen}: {exc}; check --listen"
+        ) from exc
     if port == 0:
-        raise OSError(f"could not bind {config.listen}")
+        raise ListenError(
+            listen_problem(config.listen) or f"cannot listen on {config.listen}: gRPC bound no address"
+        )
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return Running(server, port, health_servicer, store, servicer.events, metrics, servicer)
@@ -289,10 +348,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args: dict[str, Any] = vars(_parser().parse_args(argv))
+    flags = {name: "--" + name.replace("_", "-") for name in SIZE_SETTINGS}
+    # `--memory -1GiB` reaches parse_size (which says what is wrong) instead of argparse's
+    # "expected one argument" and its whole usage
+    given = attach_values(sys.argv[1:] if argv is None else argv, flags.values())
+    args: dict[str, Any] = vars(_parser().parse_args(given))
     config_path = args.pop("config", None)
     print_config = args.pop("print_config", False)
     try:
+        for name, flag in flags.items():  # sizes from flags: errors name the flag
+            if name in args:
+                args[name] = parse_size(args[name], flag)
         config = ServerConfig.load(config_path, args)
     except (ValueError, OSError) as exc:
         print(f"kvstore-server: {exc}", file=sys.stderr)
@@ -323,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     # Before gRPC starts its threads: one arena per allocating thread would keep each
     # thread's freed buffers out of the others' reach (see kvstore.memory).
     limit_arenas(_MALLOC_ARENAS)
+    # before the data directory's lock and the store: a taken port fails at once, in one line
+    bind_problem = listen_problem(config.listen)
+    if bind_problem is not None:
+        log.error("%s", bind_problem)
+        return 1
     try:
         datadir = DataDir(config.data_dir, sync=config.sync)
     except DataDirInUse as exc:
@@ -346,7 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         running = create_server(config, store, tokens)
     except (OSError, RuntimeError) as exc:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-        log.error("cannot listen on %s: %s", config.listen, exc)
+        if isinstance(exc, ListenError):  # its message names the address and --listen
+            log.error("%s", exc)
+        else:
+            log.error("cannot listen on %s: %s", config.listen, exc)
         store.close()
         datadir.close(sync=config.sync)
         return 1

@@ -26,6 +26,7 @@ drop-selects), so the index and the tiers change together. The chain shares both
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import threading
@@ -37,7 +38,17 @@ from dataclasses import dataclass, field
 
 from kvstore import arena_format as fmt
 from kvstore import wire
-from kvstore.blocks import CHECKSUMS, XXH3, PutResult
+from kvstore.blocks import (
+    CHECKSUMS,
+    STOP_EVICTED,
+    STOP_LAYER_SET_DIFFERS,
+    STOP_NO_ROOM,
+    STOP_NONE,
+    STOP_NOT_STORED,
+    XXH3,
+    PutResult,
+)
+from kvstore.kv_events_media import MEMORY, PERSISTENT
 from kvstore_server import eviction
 from kvstore_server.index import Entry, PrefixIndex
 from kvstore_server.parts import PartAssembler, PartError, PartsFull, Whole, check_subset
@@ -158,6 +169,17 @@ def _run_tokens(run: Sequence[Whole]) -> list[int]:
     return tokens
 
 
+def _log_short(what: str, namespace: bytes, hashes: Sequence[bytes], got: int, stop: str) -> None:
+    """One DEBUG line for a read that returned fewer blocks than asked, and why (a miss is
+    routine; a layer set that differs, a checksum failure or an eviction is logged where it
+    is found, at WARNING or ERROR)."""
+    if got < len(hashes) and log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "%s of %d blocks in namespace %r returned %d: %s at block %s",
+            what, len(hashes), namespace, got, stop, hashes[got].hex(),
+        )  # fmt: skip
+
+
 def _runs(whole: Sequence[Whole]) -> list[list[Whole]]:
     """Blocks made whole, split into runs that are chains (each block's parent is the one
     before it): each run is one put."""
@@ -189,6 +211,7 @@ class PinResult:
     num_blocks: int
     lease_seconds: float
     kinds: list[str] = field(default_factory=list)  # each block's checksum kind
+    stop: str = STOP_NONE  # why num_blocks is short of the request (kvstore.blocks.STOP_*)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +222,14 @@ class BlockInfo:
     num_children: int
 
 
-Listener = Callable[[str, bytes, Sequence[bytes], Sequence[bytes], "Sequence[Sequence[int]] | None"], None]
-"""Called as listener(kind, namespace, hashes, parents, tokens) with kind "stored" or
+Listener = Callable[
+    [str, bytes, Sequence[bytes], Sequence[bytes], "Sequence[Sequence[int]] | None", "str | None"], None
+]
+"""Called as listener(kind, namespace, hashes, parents, tokens, tier) with kind "stored" or
 "removed", under the store's lock, in commit order; `tokens`: each stored block's token
-ids when its put gave them, else None."""
+ids when its put gave them, else None; `tier`: for "stored", the tier the commit put the
+blocks in (kvstore.kv_events_media MEMORY or PERSISTENT), None for "removed" (the blocks
+left the store: every tier)."""
 
 
 class Store:
@@ -428,6 +455,7 @@ class Store:
                             [w.meta.block_hash for w in writes],
                             [w.meta.parent_hash for w in writes],
                             tokens,
+                            PERSISTENT,
                         )
                 self._changed.notify_all()
         return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
@@ -611,6 +639,9 @@ class Store:
         keys = [(namespace, h) for h in hashes[:n]]
         with self.tiers.read(keys) as blocks:
             result = self._verified_prefix(blocks, keys, selected=_selection(blocks, layers))
+            if result.stop == STOP_NONE and n < len(hashes):
+                result = dataclasses.replace(result, stop=STOP_NOT_STORED)
+            _log_short("read", namespace, hashes, result.num_blocks, result.stop)
             yield result
         self._count_read(result)
 
@@ -646,6 +677,7 @@ class Store:
                     self.tiers.delete(gone)
                 break
             result = self._verified_prefix(blocks, keys, remove_bad=False, selected=selected)
+            _log_short("take", namespace, hashes, result.num_blocks, result.stop)
             yield result
         self._count_read(result)
 
@@ -866,7 +898,7 @@ class Store:
                 tokens = [res.token_ids[p.position] for p in placed] if res.token_ids else None
                 for listener in self._listeners:
                     listener("stored", ns, [p.meta.block_hash for p in placed],
-                             [p.meta.parent_hash for p in placed], tokens)  # fmt: skip
+                             [p.meta.parent_hash for p in placed], tokens, MEMORY)  # fmt: skip
             else:
                 memory.allocator.free(res.extent, res.nbytes)
             self.counters.puts += 1
@@ -992,8 +1024,8 @@ class Store:
             self._index.touch(namespace, hashes[:n], now)
             keys = [(namespace, h) for h in hashes[:n]]
             cold = [k for k in keys if k not in memory.resident]
-        if cold:
-            self.tiers.promote(keys, now)
+        left_out = self.tiers.promote(keys, now) if cold else None
+        stop = STOP_NOT_STORED if n < len(hashes) else STOP_NONE
         with self._lock:
             # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
             spans: list[list[int]] = []
@@ -1003,11 +1035,16 @@ class Store:
             resident = memory.resident
             for key in keys:
                 placed = resident.get(key)
-                if placed is None or self._index.get(*key) is None:  # gone since the prefix was found
+                if placed is None or self._index.get(*key) is None:
+                    if left_out is not None and left_out[0] == key:  # the promotion left it out
+                        stop = left_out[1]
+                    else:  # gone since the prefix was found, or not brought into memory
+                        stop = STOP_EVICTED if self._index.get(*key) is None else STOP_NO_ROOM
                     break
                 meta = placed.meta
                 if layers is not meta.layers:  # layouts are interned: one tuple per layout
                     if layers and meta.layers != layers:
+                        stop = STOP_LAYER_SET_DIFFERS
                         break
                     layers = meta.layers
                 last = spans[-1] if spans else None
@@ -1019,7 +1056,8 @@ class Store:
                 kinds.append(meta.checksum_kind)
             runs = [Run(*span) for span in spans]
             if not runs:
-                return PinResult(0, (), [], b"", 0, memory.lease_seconds)
+                _log_short("pin", namespace, hashes, 0, stop)
+                return PinResult(0, (), [], b"", 0, memory.lease_seconds, stop=stop)
             extents = list(dict.fromkeys(run.extent for run in runs))
             memory.pin_extents(extents, now)
             pin_id = memory.new_id()
@@ -1032,7 +1070,8 @@ class Store:
             memory.counters.memory_hit_blocks += got - promoted
             memory.counters.persistent_hit_blocks += promoted
             self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
-        return PinResult(pin_id, layers, runs, b"".join(sums), got, memory.lease_seconds, kinds)
+        _log_short("pin", namespace, hashes, got, stop)
+        return PinResult(pin_id, layers, runs, b"".join(sums), got, memory.lease_seconds, kinds, stop)
 
     def release(self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = ()) -> bool:
         """End a pin; `corrupt`: blocks the client found failing their checksum (verified
@@ -1106,6 +1145,7 @@ class Store:
                 "uptime_seconds": time.time() - self.started_at,
                 **vars(self.counters),
                 **(self.memory.stats() if self.memory is not None else {}),
+                **self.tiers.rates(),
                 **self._fleet_stats(),
             }
 
@@ -1145,6 +1185,12 @@ class Store:
             infos = [self._info(k) for k in keys if self._index.get(*k) is not None]
         return infos, keys[-1] if len(keys) == limit else None
 
+    def namespaces(self, prefix: bytes = b"") -> list[bytes]:
+        """The namespaces that hold blocks and start with `prefix`, sorted."""
+        with self._lock:
+            spaces = self._index.namespaces()
+        return sorted(ns for ns in spaces if ns.startswith(prefix))
+
     def describe(self, namespace: bytes, block_hash: bytes) -> tuple[BlockInfo, BlockMeta]:
         with self._lock:
             if self._index.get(namespace, block_hash) is None:
@@ -1178,7 +1224,7 @@ class Store:
             by_ns.setdefault(ns, []).append(h)
         for ns, hashes in by_ns.items():
             for listener in self._listeners:
-                listener("removed", ns, hashes, [], None)
+                listener("removed", ns, hashes, [], None, None)
 
     def begin_shutdown(self) -> None:
         """Release DropSelect waiters (UNAVAILABLE); everything else keeps working."""

@@ -33,8 +33,8 @@ if ! command -v redis-server >/dev/null; then
 fi
 python scripts/gen_protos.py --check
 # lint (ruff: packages, tests, benches) and types (mypy, settings in pyproject.toml)
-SRC="kvstore_server kvstore_client kvstore_cli kvstore_proxy connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py"
+SRC="kvstore_server kvstore_client kvstore_cli kvstore_proxy connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py kvstore/kv_events_media.py kvstore/records.py"
 ruff check $SRC bench tests scripts
 ruff format --check $SRC bench tests scripts
-mypy kvstore_server kvstore_client kvstore_cli kvstore_proxy connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py
+mypy kvstore_server kvstore_client kvstore_cli kvstore_proxy connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py kvstore/kv_events_media.py kvstore/records.py
 exec python -m pytest "$@"

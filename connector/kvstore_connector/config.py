@@ -27,8 +27,10 @@ kv-transfer config in its logs.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -56,9 +58,46 @@ _KEYS = {
     "tls_key": "tls_key",
     "compression": "compression",
 }
+_KEY_OF = {field: key for key, field in _KEYS.items()}  # what users write, for messages
 _MAX_MODEL_ID = 120
 # settings that must be positive numbers (besides the *_timeout ones, in seconds), and their unit
 _POSITIVE = {"retry_interval": "seconds", "save_backlog_mib": "MiB"}
+
+
+class ExtraConfigError(ValueError):
+    """kv_connector_extra_config is not valid: every problem found, in one message that names
+    the keys as users write them. Raised before the connector touches anything; the engine
+    does not start."""
+
+    def __init__(self, problems: Sequence[str], *, unknown: bool = False) -> None:
+        self.problems = list(problems)
+        what = self.problems[0] if len(self.problems) == 1 else "; ".join(self.problems)
+        known = f" (known keys: {', '.join(sorted(_KEYS))})" if unknown else ""
+        super().__init__(f"kv_connector_extra_config: {what}{known}")
+
+
+def _unknown_key(key: object) -> str:
+    close = difflib.get_close_matches(str(key), _KEYS, n=1)
+    return f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def role_summary(kv_role: str | None, config: ConnectorConfig) -> str:
+    """What the connector does in this role, for its start-up line: "loads, saves async"."""
+    loads = kv_role in ("kv_consumer", "kv_both")
+    saves = kv_role in ("kv_producer", "kv_both")
+    parts = []
+    if loads:
+        parts.append("loads (consume: DropSelect)" if config.consume else "loads")
+    else:
+        parts.append("loads nothing")
+    if saves:
+        parts.append(f"saves {'sync' if config.saves_sync(kv_role) else 'async'}")
+    else:
+        ignored = (
+            " (save_mode and save_decode do not apply)" if config.save_mode or config.save_decode else ""
+        )
+        parts.append(f"saves nothing{ignored}")
+    return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -114,30 +153,43 @@ class ConnectorConfig:
     (kv_cache_dtype=fp8) is stored as it is."""
 
     def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise ExtraConfigError(problems)
+
+    def _problems(self) -> list[str]:
+        """Every invalid setting, named by its kv_connector_extra_config key."""
         from kvstore_connector.compression import CODECS
 
+        out = []
         if self.compression not in CODECS:
-            raise ValueError(f"compression must be one of {', '.join(CODECS)}, not {self.compression!r}")
+            out.append(f"compression must be one of {', '.join(CODECS)}, not {self.compression!r}")
         if self.save_mode not in (None, "sync", "async"):
-            raise ValueError(f"save_mode must be 'sync' or 'async', not {self.save_mode!r}")
+            out.append(f"save_mode must be 'sync' or 'async', not {self.save_mode!r}")
         for f in fields(self):
             unit = "seconds" if f.name.endswith("timeout") else _POSITIVE.get(f.name)
             value = getattr(self, f.name)
             if unit is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
             ):
-                raise ValueError(f"{f.name} must be a positive number of {unit}, not {value!r}")
+                out.append(f"{_KEY_OF[f.name]} must be a positive number of {unit}, not {value!r}")
         for name in ("consume", "tune_malloc", "local_reads", "arena"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
+                out.append(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.save_decode is not None and not isinstance(self.save_decode, bool):
-            raise ValueError(f"save_decode must be true, false or null, not {self.save_decode!r}")
+            out.append(f"save_decode must be true, false or null, not {self.save_decode!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key go together")
+            out.append("tls_cert and tls_key go together")
         if self.local_data_dir is not None and not isinstance(self.local_data_dir, str):
-            raise ValueError(f"local_data_dir must be a path string, not {self.local_data_dir!r}")
+            out.append(f"local_data_dir must be a path string, not {self.local_data_dir!r}")
         if not isinstance(self.address, str) or ":" not in self.address:
-            raise ValueError(f"kvstore_address must be HOST:PORT, not {self.address!r}")
+            out.append(f"kvstore_address must be HOST:PORT, not {self.address!r}")
+        return out
+
+    def saves_sync(self, kv_role: str | None) -> bool:
+        """Whether a step waits for its saves: save_mode, by default sync for kv_producer (its
+        output then means its KV is in the store) and async for kv_both."""
+        return (self.save_mode or ("sync" if kv_role == "kv_producer" else "async")) == "sync"
 
     def client_options(self) -> dict[str, Any]:
         """KVStoreClient keyword arguments for the security and local-read settings."""
@@ -153,12 +205,17 @@ class ConnectorConfig:
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
-        unknown = sorted(set(extra) - set(_KEYS))
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config keys {unknown}; known: {', '.join(sorted(_KEYS))}"
-            )
-        return cls(**{_KEYS[k]: v for k, v in extra.items()})
+        """The settings of vLLM's kv_connector_extra_config. Raises ExtraConfigError (a
+        ValueError) naming every problem at once: unknown keys (with the closest known
+        one) and invalid values."""
+        problems = [_unknown_key(key) for key in sorted(set(extra) - set(_KEYS), key=str)]
+        try:
+            config = cls(**{_KEYS[k]: v for k, v in extra.items() if k in _KEYS})
+        except ExtraConfigError as exc:
+            problems.extend(exc.problems)
+        if problems:
+            raise ExtraConfigError(problems, unknown=any(p.startswith("unknown key") for p in problems))
+        return config
 
 
 def is_fp8_name(kv_dtype: str) -> bool:

@@ -1,5 +1,7 @@
 """KV events for vLLM's publisher (KVConnectorBase_V1.take_events): which of this engine's
-blocks the store holds, under vLLM's own block hashes, medium "KVSTORE".
+blocks the store holds, under vLLM's own block hashes and medium names: "CPU" when the
+daemon has a memory tier (loads are served from its arena), "STORAGE" when it has only
+the persistent tier (kvstore.kv_events_media: the mapping, and why one medium here).
 
 An engine started with --kv-events-config then publishes, beside its GPU blocks, a
 `BlockStored` once a block it saved is committed in the store (seen on the daemon's
@@ -7,7 +9,8 @@ Watch stream, so a save that failed is never reported), or once a lookup found a
 it will load; and a `BlockRemoved` once the store evicts a block it reported. A router
 (vLLM's subscribers, llm-d, Dynamo) then knows what a replica can load from the store,
 with no change on its side. A daemon that restarted holds nothing it reported: those
-blocks are reported removed.
+blocks are reported removed (under the medium they were reported with). Which tiers
+the daemon has is asked (Stats) each time the Watch starts, on the Watch's thread.
 
 Bounded: at most `max_tracked` blocks are remembered (the oldest are forgotten: a
 forgotten block's removal is not reported).
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.kv_events_media import front_medium
 from kvstore_client import EVENT_REMOVED, EVENT_STORED, KVStoreClient
 from kvstore_client.errors import KVStoreError
 
@@ -29,8 +33,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm." + __name__)
-
-MEDIUM = "KVSTORE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,8 @@ class StoreEvents:
         self._reported: OrderedDict[bytes, Any] = OrderedDict()  # the store's hash -> vLLM's
         self._out: list[Any] = []
         self._store_id: str | None = None
+        # until the daemon says otherwise: its default has a memory tier
+        self.medium = front_medium(has_memory_tier=True)
         self._stop = threading.Event()
         self._stream: Any = None
         self._thread = threading.Thread(target=self._watch, name="kvstore-kv-events", daemon=True)
@@ -123,7 +127,7 @@ class StoreEvents:
             self._out.append(BlockStored(
                 block_hashes=[b.vllm_hash for b in run], parent_block_hash=first.parent,
                 token_ids=[t for b in run for t in b.tokens], block_size=self.block_size,
-                lora_id=first.lora_id, medium=MEDIUM, lora_name=first.lora_name,
+                lora_id=first.lora_id, medium=self.medium, lora_name=first.lora_name,
             ))  # fmt: skip
         _trim(self._reported, self.max_tracked)
 
@@ -132,7 +136,7 @@ class StoreEvents:
 
         gone = [self._reported.pop(h) for h in hashes if h in self._reported]
         if gone:
-            self._out.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
+            self._out.append(BlockRemoved(block_hashes=gone, medium=self.medium))
 
     # ---- the daemon's Watch, on a thread
     def _watch(self) -> None:
@@ -141,7 +145,8 @@ class StoreEvents:
             try:
                 with self.client.watch(0, self.namespace) as stream:
                     self._stream = stream
-                    self._started(stream.store_id)
+                    memory = self.client.stats(timeout=self.retry_s)["memory_capacity_bytes"] > 0
+                    self._started(stream.store_id, front_medium(memory))
                     if failing:
                         log.info("kvstore: KV events follow the store again")
                         failing = False
@@ -155,12 +160,15 @@ class StoreEvents:
                 self._stream = None
             self._stop.wait(self.retry_s)
 
-    def _started(self, store_id: str) -> None:
+    def _started(self, store_id: str, medium: str) -> None:
         with self._lock:
             if self._store_id is not None and store_id != self._store_id:  # a restarted daemon
                 self._removed(list(self._reported))
                 self._planned.clear()
+            elif medium != self.medium and self._reported:  # not yet known when they were reported
+                self._removed(list(self._reported))
             self._store_id = store_id
+            self.medium = medium
 
     def _on(self, event: Any) -> None:
         with self._lock:

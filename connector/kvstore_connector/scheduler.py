@@ -15,6 +15,7 @@ from kvstore_client.errors import KVStoreError
 from kvstore_client.hashing import MultiModalInput, block_hashes
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.events import StoreEvents
+from kvstore_connector.hitlog import HitLog
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
@@ -69,6 +70,7 @@ class SchedulerSide:
         self.client = KVStoreClient(config.address, timeout=config.lookup_timeout, **config.client_options())
         self.health = StoreHealth(config.address, config.retry_interval, log)
         self.stats = KVStoreConnectorStats()
+        self.hits = HitLog(log)  # "N of M prompt tokens loaded from kvstore", in the engine's log
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         # vLLM's KV events for the blocks the store holds for this engine (--kv-events-config)
@@ -120,6 +122,9 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()[0]
         first = tracked.pending_local // self.block_size
         last = (tracked.pending_local + num_external_tokens) // self.block_size
+        # the request's tokens now: its prompt, and after a preemption what it generated too
+        self.hits.hit(request.request_id, num_external_tokens, request.num_tokens, last - first,
+                      tracked.pending_local)  # fmt: skip
         self._loads.append(
             LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last]))
         )
@@ -127,6 +132,7 @@ class SchedulerSide:
             self.events.held(request, tracked.hashes[first:last], first)
 
     def build_connector_meta(self, out: SchedulerOutput) -> KVStoreConnectorMetadata:
+        self.hits.flush()
         meta = KVStoreConnectorMetadata(loads=self._loads)
         self._loads = []
         if not self.save:
@@ -208,6 +214,7 @@ class SchedulerSide:
         return self.events.take() if self.events is not None else []
 
     def close(self) -> None:
+        self.hits.flush(force=True)
         if self.events is not None:
             self.events.close()
         self.client.close()

@@ -59,7 +59,8 @@ class KVStoreConnectorStats(KVConnectorStats):
         return {
             "Lookups": d["lookups"],
             "Lookup errors": d["lookup_errors"],
-            "Hit tokens": d["hit_tokens"],
+            # the words of the engine's hit log lines (kvstore_connector.hitlog)
+            "Tokens loaded from kvstore": d["hit_tokens"],
             "Blocks loaded": d["blocks_loaded"],
             "Load GB/s": round(d["bytes_loaded"] / load_s / 1e9, 3) if load_s else 0.0,
             "Load errors (blocks)": d["load_errors"],

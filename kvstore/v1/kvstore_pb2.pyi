@@ -7,6 +7,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STOP_REASON_UNSPECIFIED: _ClassVar[StopReason]
+    STOP_REASON_NONE: _ClassVar[StopReason]
+    STOP_REASON_NOT_STORED: _ClassVar[StopReason]
+    STOP_REASON_LAYER_SET_DIFFERS: _ClassVar[StopReason]
+    STOP_REASON_CHECKSUM_FAILED: _ClassVar[StopReason]
+    STOP_REASON_EVICTED: _ClassVar[StopReason]
+    STOP_REASON_NO_ROOM: _ClassVar[StopReason]
+STOP_REASON_UNSPECIFIED: StopReason
+STOP_REASON_NONE: StopReason
+STOP_REASON_NOT_STORED: StopReason
+STOP_REASON_LAYER_SET_DIFFERS: StopReason
+STOP_REASON_CHECKSUM_FAILED: StopReason
+STOP_REASON_EVICTED: StopReason
+STOP_REASON_NO_ROOM: StopReason
+
 class LayerSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -114,12 +131,14 @@ class DropSelectRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., wait_seconds: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetHeader(_message.Message):
-    __slots__ = ("num_blocks", "layers")
+    __slots__ = ("num_blocks", "layers", "stop_reason")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
-    def __init__(self, num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+    stop_reason: StopReason
+    def __init__(self, num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("header", "chunk")
@@ -168,7 +187,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "partial_blocks", "partial_bytes", "partials_completed", "partials_expired", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks")
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "partial_blocks", "partial_bytes", "partials_completed", "partials_expired", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks", "promoted_bytes", "written_behind_bytes", "persistent_read_rate", "write_behind_rate", "fleet_read_rate")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +244,11 @@ class StatsResponse(_message.Message):
     FLEET_DROPPED_FIELD_NUMBER: _ClassVar[int]
     FLEET_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     FLEET_PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BEHIND_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_READ_RATE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BEHIND_RATE_FIELD_NUMBER: _ClassVar[int]
+    FLEET_READ_RATE_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes_used: int
     capacity_bytes: int
@@ -281,7 +305,12 @@ class StatsResponse(_message.Message):
     fleet_dropped: int
     fleet_skipped: int
     fleet_promoted_blocks: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., partial_bytes: _Optional[int] = ..., partials_completed: _Optional[int] = ..., partials_expired: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ...) -> None: ...
+    promoted_bytes: int
+    written_behind_bytes: int
+    persistent_read_rate: float
+    write_behind_rate: float
+    fleet_read_rate: float
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., partial_bytes: _Optional[int] = ..., partials_completed: _Optional[int] = ..., partials_expired: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., written_behind_bytes: _Optional[int] = ..., persistent_read_rate: _Optional[float] = ..., write_behind_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")
@@ -304,22 +333,26 @@ class BlockInfo(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access_at: _Optional[float] = ..., num_children: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("namespace", "limit", "page_token")
+    __slots__ = ("namespace", "limit", "page_token", "namespaces_only")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_ONLY_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     limit: int
     page_token: bytes
-    def __init__(self, namespace: _Optional[bytes] = ..., limit: _Optional[int] = ..., page_token: _Optional[bytes] = ...) -> None: ...
+    namespaces_only: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., limit: _Optional[int] = ..., page_token: _Optional[bytes] = ..., namespaces_only: _Optional[bool] = ...) -> None: ...
 
 class ListResponse(_message.Message):
-    __slots__ = ("blocks", "next_page_token")
+    __slots__ = ("blocks", "next_page_token", "namespaces")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
     next_page_token: bytes
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ...) -> None: ...
+    namespaces: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., next_page_token: _Optional[bytes] = ..., namespaces: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("namespace", "block_hash")
@@ -488,7 +521,7 @@ class ArenaRun(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., extent_blocks: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
-    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds")
+    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds", "stop_reason")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +529,7 @@ class PinResponse(_message.Message):
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KINDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     num_blocks: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
@@ -503,7 +537,8 @@ class PinResponse(_message.Message):
     checksums: bytes
     lease_seconds: float
     checksum_kinds: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+    stop_reason: StopReason
+    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("pin_id", "corrupt_block_hashes")

@@ -23,10 +23,11 @@ import lmdb
 
 from kvstore.blocks import BlockKey, StorageError, StoredBlock
 from kvstore.layouts import (
-    DATA_DB,
+    BLOCKS_DB,
+    LAYOUTS_DB,
     LMDB_MAX_DBS,
     LMDB_MAX_READERS,
-    META_DB,
+    SegmentMaps,
     backend_dir,
     block_path,
     lmdb_key,
@@ -64,11 +65,13 @@ def _lmdb_errors() -> Iterator[None]:
 
 
 class LmdbReader:
-    """The daemon's LMDB environment, opened read-only.
+    """The daemon's LMDB index, opened read-only, and its segment files, mapped.
 
     LMDB is built for this: readers register in the shared lock file (so this
     process needs write access to lock.mdb, and must share the daemon's PID
-    namespace) and see consistent snapshots while the daemon commits. LMDB forbids
+    namespace) and see consistent snapshots of the index while the daemon commits.
+    The payloads are not in the snapshot: the daemon may reuse an extent it freed
+    while a read here still uses it, which the caller's checksums catch. LMDB forbids
     opening one environment twice in a process: open it once and share it.
     """
 
@@ -88,32 +91,34 @@ class LmdbReader:
             # Map as much as the daemon does (its size is in the file), so its growth
             # never needs a remap here while reads are running.
             self._env.set_mapsize(0)
-            self._meta = self._env.open_db(META_DB, create=False)
-            self._data = self._env.open_db(DATA_DB, create=False)
+            self._blocks = self._env.open_db(BLOCKS_DB, create=False)
+            self._layouts = self._env.open_db(LAYOUTS_DB, create=False)
         except lmdb.Error as exc:
             self._env.close()
             raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
+        self._maps = SegmentMaps(path)
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        """One read transaction: a consistent snapshot; the views point into the map until it ends."""
+        """One read transaction of the index; the views point into the mapped segments."""
         with _lmdb_errors():  # e.g. MapResizedError after a daemon restart
             txn = self._env.begin(buffers=True)
         with txn:
             blocks: list[StoredBlock | None] = []
             for key in keys:
                 with _lmdb_errors():
-                    blocks.append(read_lmdb_block(txn, self._meta, self._data, key))
+                    blocks.append(read_lmdb_block(txn, self._blocks, self._layouts, self._maps, key))
             yield blocks
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
-        with _lmdb_errors(), self._env.begin(db=self._meta) as txn:
+        with _lmdb_errors(), self._env.begin(db=self._blocks) as txn:
             for n, (namespace, block_hash) in enumerate(keys):
                 if txn.get(lmdb_key(namespace, block_hash)) is None:
                     return n
         return len(keys)
 
     def close(self) -> None:
+        self._maps.close()
         self._env.close()
 
 

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvstore import wire
-from kvstore.blocks import LayerSpec, StorageError, StoredBlock, checksum, leading_blocks, selected_layers
+from kvstore.blocks import (
+    STOP_UNKNOWN,
+    LayerSpec,
+    StorageError,
+    StoredBlock,
+    checksum,
+    leading_blocks,
+    selected_layers,
+)
 from kvstore.host import pid_namespace
 from kvstore.layouts import STORE_ID_FILE
 from kvstore.v1 import kvstore_pb2 as pb
@@ -122,8 +130,11 @@ class LocalSource:
         blocks: list[StoredBlock],
         report: Callable[[bytes], None],
         layers: Sequence[int] = (),
+        stop_reason: str = STOP_UNKNOWN,
     ) -> None:
-        """`layers`: stream only these of the blocks' layers (chunks count within them)."""
+        """`layers`: stream only these of the blocks' layers (chunks count within them);
+        `stop_reason`: why `blocks` stop short of the request (kvstore.blocks.STOP_*)."""
+        self.stop_reason = stop_reason
         self._files = files
         self._stack: ExitStack | None = stack
         self._blocks = blocks
@@ -243,7 +254,8 @@ class LocalReads:
             keys = [(self._prefix + namespace, h) for h in hashes]
             # NOTE: checksums are verified per chunk, just before the caller copies it
             # (LocalSource.chunks), so the bytes are read from memory once, not twice.
-            good = leading_blocks(stack.enter_context(files.reader.read(keys)), verify=False).blocks
+            prefix = leading_blocks(stack.enter_context(files.reader.read(keys)), verify=False)
+            good = prefix.blocks
         except StorageError as exc:
             stack.close()
             files.release()
@@ -254,7 +266,9 @@ class LocalReads:
             files.release()
             return None
         try:
-            return LocalSource(files, stack, good, functools.partial(self._report, namespace), layers)
+            return LocalSource(
+                files, stack, good, functools.partial(self._report, namespace), layers, prefix.stop_reason()
+            )
         except ValueError:
             stack.close()
             files.release()

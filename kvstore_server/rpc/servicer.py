@@ -18,6 +18,7 @@ import grpc
 from kvstore import wire
 from kvstore.blocks import per_layout
 from kvstore.host import pid_namespace
+from kvstore.kv_events_media import MEMORY, PERSISTENT
 from kvstore.memory import trim_heap
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
@@ -75,9 +76,11 @@ class Servicer:
         store.add_listener(self.events.record)
         self.kv_events: KVEventsPublisher | None = None
         if config.kv_events_endpoint is not None:
+            tiers = (MEMORY, PERSISTENT) if store.memory is not None else (PERSISTENT,)
             self.kv_events = KVEventsPublisher(
-                config.kv_events_endpoint, config.kv_events_replay_endpoint, topic=config.kv_events_topic
-            )
+                config.kv_events_endpoint, config.kv_events_replay_endpoint, topic=config.kv_events_topic,
+                tiers=tiers,
+            )  # fmt: skip
             store.add_listener(self.kv_events.listener)
         self.reclaim = IdleReclaim(self._release_memory)
 
@@ -285,6 +288,8 @@ class Servicer:
     @translated
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
         prefix = self.scope.prefix(context)
+        if request.namespaces_only:
+            return pb.ListResponse(namespaces=[ns[len(prefix) :] for ns in self.store.namespaces(prefix)])
         namespace = self._ns(context, request.namespace) if request.namespace else None
         if request.limit > MAX_LIST_LIMIT:
             raise InvalidRequest(f"limit {request.limit} is above {MAX_LIST_LIMIT}")
@@ -430,6 +435,7 @@ class Servicer:
             checksums=pin.checksums,
             lease_seconds=pin.lease_seconds,
             checksum_kinds=pin.kinds,
+            stop_reason=wire.STOP_REASONS[pin.stop],
         )
 
     @translated
@@ -491,6 +497,7 @@ def _stream(result: ReadResult, chunk_bytes: int) -> Iterator[pb.GetResponse | b
         header=pb.GetHeader(
             num_blocks=result.num_blocks,
             layers=_layer_messages(tuple(result.layers[k] for k in used)),
+            stop_reason=wire.STOP_REASONS[result.stop],
         )
     )
     for position, index in enumerate(used):  # a selection: chunks count within it

@@ -33,7 +33,6 @@ __all__ = [
     "checksum",
     "backend_dir",
     "open_backend",
-    "open_reader",
 ]
 
 
@@ -47,20 +46,3 @@ def open_backend(kind: str, data_dir: Path, *, capacity_bytes: int, sync: bool) 
     from kvstore_server.tiers.disk import DiskBackend
 
     return DiskBackend(root, sync=sync)
-
-
-def open_reader(kind: str, data_dir: Path) -> Backend:
-    """Open a running daemon's backend under `data_dir` for reading only (tools and tests;
-    same-host clients have their own readers, kvstore_client.local): `read` works, writes
-    raise StorageError.
-    Raises StorageError when the files cannot be opened."""
-    root = backend_dir(kind, data_dir)
-    if kind == "lmdb":
-        from kvstore_server.tiers.lmdb import LmdbBackend
-
-        return LmdbBackend.reader(root)
-    from kvstore_server.tiers.disk import DiskBackend
-
-    if not root.is_dir():
-        raise StorageError(f"{root} is not a directory")
-    return DiskBackend(root, sync=False, readonly=True)

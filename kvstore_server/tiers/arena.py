@@ -39,39 +39,21 @@ from pathlib import Path
 import lmdb
 
 from kvstore import arena_format as fmt
-from kvstore import arenas
-from kvstore.blocks import WSUM32, XXH3, Layout, layout_of
+from kvstore import arenas, records
+from kvstore.blocks import Layout
 from kvstore.memory import MADV_POPULATE_WRITE
 from kvstore_server.datadir import claim_arena, withdraw_arena_claim
 from kvstore_server.tiers.base import NO_SPACE, BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock
 
 log = logging.getLogger(__name__)
 
-# A block's record in the index (binary: a commit of 512 blocks of 32 layers took 60 ms
-# to write as JSON): extent offset, blocks in the extent, position, created, checksum
-# kind, its layout's digest, the parent hash's length; then the parent hash and one
-# little-endian uint64 checksum per layer. Each layout is stored once, by its digest.
-_RECORD = struct.Struct("<QIId B 8s B")
-_KINDS = (XXH3, WSUM32)  # checksum kind <-> its code in a record
 _ID_KEY = b"arena-id"  # in the main database, beside the two named ones
 _INDEX_FORMAT = "2"  # another format's records are dropped like another arena's
 _INDEX_MAP_BYTES = 1 << 30  # sparse: address space, not memory
-_SUMS: dict[int, struct.Struct] = {}
-
-
-def _sums(width: int) -> struct.Struct:
-    packer = _SUMS.get(width)
-    if packer is None:
-        packer = _SUMS[width] = struct.Struct(f"<{width}Q")
-    return packer
 
 
 class ArenaError(StorageError):
     """The arena file cannot be created, opened or used."""
-
-
-def _key(namespace: bytes, block_hash: bytes) -> bytes:
-    return len(namespace).to_bytes(2, "big") + namespace + block_hash
 
 
 # ---- the file ---------------------------------------------------------------------
@@ -177,18 +159,23 @@ class Allocator:
         self.free_bytes = end - start
         self.total = end - start
 
-    def allocate(self, nbytes: int) -> int | None:
+    def allocate(self, nbytes: int, align: int = 1) -> int | None:
+        """The first free run that holds `nbytes` at an offset that is a multiple of `align`."""
         for start in self._starts:
             length = self._lengths[start]
-            if length >= nbytes:
-                i = bisect.bisect_left(self._starts, start)
-                del self._starts[i]
-                del self._lengths[start]
-                if length > nbytes:
-                    self._starts.insert(i, start + nbytes)
-                    self._lengths[start + nbytes] = length - nbytes
-                self.free_bytes -= nbytes
-                return start
+            at = start if align == 1 else -(-start // align) * align
+            if length >= nbytes + (at - start):
+                if at == start:
+                    i = bisect.bisect_left(self._starts, start)
+                    del self._starts[i]
+                    del self._lengths[start]
+                    if length > nbytes:
+                        self._starts.insert(i, start + nbytes)
+                        self._lengths[start + nbytes] = length - nbytes
+                    self.free_bytes -= nbytes
+                    return start
+                self.claim(at, nbytes)
+                return at
         return None
 
     def claim(self, offset: int, nbytes: int) -> bool:
@@ -229,6 +216,11 @@ class Allocator:
         self._lengths[offset] = nbytes
         self.free_bytes += end - offset
 
+    def runs(self) -> Iterator[tuple[int, int]]:
+        """The free runs, as (start, length), in address order."""
+        for start in list(self._starts):
+            yield start, self._lengths[start]
+
     @property
     def largest(self) -> int:
         return max(self._lengths.values(), default=0)
@@ -252,7 +244,7 @@ class Placed:
         if len(self.sums) != 8 * len(self.meta.checksums):
             if self.sums:
                 raise ValueError(f"{len(self.sums)} bytes of checksums for {len(self.meta.checksums)} layers")
-            object.__setattr__(self, "sums", _sums(len(self.meta.checksums)).pack(*self.meta.checksums))
+            object.__setattr__(self, "sums", records.pack_sums(self.meta.checksums))
 
     def layer_offset(self, layer: int) -> int:
         sizes = [spec.nbytes for spec in self.meta.layers]
@@ -306,28 +298,16 @@ class ArenaIndex:
 
     @staticmethod
     def _parse(key: bytes, raw: memoryview, layouts: dict[bytes, tuple[LayerSpec, ...]]) -> Placed:
-        ns_len = int.from_bytes(key[:2], "big")
-        namespace, block_hash = key[2 : 2 + ns_len], key[2 + ns_len :]
-        extent, n, position, created, kind, digest, parent_len = _RECORD.unpack_from(raw)
-        layers = layouts[digest]
-        at = _RECORD.size + parent_len
-        parent = bytes(raw[_RECORD.size : at])
-        packer = _sums(len(layers))
-        sums = packer.unpack_from(raw, at)
-        meta = BlockMeta(namespace, block_hash, parent, layers, sums, created, _KINDS[kind])
-        return Placed(meta, extent, n, position, bytes(raw[at : at + packer.size]))
+        record = records.parse(key, raw, layouts)
+        extent, n, position = record.where
+        return Placed(record.meta, extent, n, position, record.sums)
 
     def put(self, blocks: Sequence[Placed]) -> None:
         items, layouts = [], {}
         for p in blocks:
-            m = p.meta
-            layout = layout_of(m.layers)
+            raw, layout = records.pack((p.extent, p.extent_blocks, p.position), p.meta, p.sums)
             layouts[layout.digest] = layout.record
-            head = _RECORD.pack(
-                p.extent, p.extent_blocks, p.position, m.created_at, _KINDS.index(m.checksum_kind),
-                layout.digest, len(m.parent_hash),
-            )  # fmt: skip
-            items.append((_key(*m.key), head + m.parent_hash + p.sums))
+            items.append((records.index_key(*p.meta.key), raw))
         try:
             with self._env.begin(write=True) as txn:
                 for digest, record in layouts.items():
@@ -342,7 +322,7 @@ class ArenaIndex:
         try:
             with self._env.begin(write=True) as txn:
                 for key in keys:
-                    txn.delete(_key(*key), db=self._blocks)
+                    txn.delete(records.index_key(*key), db=self._blocks)
         except lmdb.Error as exc:
             raise ArenaError(f"memory tier index delete failed: {exc}") from exc
 

@@ -11,6 +11,10 @@ write-behind thread, never from an event loop.
     write(puts, dels) atomically (per backend's promise) delete `dels` and store `puts`;
                       durable against a process kill on return
     read(keys)        context manager yielding the blocks' metadata and layer views
+    locate(keys)      context manager yielding a handle per block (its `.meta`; None where
+                      missing) for read_into, valid inside the context
+    read_into(h, views)  read a located block's layers into `views` (a future; on the
+                      backend's I/O threads where it has them)
     stored_prefix(keys)  how many leading keys are stored (same-host lookups)
     delete(keys)      remove blocks; unknown keys are ignored
     release_memory()  drop what is held only as a cache (when idle; optional)
@@ -22,8 +26,10 @@ from __future__ import annotations
 import errno
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
+from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 # The block records are shared with the client (kvstore.blocks); re-exported here.
 from kvstore.blocks import BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock, checksum
@@ -47,6 +53,13 @@ NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 class StorageFullError(StorageError):
     """The backend has no room for a write even though the byte budget allows it."""
+
+
+class Located(Protocol):
+    """What `locate` yields per block: at least its record."""
+
+    @property
+    def meta(self) -> BlockMeta: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,28 @@ class Backend(ABC):
     @abstractmethod
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many leading `keys` are stored, without reading their data."""
+
+    @contextmanager
+    def locate(self, keys: Sequence[BlockKey]) -> Iterator[Sequence[Located | None]]:
+        """Handles for read_into. This default reads the blocks (read) and keeps them open."""
+        with self.read(keys) as blocks:
+            yield blocks
+
+    def read_into(self, handle: Located, views: list[memoryview]) -> Future[None]:
+        """Fill `views` (one per layer, in order) with a located block's bytes. This
+        default copies on the calling thread from what `locate` read."""
+        done: Future[None] = Future()
+        try:
+            layers = handle.layers  # type: ignore[attr-defined]
+            if len(layers) != len(views):
+                raise ValueError(f"{len(views)} buffers for {len(layers)} layers")
+            for view, data in zip(views, layers, strict=True):
+                view[:] = data
+        except Exception as exc:  # the caller gets it from the future, as from an I/O thread
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        return done
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         self.write((), keys)

@@ -19,7 +19,6 @@ caller must hold; the others take what they need.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -29,16 +28,24 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import XXH3, BlockPrefix, leading_blocks
+from kvstore.blocks import (
+    STOP_EVICTED,
+    STOP_LAYER_SET_DIFFERS,
+    STOP_NO_ROOM,
+    STOP_NONE,
+    BlockPrefix,
+    leading_blocks,
+)
+from kvstore_server.rates import Rate
 from kvstore_server.tiers.arena import ArenaError, MemoryTier, Placed
 from kvstore_server.tiers.base import (
     Backend,
     BlockKey,
     BlockWrite,
     LayerSpec,
+    Located,
     StorageError,
     StoredBlock,
-    checksum,
 )
 from kvstore_server.tiers.fleet import FleetTier
 
@@ -76,6 +83,8 @@ class ReadResult:
     blocks: list[StoredBlock] = field(default_factory=list)
     selected: tuple[int, ...] | None = None
     """The layers the read uses (verified, sent), by index; None: all of them."""
+    stop: str = STOP_NONE
+    """Why the read stopped before the end of the keys it was given (kvstore.blocks.STOP_*)."""
 
     @property
     def num_blocks(self) -> int:
@@ -92,9 +101,11 @@ def verified_prefix(
 ) -> tuple[ReadResult, BlockKey | None]:
     """The leading blocks that are present, pass their checksums (of `layers`, default
     all) and share one layer layout (kvstore.blocks.leading_blocks), logged where that ends
-    early; and the key of the block that failed its checksum, if one did."""
+    early; and the key of the block that failed its checksum, if one did. A block missing
+    from the read (the caller found it in the index) counts as evicted."""
     prefix = leading_blocks(blocks, layers=layers)
     n = len(prefix.blocks)
+    stop = prefix.stop_reason(missing=STOP_EVICTED)
     if prefix.stop == "corrupt" and prefix.bad_layer is not None:
         block = blocks[n]  # the one that failed (present: it was verified)
         layer = block.meta.layers[prefix.bad_layer].name if block is not None else "?"
@@ -103,10 +114,10 @@ def verified_prefix(
             keys[n][1].hex(),
             layer,
         )
-        return ReadResult(prefix.layers, prefix.blocks, layers), keys[n]
+        return ReadResult(prefix.layers, prefix.blocks, layers, stop), keys[n]
     if prefix.stop == "layout":
         log.warning("block %s has another layer layout than its prefix; stopping there", keys[n][1].hex())
-    return ReadResult(prefix.layers, prefix.blocks, layers), None
+    return ReadResult(prefix.layers, prefix.blocks, layers, stop), None
 
 
 class TierChain:
@@ -123,6 +134,9 @@ class TierChain:
         self.persistent = persistent
         self.memory = memory
         self.fleet = fleet
+        self.read_rate = Rate()  # promotions: persistent tier -> memory
+        self.write_rate = Rate()  # write-behind: memory -> persistent tier
+        self.fleet_rate = Rate()  # fetches from the fleet
         self._lock = lock
         self._commit_lock = commit_lock
         self._owner = owner
@@ -163,7 +177,19 @@ class TierChain:
         against its key and checksums as it is decoded), of one layer layout."""
         if self.fleet is None:
             return BlockPrefix([])
-        return leading_blocks(self.fleet.read(keys), verify=False)
+        started = time.perf_counter()
+        prefix = leading_blocks(self.fleet.read(keys), verify=False)
+        self.fleet_rate.add(sum(b.meta.size for b in prefix.blocks), time.perf_counter() - started)
+        return prefix
+
+    def rates(self) -> dict[str, int | float]:
+        return {
+            "promoted_bytes": self.read_rate.bytes,
+            "written_behind_bytes": self.write_rate.bytes,
+            "persistent_read_rate": self.read_rate.value,
+            "write_behind_rate": self.write_rate.value,
+            "fleet_read_rate": self.fleet_rate.value,
+        }
 
     # ---- removal
     def delete(self, keys: list[BlockKey]) -> None:
@@ -213,78 +239,109 @@ class TierChain:
             self.forget_records(gone)
 
     # ---- promotion: persistent -> memory
-    def promote(self, keys: list[BlockKey], now: float) -> None:
-        """Copy the blocks of `keys` that only the persistent tier holds into one new extent,
-        verified; a bad block ends the promotion there (and is removed). The request's
-        blocks already in memory stay while room is made."""
-        memory = self._memory()
-        with self._commit_lock:
-            with self._lock:
-                hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
-                memory.pin_extents(hot, now)
-                cold = [k for k in keys if k not in memory.resident and self._owner.indexed(k)]
-            try:
-                if cold:
-                    self._promote_blocks(memory, cold, now)
-            finally:
-                with self._lock:
-                    memory.unpin_extents(hot)
+    def promote(self, keys: list[BlockKey], now: float) -> tuple[BlockKey, str] | None:
+        """Read the blocks of `keys` that only the persistent tier holds into one new
+        extent: the reads run on the persistent tier's I/O threads, straight into the
+        extent, outside the commit lock (taken only to allocate and to place). The
+        request's blocks already in memory stay pinned meanwhile. Returns the first block
+        it left out and why (kvstore.blocks.STOP_*), or None when it left none out.
 
-    def _promote_blocks(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> None:
-        with self.persistent.read(cold) as blocks:
-            good, bad = verified_prefix(blocks, cold)
-            if bad is not None:
-                with self._lock:
-                    self._owner.count_checksum_failures(1)
-            n = good.num_blocks
+        NOTE: the bytes are not verified here: every reader of the arena verifies the
+        checksums of what it uses (a client on its device, the daemon before it sends
+        a Get), and a block that fails is removed then. A second check here would
+        serialise a cold load behind xxh3 on one core."""
+        memory = self._memory()
+        with self._lock:
+            hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
+            memory.pin_extents(hot, now)
+            cold = [k for k in keys if k not in memory.resident and self._owner.indexed(k)]
+        try:
+            return self._promote_blocks(memory, cold, now) if cold else None
+        finally:
+            with self._lock:
+                memory.unpin_extents(hot)
+
+    def _promote_blocks(
+        self, memory: MemoryTier, cold: list[BlockKey], now: float
+    ) -> tuple[BlockKey, str] | None:
+        with self.persistent.locate(cold) as found:
+            located: list[Located] = []
+            stopped: tuple[BlockKey, str] | None = None
+            for key, handle in zip(cold, found, strict=True):
+                if handle is None:
+                    stopped = key, STOP_EVICTED
+                    break
+                if located and handle.meta.layers != located[0].meta.layers:
+                    stopped = key, STOP_LAYER_SET_DIFFERS
+                    break
+                located.append(handle)
+            n = len(located)
             if not n:
-                if bad is not None:
-                    self._owner.remove_corrupt(bad)
-                return
-            sizes = [layer.nbytes for layer in good.layers]
+                return stopped
+            sizes = [layer.nbytes for layer in located[0].meta.layers]
             nbytes = fmt.extent_bytes(sum(sizes), n)
             if nbytes > memory.allocator.total:
-                return  # the load is served from what is in memory
-            try:
-                offset = self.allocate(nbytes, now)
-            except NoRoom as exc:
-                log.info("no promotion of %d blocks: %s", n, exc)
-                return
+                return cold[0], STOP_NO_ROOM  # the load is served from what is in memory
+            with self._commit_lock:
+                try:
+                    offset = self.allocate(nbytes, now)
+                except NoRoom as exc:
+                    log.info("no promotion of %d blocks: %s", n, exc)
+                    return cold[0], STOP_NO_ROOM
+            # The extent is ours alone until it is placed: no other call sees it.
+            started = time.perf_counter()
             view = memory.file.view
-            placed = []
-            for position, block in enumerate(good.blocks):
-                for layer, data in enumerate(block.layers):
+            futures = []
+            for position, handle in enumerate(located):
+                pieces = []
+                for layer, size in enumerate(sizes):
                     at = offset + fmt.block_layer_offset(sizes, n, layer, position)
-                    view[at : at + sizes[layer]] = data
-                placed.append(Placed(block.meta, offset, n, position))
-        if bad is not None:
-            self._owner.remove_corrupt(bad)
-        try:
-            memory.index.put(placed)
-        except ArenaError as exc:
-            log.error("%s; promotion skipped", exc)
+                    pieces.append(view[at : at + size])
+                futures.append(self.persistent.read_into(handle, pieces))
+            read = n
+            for position, future in enumerate(futures):
+                failure = future.exception()
+                if failure is not None and read == n:
+                    log.error("reading block %s for a load failed: %s", cold[position][1].hex(), failure)
+                    read = position
+            self.read_rate.add(read * sum(sizes), time.perf_counter() - started)
+            if read < n:
+                stopped = cold[read], STOP_EVICTED
+            placed = [Placed(h.meta, offset, n, position) for position, h in enumerate(located[:read])]
+        with self._commit_lock:
+            try:
+                memory.index.put(placed)
+            except ArenaError as exc:
+                log.error("%s; promotion skipped", exc)
+                with self._lock:
+                    memory.allocator.free(offset, nbytes)
+                return cold[0], STOP_NO_ROOM
             with self._lock:
-                memory.allocator.free(offset, nbytes)
-            return
-        with self._lock:
-            live = [p for p in placed if self._owner.indexed(p.meta.key)]
-            if live:
-                memory.place(live, now, dirty=False)
-            else:
-                memory.allocator.free(offset, nbytes)
-            memory.counters.promotions += 1
-            memory.counters.promoted_blocks += len(live)
+                live = [p for p in placed if self._owner.indexed(p.meta.key)]
+                if live:
+                    memory.place(live, now, dirty=False)
+                else:
+                    memory.allocator.free(offset, nbytes)
+                memory.counters.promotions += 1
+                memory.counters.promoted_blocks += len(live)
+        if len(live) < len(placed):
+            kept = {p.meta.key for p in live}
+            self.forget_records([p.meta.key for p in placed if p.meta.key not in kept])
+        return stopped
 
     # ---- write-behind: memory -> persistent
     def write_behind_once(self, batch_bytes: int) -> bool:
-        """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`),
-        verified; False when nothing was waiting.
+        """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`);
+        False when nothing was waiting.
 
-        NOTE: the verify and the backend write run outside the commit lock (a write of a
-        batch takes tens of ms, and a save's commit would wait behind it); the batch's
-        extents are pinned meanwhile, so their bytes stay. A block removed from the index
-        during the write (evicted, taken, dropped) is deleted from the backend afterwards,
-        under the commit lock, as the removal's own deletion may have run first."""
+        NOTE: the backend write runs outside the commit lock (a batch takes tens of ms,
+        and a save's commit would wait behind it); the batch's extents are pinned
+        meanwhile, so their bytes stay. The bytes go as they lie in the arena (gathered
+        by the persistent tier's I/O threads), with the checksums their writer committed,
+        not verified here: every later reader verifies them, and a block a client changed
+        after its commit fails there and is removed. A block removed from the index during
+        the write (evicted, taken, dropped) is deleted from the backend afterwards, under
+        the commit lock, as the removal's own deletion may have run first."""
         memory = self.memory
         if memory is None:
             return False
@@ -300,18 +357,9 @@ class TierChain:
                 return False
             extents = list(dict.fromkeys(p.extent for p in batch))
             memory.pin_extents(extents, time.time())
+        started = time.perf_counter()
         try:
-            writes, corrupt = [], []
-            for placed in batch:
-                block = memory.block(placed)
-                if block.corrupt_layer() is not None:
-                    corrupt.append(placed.meta.key)
-                    continue
-                meta = block.meta
-                if meta.checksum_kind != XXH3:  # the persistent tier holds xxh3 only
-                    sums = tuple(checksum(view) for view in block.layers)
-                    meta = dataclasses.replace(meta, checksums=sums, checksum_kind=XXH3)
-                writes.append(BlockWrite(meta, block.layers))
+            writes = [BlockWrite(placed.meta, memory.block(placed).layers) for placed in batch]
             keys = [w.meta.key for w in writes]
             try:
                 self.persistent.write(writes)
@@ -324,20 +372,17 @@ class TierChain:
         finally:
             with self._lock:
                 memory.unpin_extents(extents)
+        elapsed = time.perf_counter() - started
         with self._commit_lock:
             with self._lock:
                 stale = [key for key in keys if not self._owner.indexed(key)]
                 if ok:
                     memory.written_behind(keys)
+                    self.write_rate.add(size, elapsed)
                 else:
                     memory.drop_behind(keys)
-                if corrupt:
-                    self._owner.count_checksum_failures(len(corrupt))
             if ok and stale:
                 self.delete(stale)
-            for key in corrupt:
-                log.error("block %s fails its checksum in the memory tier: removed", key[1].hex())
-                self._owner.remove_corrupt(key)
         return True
 
     def expire_leases(self) -> int:

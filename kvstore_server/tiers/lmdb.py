@@ -1,70 +1,106 @@
-"""The default backend: one embedded LMDB environment holding metadata and data.
+"""The default persistent tier: LMDB as the index, the payloads in segment files.
 
-Two named databases share one environment so a block's metadata and bytes are
-written in the same transaction: a block is either wholly visible or absent,
-after any crash. Keys and database names: kvstore.layouts.
+    <root>/            the LMDB environment: BLOCKS_DB (a binary record per block:
+                       where its payload is, its layers' layout digest, its checksums)
+                       and LAYOUTS_DB (each layout once); kvstore.layouts, kvstore.records
+    <root>/segments/   preallocated segment files (tiers.segments): a block's layers
+                       back to back in one 4 KiB-aligned extent
 
-NOTE: writemap stays off. With MDB_WRITEMAP a full filesystem turns into a
-SIGBUS inside the daemon instead of an error we can answer with.
+A write puts the payloads in place first (many blocks at once, from the I/O pool,
+gathered straight from the caller's buffers: the arena's extents when writing
+behind), then commits all their records in one LMDB transaction: a block is
+visible only once its bytes are written, and a crash before the commit leaves an
+extent that no record names, which is free space at the next start. A deletion
+commits first and frees the extent afterwards, once no read of this process that
+may still see it is open (`_read_window`), so no record ever names an extent being rewritten.
 
-A full filesystem: LMDB reports it as a failed commit (EIO after a short
-write, or ENOSPC), which is told apart from a failing disk by the free space
-left. Freed pages are reused, so deletions make room; but a deletion needs a
-few new pages itself (copied B-tree pages, the free list), and a packed file on
-a full filesystem has none. So the backend keeps a headroom file of reserved
-space beside the environment and gives it up to let deletions commit, then
-takes back what is left. The lock file, which readers write through a shared
-mapping, is allocated up front: touching an unallocated page of it on a full
-tmpfs would be a SIGBUS.
+Reads for the gRPC path map the segments (page cache, zero-copy, like LMDB's own
+map was); loads into the memory tier read with `preadv` straight into the arena's
+extents from the pool (`locate` + `read_into`), many blocks at once.
+
+Durability: without `sync`, a returned write is in the page cache (or, written
+direct, on the device) and its record committed: it survives a process crash. With
+`sync`, the segments written are fdatasynced before the records commit, and the
+commit is synced: it survives power loss.
+
+The capacity bound: segment files (created as needed, preallocated) never exceed
+`capacity - index_reserve`; the index (LMDB's map) is bounded by `index_reserve`
+(1/32 of the capacity, at most 1 GiB, at least 16 MiB where the capacity allows),
+its headroom file included. `payload_capacity` is what the store may fill.
+
+A full filesystem: segments are allocated when created (fallocate), so writing
+into one never fails for space; a segment that cannot be created is
+StorageFullError. The index keeps a headroom file it gives up so that deletions
+can commit on a full filesystem.
+
+NOTE: writemap stays off. With MDB_WRITEMAP a full filesystem turns into a SIGBUS
+inside the daemon instead of an error we can answer with.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import mmap
 import os
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
 
-from kvstore.layouts import BAD_RECORD, DATA_DB, LMDB_MAX_DBS, LMDB_MAX_READERS, META_DB, read_lmdb_block
+from kvstore import records
+from kvstore.blocks import Layout
+from kvstore.layouts import (
+    BLOCKS_DB,
+    FORMAT_KEY,
+    LAYOUTS_DB,
+    LMDB_FORMAT,
+    LMDB_MAX_DBS,
+    LMDB_MAX_READERS,
+    SEGMENTS_DIR,
+    LayoutReader,
+    SegmentMaps,
+    read_lmdb_block,
+    read_lmdb_record,
+)
 from kvstore.layouts import lmdb_key as _key
-from kvstore.memory import drop_mapped_pages
 from kvstore_server.tiers.base import (
     NO_SPACE,
     Backend,
     BlockKey,
     BlockMeta,
     BlockWrite,
+    LayerSpec,
+    Located,
     StorageError,
     StorageFullError,
     StoredBlock,
 )
+from kvstore_server.tiers.segments import IOPool, Segments, aligned, segment_size_for
 
 log = logging.getLogger(__name__)
 
-# LMDB needs room beyond the payload: B-tree pages, per-value page rounding and
-# free pages that a long reader keeps pinned. The map is sparse, so a generous
-# size costs address space, not disk.
-_MAP_OVERHEAD_FACTOR = 2
-_MAP_MIN_BYTES = 1 << 30
-
-
-# Never a block key: those hold a 32-byte hash after the namespace.
-_BUMP_KEY = b"\x00\x00"
-_MAX_READERS = LMDB_MAX_READERS
-# Reserved space for deletions on a full filesystem: each deleted page costs 8 bytes of
-# free list, so a batch of _DELETE_BATCH blocks of up to 8 MiB needs well under this.
+_SEGMENT_BYTES_KEY = b"segment-bytes"  # in the main database
 _HEADROOM_BYTES = 8 << 20
-_DELETE_BATCH = 256
-# A failed commit with less free space than it wanted to write, plus this, is a full disk.
+_DELETE_BATCH = 1024
 _FULL_SLACK = 1 << 20
-# Payload per write transaction: bounds the memory LMDB holds for uncommitted pages.
-_TXN_BYTES = 64 << 20
-# Writes fault in pages of the map (see release_memory): unmap them every so many bytes.
-_UNMAP_EVERY = 64 << 20
+_MIN_INDEX_BYTES = 16 << 20
+_MAX_INDEX_BYTES = 1 << 30
+SMALL_CAPACITY = 256 << 20
+_SMALL_MAP_BYTES = 1 << 30  # sparse: address space, not disk
+
+
+def index_reserve(capacity: int) -> int:
+    """Bytes of the capacity set aside for the index (its map and headroom): 1/32 of it,
+    at least 16 MiB, at most 1 GiB. None below SMALL_CAPACITY: a store that small
+    (tests, trials) bounds its payloads only."""
+    if capacity < SMALL_CAPACITY:
+        return 0
+    return min(_MAX_INDEX_BYTES, max(_MIN_INDEX_BYTES, capacity // 32))
 
 
 @contextmanager
@@ -79,58 +115,95 @@ def _reading() -> Iterator[None]:
 class LmdbBackend(Backend):
     name = "lmdb"
 
-    def __init__(self, path: Path, *, capacity_bytes: int, sync: bool) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        capacity_bytes: int,
+        sync: bool,
+        direct: bool | None = None,
+        io: IOPool | None = None,
+        segment_bytes: int | None = None,
+    ) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        map_size = max(_MAP_MIN_BYTES, capacity_bytes * _MAP_OVERHEAD_FACTOR)
-        self._readonly = False
+        self._path = path
+        reserve = index_reserve(capacity_bytes)
+        self._discard_older_layout(path)
         try:
             self._env = lmdb.open(
                 str(path),
-                map_size=map_size,
+                map_size=reserve - self._headroom_bytes(reserve) if reserve else _SMALL_MAP_BYTES,
                 max_dbs=LMDB_MAX_DBS,
                 sync=sync,
                 metasync=sync,
                 readahead=False,
-                max_readers=_MAX_READERS,
+                max_readers=LMDB_MAX_READERS,
             )
             self._clear_stale_readers()
-            self._meta = self._env.open_db(META_DB)
-            self._data = self._env.open_db(DATA_DB)
+            self._blocks = self._env.open_db(BLOCKS_DB)
+            self._layouts = self._env.open_db(LAYOUTS_DB)
+            with self._env.begin(write=True) as txn:
+                txn.put(FORMAT_KEY, LMDB_FORMAT)
+                stored = txn.get(_SEGMENT_BYTES_KEY)
+                if stored is not None:  # the files' size stays what it was made with
+                    segment_bytes = int(stored)
+                else:
+                    segment_bytes = segment_bytes or segment_size_for(capacity_bytes - reserve)
+                    txn.put(_SEGMENT_BYTES_KEY, str(segment_bytes).encode())
         except lmdb.Error as exc:
             raise StorageError(f"cannot open {path}: {type(exc).__name__}: {exc}") from exc
-        self._path = path
-        self._unmapped_after = _UNMAP_EVERY
+        self.segments = Segments(
+            path / SEGMENTS_DIR, max_bytes=capacity_bytes - reserve, segment_bytes=segment_bytes,
+            direct=direct, sync=sync,
+        )  # fmt: skip
+        self.payload_capacity = self.segments.max_bytes
+        self._own_io = io is None
+        self.io = io if io is not None else IOPool()
+        self._maps = SegmentMaps(path)
+        self._known_layouts: set[bytes] = set()
+        self._recovered: list[BlockMeta] | None = self._recover()
+        self.segments.recovered()
         _allocate(path / "lock.mdb")
-        self._headroom = Headroom(path / "headroom", _HEADROOM_BYTES)
+        self._headroom = Headroom(path / "headroom", self._headroom_bytes(reserve))
         self._headroom.fill()
+        # Extents freed while reads that may still use them are open wait here: a read
+        # registers the sequence number it started at; a free, the number it happened at.
+        self._reads_lock = threading.Lock()
+        self._seq = 0
+        self._open_reads: dict[int, int] = {}  # token -> the sequence number it began at
+        self._tokens = itertools.count()
+        self._freed: list[tuple[int, int, int, int]] = []  # (seq, segment, offset, nbytes)
 
-    @classmethod
-    def reader(cls, path: Path) -> LmdbBackend:
-        """Open the environment a daemon is writing, read-only, from another process.
+    @staticmethod
+    def _headroom_bytes(reserve: int) -> int:
+        return min(_HEADROOM_BYTES, reserve // 4) if reserve else _HEADROOM_BYTES
 
-        LMDB is built for this: readers register in the shared lock file (so this
-        process needs write access to lock.mdb) and see consistent snapshots while
-        the daemon commits. Raises StorageError if the environment cannot be opened.
-        """
-        self = cls.__new__(cls)
-        self._readonly = True
+    @staticmethod
+    def _discard_older_layout(path: Path) -> None:
+        """An environment of the layout before segments (payloads inside LMDB) is removed:
+        the store starts empty (a cache may forget), and its disk space comes back."""
+        data = path / "data.mdb"
+        if not data.exists() or (path / SEGMENTS_DIR).exists():
+            return
         try:
-            self._env = lmdb.open(
-                str(path),
-                readonly=True,
-                create=False,
-                max_dbs=LMDB_MAX_DBS,
-                readahead=False,
-                max_readers=_MAX_READERS,
-            )
-            # Map as much as the daemon does (its size is in the file), so its growth
-            # never needs a remap here while reads are running.
-            self._env.set_mapsize(0)
-            self._meta = self._env.open_db(META_DB, create=False)
-            self._data = self._env.open_db(DATA_DB, create=False)
+            env = lmdb.open(str(path), readonly=True, max_dbs=LMDB_MAX_DBS, lock=False)
+            with env.begin() as txn:
+                current = txn.get(FORMAT_KEY) == LMDB_FORMAT
+            env.close()
         except lmdb.Error as exc:
-            raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
-        return self
+            log.warning("unreadable LMDB environment in %s (%s): starting it empty", path, exc)
+            current = False
+        if current:
+            return
+        size = data.stat().st_size
+        log.warning(
+            "the persistent tier in %s has the older layout (payloads inside LMDB, %d MB): "
+            "removed; the store starts empty",
+            path,
+            size // 10**6,
+        )
+        for name in ("data.mdb", "lock.mdb", "headroom"):
+            (path / name).unlink(missing_ok=True)
 
     def _clear_stale_readers(self) -> None:
         # A reader slot left by a killed process (the daemon's own, or a same-host
@@ -139,165 +212,276 @@ class LmdbBackend(Backend):
         if stale:
             log.info("cleared %d stale LMDB reader slots", stale)
 
-    def scan(self) -> Iterator[BlockMeta]:
-        with self._env.begin(db=self._meta, buffers=True) as txn:
-            for key, raw in txn.cursor():
+    # ---- the index at start
+    def _recover(self) -> list[BlockMeta]:
+        """At open: every record, its extent taken from the free space; records whose
+        extents are not valid (overlapping, outside the segments) are dropped."""
+        bad: list[bytes] = []
+        found: list[BlockMeta] = []
+        with self._env.begin(buffers=True) as txn:
+            layouts: dict[bytes, tuple[LayerSpec, ...]] = {}
+            for digest, raw in txn.cursor(db=self._layouts):
                 try:
-                    yield BlockMeta.from_json(raw)
-                except BAD_RECORD as exc:
-                    log.warning("skipping unreadable metadata record %s: %s", bytes(key).hex(), exc)
+                    layouts[bytes(digest)] = Layout.parse(raw)
+                    self._known_layouts.add(bytes(digest))
+                except (ValueError, TypeError) as exc:
+                    log.warning("skipping an unreadable layout record: %s", exc)
+            for key, raw in txn.cursor(db=self._blocks):
+                try:
+                    record = records.parse(bytes(key), raw, layouts)
+                except (*records.BAD_RECORD, StorageError) as exc:
+                    log.warning("dropping an unreadable block record %s: %s", bytes(key).hex(), exc)
+                    bad.append(bytes(key))
+                    continue
+                offset, segment, nbytes = record.where
+                if nbytes != record.meta.size or not self.segments.claim(segment, offset, nbytes):
+                    log.warning("block %s: its extent is not valid; dropped", record.meta.block_hash.hex())
+                    bad.append(bytes(key))
+                    continue
+                found.append(record.meta)
+        if bad:
+            with self._env.begin(write=True) as txn:
+                for bad_key in bad:
+                    txn.delete(bad_key, db=self._blocks)
+        return found
 
-    def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
-        """Delete, then store `puts`, in transactions of at most _TXN_BYTES of payload
-        (LMDB keeps a transaction's new pages in memory until it commits). Each block is
-        atomic; if a later transaction fails, the blocks of earlier ones are deleted again."""
-        if self._readonly:
-            raise StorageError("this LMDB environment was opened read-only")
-        self._unmapped_after -= sum(block.meta.size for block in puts)
-        if self._unmapped_after < 0:
-            self._unmapped_after = _UNMAP_EVERY
-            self.release_memory()
-        try:
-            if not puts:
-                self._delete(deletes)
-                return
-            done: list[BlockWrite] = []
-            try:
-                for batch in _batches(puts, _TXN_BYTES):
-                    self._write_batch(batch, () if done else deletes)
-                    done.extend(batch)
-            except lmdb.Error:
-                if done:
-                    self._undo(done)
-                raise
-        except lmdb.Error as exc:
-            if isinstance(exc, lmdb.MapFullError):
-                raise StorageFullError(f"LMDB map is full: {exc}") from exc
-            if self._full(exc, puts):
-                raise StorageFullError(f"the filesystem of {self._path} is full ({exc})") from exc
-            raise StorageError(f"LMDB write failed: {exc}") from exc
-
-    def _write_batch(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey]) -> None:
-        try:
-            self._commit(puts, deletes)
+    def scan(self) -> Iterator[BlockMeta]:
+        if self._recovered is not None:  # the daemon's scan at start: what open found
+            found, self._recovered = self._recovered, None
+            yield from found
             return
-        except lmdb.Error as exc:
-            if not self._full(exc, puts):
+        with self._env.begin(buffers=True) as txn:
+            reader = LayoutReader(txn, self._layouts)
+            for key, raw in txn.cursor(db=self._blocks):
+                try:
+                    yield records.parse(bytes(key), raw, reader).meta
+                except (*records.BAD_RECORD, StorageError) as exc:
+                    log.warning("skipping an unreadable block record %s: %s", bytes(key).hex(), exc)
+
+    # ---- writes
+    def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        """Delete `deletes`, then store `puts`: payloads written in parallel, then every
+        record in one transaction (all or none of the puts become visible)."""
+        placed: list[tuple[BlockWrite, int, int]] = []  # (block, segment, offset)
+        self._recovered = None  # what open found is stale now: a scan reads the index
+        try:
+            if deletes:
+                self._delete(deletes)
+            if not puts:
+                return
+            for block in puts:
+                got = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in block.layers)
+                if got != block.meta.size:
+                    raise StorageError(
+                        f"block {block.meta.block_hash.hex()}: {got} bytes for a record of {block.meta.size}"
+                    )
+                segment, offset = self.segments.allocate(block.meta.size)
+                placed.append((block, segment, offset))
+            futures = [
+                self.io.submit(
+                    block.meta.size,
+                    functools.partial(self.segments.write, segment, offset, _views(block)),
+                )
+                for block, segment, offset in placed
+            ]
+            _wait(futures)
+            if self.segments.sync:
+                self.segments.flush()
+            replaced = self._commit(placed)
+        except (StorageError, lmdb.Error, OSError) as exc:
+            for block, segment, offset in placed:
+                self.segments.free(segment, offset, block.meta.size)
+            if isinstance(exc, StorageError):
                 raise
-        self._clear_stale_readers()
-        # LMDB reuses the pages a transaction frees only two commits later, and a
-        # failed write commits nothing: a store whose puts keep failing would never
-        # get its freed room back. Commit the deletions, then one more transaction,
-        # and retry the puts once.
-        self._delete(deletes, bump=True)
-        self._commit(puts, ())
+            if isinstance(exc, lmdb.MapFullError) or self._full(exc, puts):
+                raise StorageFullError(f"the index of {self._path} is full ({exc})") from exc
+            raise StorageError(f"LMDB write failed: {exc}") from exc
+        self._free(replaced)
 
-    def _undo(self, blocks: Sequence[BlockWrite]) -> None:
-        try:
-            self._delete([block.meta.key for block in blocks])
-        except lmdb.Error as exc:
-            log.error(
-                "could not delete %d blocks of a failed put; they return at restart: %s", len(blocks), exc
-            )
+    def _commit(self, placed: Sequence[tuple[BlockWrite, int, int]]) -> list[records.Record]:
+        """Record `placed` in one transaction; returns the records it replaced (re-puts)."""
+        replaced: list[records.Record] = []
+        items = []
+        layouts: dict[bytes, bytes] = {}
+        for block, segment, offset in placed:
+            raw, layout = records.pack((offset, segment, block.meta.size), block.meta)
+            if layout.digest not in self._known_layouts:
+                layouts[layout.digest] = layout.record
+            items.append((_key(*block.meta.key), raw))
+        with self._env.begin(write=True, buffers=True) as txn:
+            for digest, layout_record in layouts.items():
+                txn.put(digest, layout_record, db=self._layouts)
+            for key, _ in items:
+                old = txn.get(key, db=self._blocks)
+                if old is not None:
+                    replaced.append(self._parse(txn, key, old))
+            txn.cursor(db=self._blocks).putmulti(items)
+        self._known_layouts.update(layouts)
+        return replaced
 
-    def _full(self, exc: lmdb.Error, puts: Sequence[BlockWrite]) -> bool:
-        """Whether a failed commit ran out of room (the map, or the filesystem)."""
-        if isinstance(exc, lmdb.MapFullError):
-            return True
-        wanted = sum(block.meta.size for block in puts) + _FULL_SLACK
-        try:
-            return _free_bytes(self._path) < wanted
-        except OSError:
-            return False
+    def _parse(self, txn: lmdb.Transaction, key: bytes, raw: bytes | memoryview) -> records.Record:
+        return records.parse(key, raw, LayoutReader(txn, self._layouts))
 
     def _delete(self, keys: Sequence[BlockKey], *, bump: bool = False) -> None:
-        """Commit deletions in batches (each bounds the free-list record it writes); with
-        `bump`, one more commit after them, so a put can reuse what they freed. On a full
-        filesystem the headroom is given up to let them commit, then refilled."""
-        commits = [
-            functools.partial(self._commit, (), keys[i : i + _DELETE_BATCH])
-            for i in range(0, len(keys), _DELETE_BATCH)
-        ]
-        if bump:
-            commits.append(functools.partial(self._commit, (), (), bump=True))
+        """Commit deletions in batches, then free their extents. On a full filesystem the
+        headroom is given up to let them commit, then refilled."""
         released = False
-        for commit in commits:
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i : i + _DELETE_BATCH]
             try:
-                commit()
+                gone = self._delete_batch(batch)
             except lmdb.Error as exc:
                 if released or not self._full(exc, ()) or not self._headroom.release():
                     raise
                 released = True
                 log.warning("the filesystem of %s is full: deletions commit in the headroom", self._path)
-                commit()
+                gone = self._delete_batch(batch)
+            self._free(gone)
         if released:
             self._headroom.fill()
 
-    def _commit(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey], bump: bool = False) -> None:
-        with self._env.begin(write=True) as txn:
-            if bump:  # dirty a page without changing anything, so the commit advances the txn id
-                txn.put(_BUMP_KEY, b"", db=self._meta)
-                txn.delete(_BUMP_KEY, db=self._meta)
-            for namespace, block_hash in deletes:
-                key = _key(namespace, block_hash)
-                txn.delete(key, db=self._meta)
-                txn.delete(key, db=self._data)
-            keys = [_key(block.meta.namespace, block.meta.block_hash) for block in puts]
-            # NOTE: all metadata first, then all data. Interleaving the small records
-            # with the large values made LMDB read ~20% of what it wrote back through
-            # its map (measured: resident file pages grew by that much).
-            for key, block in zip(keys, puts, strict=True):
-                txn.put(key, block.meta.to_json(), db=self._meta)
-            for key, block in zip(keys, puts, strict=True):
-                data = block.joined if block.joined is not None else b"".join(block.layers)
-                txn.put(key, data, db=self._data)
+    def _delete_batch(self, keys: Sequence[BlockKey]) -> list[records.Record]:
+        gone = []
+        with self._env.begin(write=True, buffers=True) as txn:
+            for key in keys:
+                raw_key = _key(*key)
+                raw = txn.get(raw_key, db=self._blocks)
+                if raw is None:
+                    continue
+                try:
+                    gone.append(self._parse(txn, raw_key, raw))
+                except (*records.BAD_RECORD, StorageError) as exc:
+                    log.warning("deleting an unreadable record %s: %s", raw_key.hex(), exc)
+                txn.delete(raw_key, db=self._blocks)
+        return gone
+
+    def _free(self, gone: Sequence[records.Record]) -> None:
+        if not gone:
+            return
+        with self._reads_lock:
+            for record in gone:
+                offset, segment, nbytes = record.where
+                self._freed.append((self._seq, segment, offset, nbytes))
+            self._seq += 1
+            self._release_freed()
+
+    def _release_freed(self) -> None:
+        """Hand to the segments the extents no open read can see (caller holds _reads_lock)."""
+        oldest = min(self._open_reads.values(), default=self._seq + 1)
+        keep = []
+        for entry in self._freed:
+            seq, segment, offset, nbytes = entry
+            if seq < oldest:
+                self.segments.free(segment, offset, nbytes)
+            else:
+                keep.append(entry)
+        self._freed = keep
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        try:
+            self._delete(keys)
+        except lmdb.Error as exc:
+            raise StorageError(f"LMDB delete failed: {exc}") from exc
+
+    def _full(self, exc: BaseException, puts: Sequence[BlockWrite]) -> bool:
+        """Whether a failed commit ran out of room (the map, or the filesystem)."""
+        if isinstance(exc, lmdb.MapFullError):
+            return True
+        wanted = sum(aligned(block.meta.size) for block in puts) + _FULL_SLACK
+        try:
+            return _free_bytes(self._path) < wanted
+        except OSError:
+            return False
+
+    # ---- reads
+    @contextmanager
+    def _read_window(self) -> Iterator[None]:
+        """While open, no extent freed after it began is reused."""
+        with self._reads_lock:
+            token = next(self._tokens)
+            self._open_reads[token] = self._seq
+        try:
+            yield
+        finally:
+            with self._reads_lock:
+                del self._open_reads[token]
+                self._release_freed()
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        # One read transaction: a consistent snapshot, and the views below point
-        # straight into the map until it ends.
-        with _reading():  # e.g. MapResizedError in a reader after a daemon restart
-            txn = self._env.begin(buffers=True)
-        with txn:
-            blocks: list[StoredBlock | None] = []
-            for key in keys:
-                with _reading():
-                    blocks.append(read_lmdb_block(txn, self._meta, self._data, key))
+        """Views into the mapped segments (valid inside the context)."""
+        with self._read_window():
+            with _reading():
+                txn = self._env.begin(buffers=True)
+            with txn:
+                blocks: list[StoredBlock | None] = []
+                for key in keys:
+                    with _reading():
+                        blocks.append(read_lmdb_block(txn, self._blocks, self._layouts, self._maps, key))
             yield blocks
 
+    @contextmanager
+    def locate(self, keys: Sequence[BlockKey]) -> Iterator[list[records.Record | None]]:
+        """The records of `keys` (None where absent); their extents are not reused while
+        the context is open, so reads of them (`read_into`) may run inside it."""
+        with self._read_window():
+            with _reading(), self._env.begin(buffers=True) as txn:
+                found = [read_lmdb_record(txn, self._blocks, self._layouts, key) for key in keys]
+            yield found
+
+    def read_into(self, handle: Located, views: list[memoryview]) -> Future[None]:
+        """Read a block's payload into `views` (its layers in order, wherever they lie),
+        on the I/O pool. The future raises StorageError when the read fails."""
+        if not isinstance(handle, records.Record):
+            raise TypeError(f"not a record of this backend: {type(handle).__name__}")
+        offset, segment, nbytes = handle.where
+        if sum(v.nbytes for v in views) != nbytes:
+            raise ValueError(f"{sum(v.nbytes for v in views)} bytes of buffers for a block of {nbytes}")
+        return self.io.submit(nbytes, functools.partial(self.segments.read, segment, offset, views))
+
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
-        with _reading(), self._env.begin(db=self._meta) as txn:
+        with _reading(), self._env.begin(db=self._blocks) as txn:
             for n, (namespace, block_hash) in enumerate(keys):
                 if txn.get(_key(namespace, block_hash)) is None:
                     return n
         return len(keys)
 
     def release_memory(self) -> None:
-        """Unmap the data file's pages from this process: they stay in the page cache
-        (LMDB maps the file read-only, so nothing is lost) and are mapped again when read.
-        Writes fault pages of the map in (B-tree pages and their neighbours), so over a
-        long load most of a large store would otherwise stay resident in the daemon."""
-        data_file = str((self._path / "data.mdb").resolve())
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].rstrip("\n") == data_file:
-                    start, end = (int(x, 16) for x in fields[0].split("-"))
-                    drop_mapped_pages(start, end - start)
+        """Drop the segment mappings' pages from this process (they stay in the page cache)."""
+        for m in self._maps.maps():
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError) as exc:
+                log.debug("madvise of a segment mapping failed: %s", exc)
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Segment files and the index's files: what the capacity bounds."""
+        index = sum(f.stat().st_size for f in self._path.iterdir() if f.is_file())
+        return self.segments.bytes_on_disk + index
 
     def close(self) -> None:
+        if self._own_io:
+            self.io.close()
+        self._maps.close()
+        self.segments.close()
         self._env.close()
 
 
-def _batches(puts: Sequence[BlockWrite], limit: int) -> Iterator[Sequence[BlockWrite]]:
-    """Consecutive runs of `puts` of at most `limit` payload bytes (at least one block each)."""
-    start = size = 0
-    for i, block in enumerate(puts):
-        if i > start and size + block.meta.size > limit:
-            yield puts[start:i]
-            start, size = i, 0
-        size += block.meta.size
-    yield puts[start:]
+def _views(block: BlockWrite) -> list[memoryview]:
+    return [v if isinstance(v, memoryview) else memoryview(v) for v in block.layers]
+
+
+def _wait(futures: Sequence[Future[None]]) -> None:
+    """Wait for every future; raise the first failure (after all have finished, so no
+    write is still running into an extent that the caller then frees)."""
+    error: BaseException | None = None
+    for future in futures:
+        exc = future.exception()
+        if exc is not None and error is None:
+            error = exc
+    if error is not None:
+        raise error
 
 
 def _free_bytes(path: Path) -> int:
@@ -347,7 +531,7 @@ class Headroom:
                     log.warning("cannot reserve headroom in %s: %s", self.path, exc)
                     return
                 want //= 2
-        if self.held() < self.size:
+        if self.size >= self._MIN_BYTES and self.held() < self.size:
             log.warning(
                 "only %d of %d bytes of headroom reserved in %s: the filesystem is nearly full",
                 self.held(),

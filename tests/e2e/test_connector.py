@@ -220,6 +220,16 @@ def test_consume_mode_frees_the_handoff(tmp_path, model, prompts, baseline, stor
          "max_tokens": 8},
     ])  # fmt: skip
     assert out["decode"]["tokens"] == baseline
+    # the engine's own log says what the store gave each request (offline LLM: no stats logging)
+    hits = re.findall(
+        r"INFO .* kvstore: request \S+: (\d+) of (\d+) prompt tokens loaded from kvstore \((\d+) blocks\)",
+        out["decode"]["log"],
+    )
+    assert sorted(tuple(map(int, hit)) for hit in hits) == sorted(
+        ((len(p) - 1) // BLOCK * BLOCK, len(p), (len(p) - 1) // BLOCK) for p in prompts
+    )
+    assert "loaded from kvstore" not in out["prefill"]["log"]  # a producer loads nothing
+    assert "role kv_consumer: loads (consume: DropSelect), saves nothing" in out["decode"]["log"]
     after = stats(store.address)
     assert after["commits"] > 0 and after["hit_blocks"] == full_blocks(prompts)  # saved, then all loaded
     # every block the decode loaded is gone; only each prompt's unusable tail blocks stay
@@ -394,10 +404,11 @@ def test_kv_events_from_the_engine_and_from_the_daemon(tmp_path, model, prompts)
     stored = [e for e in from_daemon_done if isinstance(e, BlockStored)]
     tokens = sorted(e.token_ids for e in stored)
     assert tokens == sorted(p[: len(p) // BLOCK * BLOCK] for p in prompts)
-    assert all(e.block_size == BLOCK and e.medium == "KVSTORE" for e in stored)
+    # saved through the arena: in the memory tier, vLLM's "CPU" (kvstore.kv_events_media)
+    assert all(e.block_size == BLOCK and e.medium == "CPU" for e in stored)
     # the engine: the store's blocks under vLLM's own hashes (those of its GPU blocks),
     # each reported once: the saves of round 1, seen committed by its next steps
     engine = [e for e in from_engine.events() if isinstance(e, BlockStored)]
     gpu = {h for e in engine if e.medium == "GPU" for h in e.block_hashes}
-    in_store = [h for e in engine if e.medium == "KVSTORE" for h in e.block_hashes]
+    in_store = [h for e in engine if e.medium == "CPU" for h in e.block_hashes]
     assert len(in_store) == len(set(in_store)) == saved and set(in_store) <= gpu

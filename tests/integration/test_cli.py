@@ -30,7 +30,7 @@ from support.inproc import InProcServer
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_cli.main import main
-from kvstore_client import KVStoreClient
+from kvstore_client import KVStoreClient, address
 from kvstore_client.hashing import block_hashes
 
 NS = "ns"
@@ -185,6 +185,15 @@ def test_global_options_after_the_command(stored: Stored, capsys: pytest.Capture
     assert json.loads(out)["blocks"] == stored.total_blocks
 
 
+def test_an_address_without_a_port_means_the_daemons_port(
+    server: InProcServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the in-process server stands for a daemon on the default port (50051 may be taken here)
+    monkeypatch.setattr(address, "DEFAULT_PORT", int(server.address.rpartition(":")[2]))
+    assert run(capsys, "127.0.0.1", "health") == (0, "SERVING\n", "")
+    assert run_json(capsys, "127.0.0.1", "health")["address"] == server.address
+
+
 def test_address_from_environment(
     server: InProcServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -311,7 +320,86 @@ def test_show_unknown_block(stored: Stored, capsys: pytest.CaptureFixture[str]) 
     assert stored.chain[0].hex() in err
 
 
+def test_show_and_evict_take_the_short_hash_ls_prints(
+    stored: Stored, capsys: pytest.CaptureFixture[str]
+) -> None:
+    listed = run_json(capsys, stored.address, "ls", "--namespace", NS)
+    code, out, _ = run(capsys, stored.address, "ls", "--namespace", NS)
+    short = out.splitlines()[1].split()[1]  # the first row's HASH column
+    assert len(short) == 16 and listed[0]["hash"].startswith(short)
+    assert run_json(capsys, stored.address, "show", short, "--namespace", NS)["hash"] == listed[0]["hash"]
+    prefix = stored.chain[5].hex()[:12].upper()  # any case, any length from 4
+    assert (
+        run_json(capsys, stored.address, "show", prefix, "--namespace", NS)["hash"] == stored.chain[5].hex()
+    )
+    result = run_json(capsys, stored.address, "evict", "--block", prefix, "--namespace", NS)
+    assert result == {"blocks_evicted": 3, "bytes_freed": 3 * BLOCK_BYTES}
+    assert _stored_prefix(stored.address, NS, stored.chain) == 5
+
+
+def _put_hashes(address: str, namespace: str, hashes: list[bytes]) -> None:
+    with KVStoreClient(address) as client:
+        client.put(namespace, hashes, _layers(len(hashes), 7))
+
+
+def test_a_hash_prefix_of_several_blocks_names_them(
+    server: InProcServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    twins = [bytes.fromhex("abcd01") + bytes(29), bytes.fromhex("abcd02") + bytes(29)]
+    _put_hashes(server.address, NS, twins)
+    code, out, err = run(capsys, server.address, "show", "abcd", "--namespace", NS)
+    assert (code, out) == (1, "")
+    assert err.count("\n") == 1
+    assert "names several blocks" in err and "give more digits" in err
+    assert twins[0].hex()[:16] in err and twins[1].hex()[:16] in err
+    assert run_json(capsys, server.address, "show", "abcd02", "--namespace", NS)["hash"] == twins[1].hex()
+    code, _, err = run(capsys, server.address, "evict", "--block", "abcd", "--namespace", NS)
+    assert code == 1 and "names several blocks" in err
+    assert _stats(server.address)["blocks"] == 2  # nothing evicted
+
+
+def test_an_unknown_hash_prefix_says_so(stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
+    taken = {h.hex()[:4] for h in stored.chain}
+    free = next(f"{i:04x}" for i in range(1 << 16) if f"{i:04x}" not in taken)
+    code, out, err = run(capsys, stored.address, "show", free, "--namespace", NS)
+    assert (code, out) == (1, "")
+    assert f"no block in namespace {NS} has a hash starting with {free}" in err
+    # in a namespace that holds nothing, the namespaces it may have meant
+    code, _, err = run(capsys, stored.address, "show", free, "--namespace", "nss")
+    assert code == 1 and "namespace nss holds no blocks; did you mean ns?" in err
+
+
+def test_a_hash_prefix_is_found_past_the_first_page(
+    server: InProcServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    count = 1100  # more than one List page (1000)
+    hashes = block_hashes("many", list(range(count)), 1)
+    with KVStoreClient(server.address) as client:
+        client.put("many", hashes, {"x": torch.zeros((count, 1), dtype=torch.uint8)})
+    last = max(hashes)  # listed last, on the second page
+    info = run_json(capsys, server.address, "show", last.hex()[:16], "--namespace", "many")
+    assert info["hash"] == last.hex()
+
+
 # ---- evict ----------------------------------------------------------------------------
+def test_evict_of_a_namespace_that_holds_nothing_exits_1_naming_close_ones(
+    stored: Stored, capsys: pytest.CaptureFixture[str]
+) -> None:
+    connector = "kvc2|org/model|bfloat16|bs4|kvh2|hd64|mha|cpu"
+    _put_hashes(stored.address, connector + "|pp0of1", [bytes(32)])
+    code, out, err = run(capsys, stored.address, "evict", "--namespace", "nss")
+    assert (code, out) == (1, "evicted 0 blocks, freed 0 B\n")
+    assert err == "kvstore-cli: namespace nss holds no blocks; did you mean ns?\n"
+    # a connector namespace pasted without its stage suffix: the one with it first
+    code, _, err = run(capsys, stored.address, "evict", "--namespace", connector)
+    assert code == 1 and f"did you mean '{connector}|pp0of1'" in err
+    # nothing like it: a few of the stored namespaces
+    code, out, err = run(capsys, stored.address, "--json", "evict", "--namespace", "zzzzzzzz")
+    assert (code, json.loads(out)) == (1, NOTHING_EVICTED)
+    assert f"the namespaces stored are '{connector}|pp0of1', ns, {BIN_NS_ARG} (kvstore-cli ls)" in err
+    assert _stats(stored.address)["blocks"] == stored.total_blocks + 1
+
+
 def test_evict_namespace(stored: Stored, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, stored.address, "evict", "--namespace", NS)
     assert (code, err) == (0, "")
@@ -441,7 +529,8 @@ def test_unreachable_daemon_exits_2(
         ["--timeout", "0", "stats"],
         ["ls", "--limit", "-1"],
         ["ls", "--namespace", "0xzz"],
-        ["show", "abcd", "--namespace", "ns"],
+        ["show", "abc", "--namespace", "ns"],  # a prefix needs 4 digits
+        ["show", "abcz", "--namespace", "ns"],
         ["show", "ab" * 32],
         ["evict"],
         ["evict", "--all", "--namespace", "ns"],
@@ -449,6 +538,8 @@ def test_unreachable_daemon_exits_2(
         ["evict", "--block", "ab" * 32],
         ["evict", "--older-than", "soon"],
         ["evict", "--down-to", "lots"],
+        ["evict", "--down-to", "-1GiB"],
+        ["--address", "localhost:http", "stats"],
     ],
 )
 def test_usage_errors_exit_2(

@@ -188,6 +188,7 @@ def test_explain_json_from_stdin(
         "max_reusable_blocks": 6,
         "reusable_blocks": 2,
         "reusable_tokens": 8,
+        "hints": [],
     }
     assert doc["blocks"][3] == {
         "index": 3, "first_token": 12, "last_token": 15, "hash": broken_chain[3].hex(),
@@ -239,6 +240,57 @@ def test_explain_derives_root_and_block_size_of_a_connector_namespace(
             "--hash-root", rank1.decode(), str(path))[1]
     )  # fmt: skip
     assert (doc["hash_root"], doc["hit_blocks"], doc["break_at"]) == (rank1.decode(), 0, 0)
+
+
+def test_explain_hints_at_the_block_size_when_nothing_of_the_prompt_is_stored(
+    server: InProcServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = list(range(5000, 5000 + 64))
+    with KVStoreClient(server.address) as kv:  # stored with 16 tokens per block (as the README's client)
+        kv.put(NS, block_hashes(NS, prompt, 16), layers(4))
+    path = tmp_path / "prompt.txt"
+    path.write_text(" ".join(map(str, prompt)))
+    code, out, err = run(capsys, server.address, "explain", "--namespace", NS, str(path))
+    assert (code, err) == (0, "")
+    hint = out.rstrip().splitlines()[-1]
+    assert hint.startswith("hint: none of the prompt's 2 blocks is stored, but namespace cli-ns holds blocks")
+    assert "this used 32 tokens per block (the default; --block-size N sets it)" in hint
+    doc = json.loads(run(capsys, server.address, "--json", "explain", "--namespace", NS, str(path))[1])
+    assert doc["hit_blocks"] == 0 and len(doc["hints"]) == 1 and "another block size" in doc["hints"][0]
+    # with the writer's block size: every block hits, no hint
+    code, out, _ = run(capsys, server.address, "explain", "--namespace", NS, "--block-size", "16", str(path))
+    assert code == 0 and "hint:" not in out and "4 of 4 full blocks hit" in out
+    # a prompt shorter than one block
+    path.write_text("1 2 3")
+    out = run(capsys, server.address, "explain", "--namespace", NS, str(path))[1]
+    assert "hint: the prompt's 3 tokens fill no block of 32 tokens (the default;" in out
+
+
+def test_explain_names_the_namespaces_a_missing_one_may_mean(
+    server: InProcServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvstore_connector.config import NamespaceInfo
+
+    info = NamespaceInfo("org/model", "bfloat16", 8, 2, 64, False, "cpu", tp_size=1, pp_size=1)
+    stage = info.namespace(0).decode()
+    prompt = list(range(3 * 8 + 1))
+    with KVStoreClient(server.address) as kv:
+        kv.put(stage, block_hashes(info.hash_root, prompt, 8), layers(3))
+        kv.put(NS, block_hashes(NS, PROMPT, BLOCK), layers(6))
+    path = tmp_path / "prompt.json"
+    path.write_text(json.dumps(prompt))
+    # a typo
+    out = run(capsys, server.address, "explain", "--namespace", "cli-sn", str(path))[1]
+    assert out.rstrip().splitlines()[-1] == "hint: namespace cli-sn holds no blocks; did you mean cli-ns?"
+    # the connector's namespace without its |ppRofN: hashed with its bsN all the same
+    suffixless = stage.rpartition("|")[0]
+    doc = json.loads(
+        run(capsys, server.address, "--json", "explain", "--namespace", suffixless, str(path))[1]
+    )
+    assert (doc["block_size"], doc["hash_root"], doc["hit_blocks"]) == (8, info.hash_root, 0)
+    assert doc["hints"] == [f"namespace '{suffixless}' holds no blocks; did you mean '{stage}'?"]
+    doc = json.loads(run(capsys, server.address, "--json", "explain", "--namespace", stage, str(path))[1])
+    assert (doc["hit_blocks"], doc["hints"]) == (3, [])
 
 
 @pytest.mark.parametrize(

@@ -170,7 +170,8 @@ def _kv_events(daemon, side: SchedulerSide) -> None:
     got: list = []
     eventually(lambda: bool(got.extend(side.take_events()) or got))
     (stored,) = got
-    assert isinstance(stored, BlockStored) and stored.medium == "KVSTORE"
+    # the daemon has a memory tier: its blocks are loaded from host memory (kvstore.kv_events_media)
+    assert isinstance(stored, BlockStored) and stored.medium == "CPU"
     assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size) == (
         published[:4], None, PROMPT[: 4 * BS], BS)  # fmt: skip
     # another request's lookup finds the first three stored: already reported, nothing new;
@@ -183,8 +184,8 @@ def _kv_events(daemon, side: SchedulerSide) -> None:
         kv.evict(namespace=NS, block_hash=save.hashes[2])  # and its descendants
     got.clear()
     eventually(lambda: bool(got.extend(side.take_events()) or got))
-    assert [(type(e), set(e.block_hashes)) for e in got] == [
-        (BlockRemoved, set(published[2:4]))
+    assert [(type(e), set(e.block_hashes), e.medium) for e in got] == [
+        (BlockRemoved, set(published[2:4]), "CPU")
     ]  # leaf first
 
 
@@ -405,19 +406,25 @@ def test_a_corrupt_block_in_the_arena_is_recomputed_and_dropped(daemon, backend:
 
 
 @both_backends
-def test_a_corrupt_block_in_the_persistent_tier_is_never_promoted(daemon, backend: str) -> None:
+def test_a_corrupt_block_in_the_persistent_tier_fails_its_load_and_is_removed(daemon, backend: str) -> None:
+    """Promotion reads without verifying (the loader verifies on its device): the flipped
+    byte fails the load, the request is recomputed, and the block reported is verified by
+    the daemon and removed; the next load of the prefix before it is whole."""
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     layers = store_blocks(daemon.address, hashes)  # over gRPC: the persistent tier only
     needle = layers[LAYERS[1]][1].view(torch.uint8).numpy().tobytes()[:64]
     flip_payload_byte(daemon.data_dir, backend, hashes[1], needle)
     worker, caches = make_worker(daemon.address)
     errors = run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])]), caches)
-    assert errors == {2, 3}  # block 0 was promoted and loaded; the bad one stopped the promotion
-    assert caches[LAYERS[1]][1].view(torch.uint8).equal(layers[LAYERS[1]][0].view(torch.uint8))
+    assert errors == {1, 2, 3}  # never wrong bytes: the request is recomputed
     with KVStoreClient(daemon.address) as kv:
         stats = kv.stats()
-        assert (stats["checksum_failures"], stats["promoted_blocks"]) == (1, 1)
+        assert (stats["checksum_failures"], stats["promoted_blocks"]) == (1, 3)
         assert kv.lookup(NS, hashes) == 1
+    assert (
+        run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r2", hashes[:1], [4])]), caches) == set()
+    )
+    assert caches[LAYERS[1]][4].view(torch.uint8).equal(layers[LAYERS[1]][0].view(torch.uint8))
     worker.close()
 
 

@@ -45,7 +45,7 @@ def stored_with_a_flipped_byte(
 def flip_payload_byte(data_dir: Path, backend: str, block_hash: bytes, needle: bytes) -> int:
     """Flip one byte of `needle`'s stored copy in place, with the daemon running. Returns copies hit."""
     if backend == "lmdb":
-        files = [data_dir / "lmdb" / "data.mdb"]
+        files = sorted((data_dir / "lmdb" / "segments").glob("seg-*"))
     else:
         files = list((data_dir / "blocks").rglob(f"{block_hash.hex()}.safetensors"))
         assert len(files) == 1
@@ -81,13 +81,16 @@ def test_corrupt_block_ends_the_prefix(server, kv: KVStoreClient, backend: str) 
 
     got = kv.select(NS, hashes)
     assert_same(got, rows(layers, 0, 1))  # the prefix before the bad block, never wrong bytes
+    assert got.stop_reason == "checksum_failed"
     assert kv.stats()["checksum_failures"] == 1
     log = server.log()
     assert "checksum mismatch" in log
     assert hashes[1].hex() in log
     # the bad block is dropped: lookups no longer promise it
     assert kv.lookup(NS, hashes) == 1
-    assert_same(kv.select(NS, hashes), rows(layers, 0, 1))
+    again = kv.select(NS, hashes)
+    assert_same(again, rows(layers, 0, 1))
+    assert again.stop_reason == "not_stored"
     assert kv.stats()["checksum_failures"] == 1
     assert kv.health() == "SERVING"
 

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -325,6 +326,28 @@ def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Pa
     second.proc.stdout.close()
     with KVStoreClient(first.address, arena=False) as kv:
         assert_same(kv.select(NS, hashes), layers)
+
+
+def test_a_port_in_use_is_refused_in_one_line_naming_listen(tmp_path: Path) -> None:
+    from daemon import Daemon  # tests/daemon.py
+
+    with socket.socket() as held:  # another process's server, as far as the daemon can tell
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        listen = f"127.0.0.1:{held.getsockname()[1]}"
+        d = Daemon(tmp_path / "data", extra_args=["--listen", listen])
+        with pytest.raises(RuntimeError, match="did not start"):
+            d.start()
+    assert d.proc is not None and d.proc.returncode == 1
+    d.proc.stdout.close()
+    errors_logged = [line for line in d.log().splitlines() if " ERROR " in line or line.startswith("E")]
+    assert len(errors_logged) == 1, d.log()
+    assert errors_logged[0].endswith(
+        f"ERROR kvstore_server: cannot listen on {listen}: the address is already in use "
+        "(another kvstore-server?); choose another with --listen"
+    )
+    assert "GRPC_VERBOSITY" not in d.log()
+    assert not (tmp_path / "data").exists()  # refused before the data directory was made
 
 
 def test_sigterm_with_an_open_put_stream_stores_nothing_of_it(make_daemon) -> None:

@@ -62,23 +62,40 @@ def test_stored_and_removed_blocks_decode_with_vllms_classes_and_replay_fills_a_
         kv.put(NS, hashes[2:], make_layers(1, seed=3), parent_hash=hashes[1], token_ids=tokens[2 * BS :])
         kv.put("untokened", block_hashes("untokened", [1] * BS, BS), make_layers(1))
         kv.evict(namespace=NS, block_hash=hashes[2])
+        # a save through the arena lands in the memory tier
+        with KVStoreClient(server.address, arena=True) as arena_kv:
+            assert arena_kv.arena_available()
+            arena_tokens = list(range(500, 500 + BS))
+            arena_kv.put(
+                "arena", block_hashes("arena", arena_tokens, BS), make_layers(1), token_ids=arena_tokens
+            )
         # a put whose token ids do not divide into its blocks is refused, and stores nothing
         with pytest.raises(errors.InvalidRequest, match="token ids"):
             kv.put(NS, block_hashes(NS, [9] * 2 * BS, BS), make_layers(2), token_ids=[9] * (2 * BS - 1))
 
     live = []
-    while len([e for _, b in live for e in b.events]) < 4:
+    while len([e for _, b in live for e in b.events]) < 6:
         live.append(receive(sub))
     assert [s for s, _ in live] == list(range(seq + 1, seq + 1 + len(live)))  # in order, no gap
     events = [e for _, b in live for e in b.events]
-    first, second, untokened, removed = events
+    first, second, untokened, removed_cpu, removed_storage, in_arena = events
     assert isinstance(first, vllm_kv_events.BlockStored)
+    # a Put is in the persistent tier: vLLM's "STORAGE" (kvstore.kv_events_media)
     assert (first.block_hashes, first.parent_block_hash, first.token_ids, first.block_size, first.medium) == (
-        hashes[:2], None, tokens[: 2 * BS], BS, "KVSTORE")  # fmt: skip
+        hashes[:2], None, tokens[: 2 * BS], BS, vllm_kv_events.MEDIUM_STORAGE)  # fmt: skip
     assert (second.block_hashes, second.parent_block_hash, second.token_ids) == (
         hashes[2:], hashes[1], tokens[2 * BS :])  # fmt: skip
     assert (untokened.token_ids, untokened.block_size) == ([], 0)
-    assert isinstance(removed, vllm_kv_events.BlockRemoved) and removed.block_hashes == [hashes[2]]
+    # a block leaving the store is removed under each medium of the daemon's tiers
+    for removed, medium in (
+        (removed_cpu, vllm_kv_events.MEDIUM_CPU),
+        (removed_storage, vllm_kv_events.MEDIUM_STORAGE),
+    ):
+        assert isinstance(removed, vllm_kv_events.BlockRemoved)
+        assert (removed.block_hashes, removed.medium) == ([hashes[2]], medium)
+    # a save through the arena is in the memory tier: vLLM's "CPU"
+    assert isinstance(in_arena, vllm_kv_events.BlockStored)
+    assert (in_arena.medium, in_arena.token_ids) == (vllm_kv_events.MEDIUM_CPU, list(range(500, 500 + BS)))
 
     # a subscriber that missed batches asks for them from a sequence: everything from
     # the daemon's start, beginning with AllBlocksCleared (its sequences restarted)

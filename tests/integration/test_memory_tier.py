@@ -17,7 +17,7 @@ from daemon import eventually
 from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import WSUM32, XXH3, wsum32
+from kvstore.blocks import WSUM32, wsum32
 from kvstore_client import KVStoreClient, LayerSpec, errors
 from kvstore_server.auth import tenant_prefix
 
@@ -68,6 +68,23 @@ def test_a_save_through_the_arena_is_visible_everywhere_bit_exact(
     # the load's Release goes out in the background (Pinned.finish), and write-behind pins
     # the extents it is copying for a moment: both end
     eventually(lambda: grpc_kv.stats()["pinned_bytes"] == 0)
+
+
+def test_a_load_through_the_arena_says_why_it_stops(arena_kv: KVStoreClient) -> None:
+    hashes = chain("arena-layer-sets", 3)
+    both = make_layers(3, num_layers=2, seed=26)
+    assert save(arena_kv, hashes[:1], rows(both, 0, 1)) == 1
+    assert save(arena_kv, hashes[1:2], {"layer.0": both["layer.0"][1:2].contiguous()}, parent=hashes[0]) == 1
+
+    assert arena_kv.lookup(NS, hashes) == 2
+    stream = arena_kv.get_stream(NS, hashes)  # what select reads: a pin
+    assert (stream.via, stream.num_blocks, stream.stop_reason) == ("arena", 1, "layer_set_differs")
+    assert_same(stream.read_all(), rows(both, 0, 1))
+    got = arena_kv.select(NS, hashes)
+    assert_same(got, rows(both, 0, 1))
+    assert (got.num_blocks, got.stop_reason) == (1, "layer_set_differs")
+    short = arena_kv.select(NS, [hashes[0], hashes[2]])
+    assert (short.num_blocks, short.stop_reason) == (1, "not_stored")
 
 
 def test_reserve_skips_stored_blocks_and_commit_reports_them(arena_kv: KVStoreClient) -> None:
@@ -354,9 +371,10 @@ def test_tenants_keep_the_arena_off_unless_asked(make_server, tmp_path: Path) ->
 
 
 @both_backends
-def test_a_save_checksummed_on_a_gpu_is_verified_and_written_behind_as_xxh3(make_daemon) -> None:
+def test_a_save_checksummed_on_a_gpu_is_verified_and_written_behind_with_its_sums(make_daemon) -> None:
     """What the connector commits from CUDA: wsum32 sums (a GPU computes them on the gathered
-    blocks); every reader verifies them, the persistent tier gets xxh3 ones."""
+    blocks); every reader verifies them, and the persistent tier keeps them, so a load of a
+    promoted block is verified on the GPU again (not with xxh3 on the host)."""
     d = make_daemon()
     hashes, layers = chain("wsum", 4), make_layers(4)
     with KVStoreClient(d.address) as kv:
@@ -380,10 +398,10 @@ def test_a_save_checksummed_on_a_gpu_is_verified_and_written_behind_as_xxh3(make
         assert_same(remote.select(NS, hashes), layers)  # the daemon verifies them too
     d.kill()
     assert path is not None
-    path.unlink()  # only the persistent tier's copy is left: its records say xxh3
+    path.unlink()  # only the persistent tier's copy is left: its records say wsum32
     d.start()
     with KVStoreClient(d.address) as kv:
         pinned = kv.pin(NS, hashes)  # promoted from the persistent tier
-        assert pinned is not None and pinned.kinds == [XXH3] * 4 and pinned.verify() is None
+        assert pinned is not None and pinned.kinds == [WSUM32] * 4 and pinned.verify() is None
         pinned.release()
         assert_same(kv.select(NS, hashes), layers)

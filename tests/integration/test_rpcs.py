@@ -4,6 +4,7 @@ where the test pauses it). What reads back from the backend runs on both backend
 from __future__ import annotations
 
 import time
+from concurrent import futures
 from concurrent.futures import Future
 
 import grpc
@@ -170,6 +171,43 @@ def test_select_stops_where_the_layer_layout_changes(kv: KVStoreClient) -> None:
     assert kv.lookup(NS, hashes) == 4
     assert_same(kv.select(NS, hashes), head)  # never a mix of layouts
     assert_same(kv.select(NS, hashes[2:]), tail)
+
+
+def test_select_says_why_it_stops_where_lookup_counts_on(make_server) -> None:
+    server = make_server(log_level="DEBUG")
+    hashes = chain("layer-sets", 2)
+    both = make_layers(2, num_layers=2, seed=22)
+    with KVStoreClient(server.address, arena=False) as kv:
+        kv.put(NS, hashes[:1], rows(both, 0, 1))
+        # the block after it, put with another layer set (one layer fewer)
+        kv.put(NS, hashes[1:], {"layer.0": both["layer.0"][1:].contiguous()}, parent_hash=hashes[0])
+
+        assert kv.lookup(NS, hashes) == 2  # by hash: both are stored
+        got = kv.select(NS, hashes)
+    assert_same(got, rows(both, 0, 1))  # the first block only, in its own layer set
+    assert (got.num_blocks, got.stop_reason) == (1, "layer_set_differs")
+    log = server.log()
+    assert "has another layer layout than its prefix" in log
+    assert f"returned 1: layer_set_differs at block {hashes[1].hex()}" in log
+
+
+def test_select_stop_reasons_of_a_full_read_and_a_miss(kv: KVStoreClient) -> None:
+    hashes = chain("stop-reasons", 3)
+    kv.put(NS, hashes[:2], make_layers(2, seed=23))
+    whole = kv.select(NS, hashes[:2])
+    assert (whole.num_blocks, whole.stop_reason) == (2, "none")
+    short = kv.select(NS, hashes)
+    assert (short.num_blocks, short.stop_reason) == (2, "not_stored")
+    miss = kv.select("nothing-here", hashes)
+    assert miss == {} and (miss.num_blocks, miss.stop_reason) == (0, "not_stored")
+
+
+def test_a_put_of_stored_hashes_keeps_the_first_bytes(kv: KVStoreClient) -> None:
+    hashes = chain("first-writer", 2)
+    first, second = make_layers(2, seed=24), make_layers(2, seed=25)
+    kv.put(NS, hashes, first)
+    assert kv.put(NS, hashes, second) == PutResult(0, 2, 0, 0)  # skipped, not compared
+    assert_same(kv.select(NS, hashes), first)
 
 
 def test_get_stream_delivers_layer_by_layer(server, kv: KVStoreClient) -> None:
@@ -463,6 +501,54 @@ def test_list_blocks_pages_with_a_token(kv: KVStoreClient) -> None:
     assert sorted(seen) == seen
     assert set(seen) == {(NS.encode(), h) for h in hashes} | {(b"other", h) for h in other}
     assert len(list(kv.iter_blocks(page_size=4))) == 28
+
+
+def test_namespaces_lists_those_that_hold_blocks(server, kv: KVStoreClient) -> None:
+    assert kv.namespaces() == []
+    kv.put("zeta", chain("ns-z", 2, namespace="zeta"), make_layers(2))
+    kv.put(NS, chain("ns-a", 1), make_layers(1))
+    kv.put(b"\xff", chain("ns-bin", 1, namespace=b"\xff"), make_layers(1))
+    assert kv.namespaces() == [NS.encode(), b"zeta", b"\xff"]
+    kv.evict(namespace="zeta")
+    assert kv.namespaces() == [NS.encode(), b"\xff"]  # an emptied namespace is gone
+    # as the daemon answers it: one message, no blocks
+    resp = raw_unary(server.address, "List", pb.ListRequest(namespaces_only=True), pb.ListResponse)
+    assert (list(resp.namespaces), list(resp.blocks), resp.next_page_token) == (
+        [NS.encode(), b"\xff"],
+        [],
+        b"",
+    )
+
+
+def test_namespaces_from_a_daemon_that_only_lists_blocks() -> None:
+    """A daemon that predates namespaces_only ignores it and answers with blocks: the
+    client pages through them all."""
+    blocks = [
+        pb.BlockInfo(namespace=ns, block_hash=bytes([i]) * 32)
+        for i, ns in enumerate([b"a", b"a", b"b", b"c"])
+    ]
+
+    def list_blocks(request: pb.ListRequest, context: object) -> pb.ListResponse:
+        start = int(request.page_token or b"0")
+        end = start + 2
+        return pb.ListResponse(
+            blocks=blocks[start:end], next_page_token=b"%d" % end if end < len(blocks) else b""
+        )
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(
+        list_blocks, pb.ListRequest.FromString, pb.ListResponse.SerializeToString
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kvstore.v1.KVStore", {"List": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with KVStoreClient(f"127.0.0.1:{port}", arena=False) as kv:
+            assert kv.namespaces() == [b"a", b"b", b"c"]
+    finally:
+        server.stop(None).wait()
 
 
 @both_backends

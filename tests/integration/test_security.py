@@ -149,6 +149,7 @@ def test_tenants_never_see_each_others_blocks(secured: InProcServer) -> None:
         assert b.lookup("chat", HASHES) == 0
         assert b.select("chat", HASHES) == {}
         assert b_admin.list_blocks()[0] == []
+        assert (b_admin.namespaces(), a_admin.namespaces()) == ([], [b"chat"])  # without the tenant prefix
         with pytest.raises(errors.BlockNotFound):
             b_admin.describe("chat", HASHES[0])
         assert b_admin.evict(namespace="chat").blocks_evicted == 0

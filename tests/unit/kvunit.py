@@ -78,8 +78,8 @@ def flip_byte_in_file(path: Path, needle: bytes) -> int:
 
 def backend_file_with(kind: str, root: Path, namespace: bytes, block_hash: bytes) -> Path:
     """The file that holds a block's bytes for a backend rooted at `root`."""
-    if kind == "lmdb":
-        return root / "lmdb" / "data.mdb"
+    if kind == "lmdb":  # one segment file at these test sizes
+        return root / "lmdb" / "segments" / "seg-00000000"
     found = list((root / "blocks").rglob(f"{block_hash.hex()}.safetensors"))
     assert len(found) == 1, found
     return found[0]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore import blocks as kb
+from kvstore import wire
 from kvstore.blocks import BlockMeta, LayerSpec, StoredBlock, checksum, leading_blocks
 
 
@@ -61,3 +63,26 @@ def test_leading_blocks_verifies_unless_told_not_to() -> None:
 def test_leading_blocks_of_nothing() -> None:
     prefix = leading_blocks([])
     assert prefix.blocks == [] and prefix.stop is None and prefix.layers == ()
+
+
+def test_a_prefix_says_why_it_stopped_as_a_stop_reason() -> None:
+    full = leading_blocks([_block(b"a", A)])
+    assert full.stop_reason() == kb.STOP_NONE
+    missing = leading_blocks([_block(b"a", A), None])
+    assert missing.stop_reason() == kb.STOP_NOT_STORED  # to a reader of the files
+    assert (
+        missing.stop_reason(missing=kb.STOP_EVICTED) == kb.STOP_EVICTED
+    )  # to the daemon, whose index had it
+    assert leading_blocks([_block(b"a", A), _block(b"b", B)]).stop_reason() == kb.STOP_LAYER_SET_DIFFERS
+    corrupt = leading_blocks([_block(b"a", A, corrupt=True)])
+    assert corrupt.stop_reason() == kb.STOP_CHECKSUM_FAILED
+
+
+def test_every_stop_reason_has_its_wire_value_and_back() -> None:
+    names = {value for key, value in vars(kb).items() if key.startswith("STOP_")} - {kb.STOP_UNKNOWN}
+    assert set(wire.STOP_REASONS) == names
+    assert len(set(wire.STOP_REASONS.values())) == len(names)
+    for name, value in wire.STOP_REASONS.items():
+        assert wire.stop_reason_name(value) == name
+    # a daemon that does not say (UNSPECIFIED), or says what this side does not know
+    assert wire.stop_reason_name(0) == wire.stop_reason_name(999) == kb.STOP_UNKNOWN

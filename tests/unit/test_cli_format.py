@@ -8,12 +8,15 @@ from datetime import timezone
 import pytest
 
 from kvstore_cli.formatting import (
+    close_namespaces,
     format_duration,
     format_percent,
     format_table,
     format_timestamp,
+    missing_namespace_hint,
     parse_duration,
     parse_hash,
+    parse_hash_prefix,
     parse_namespace,
     parse_token_ids,
     render_namespace,
@@ -80,6 +83,50 @@ def test_parse_hash_and_short_hash() -> None:
 def test_parse_hash_rejects(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_hash(text)
+
+
+@pytest.mark.parametrize("text", ["abcd", "ABCD12", "0" * 16, "ab" * 32, " 3f2a9c "])
+def test_parse_hash_prefix_takes_4_to_64_hex_digits(text: str) -> None:
+    assert parse_hash_prefix(text) == text.strip().lower()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("abc", "at least 4"), ("ab" * 32 + "0", "64 hex digits"), ("", "got 0 characters"),
+     ("abcz", "not hex"), ("0xabcd", "not hex")],
+)  # fmt: skip
+def test_parse_hash_prefix_rejects(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_hash_prefix(text)
+
+
+# ---- namespaces that hold no blocks ----------------------------------------------------------
+CONNECTOR = b"kvc2|org/model|bfloat16|bs16|kvh8|hd128|mha|cuda"
+STORED = [CONNECTOR + b"|pp0of2", CONNECTOR + b"|pp1of2", b"chat", b"code-llama", b"\xff\x00bin"]
+
+
+def test_close_namespaces_of_a_typo_and_of_a_missing_stage_suffix() -> None:
+    assert close_namespaces(b"chta", STORED) == [b"chat"]
+    assert close_namespaces(b"code-lama", STORED) == [b"code-llama"]
+    # a connector namespace without its |ppRofN: the ones that extend it come first
+    assert close_namespaces(CONNECTOR, STORED)[:2] == [CONNECTOR + b"|pp0of2", CONNECTOR + b"|pp1of2"]
+    assert close_namespaces(b"chat", STORED, n=1) == [b"chat"]  # (the caller knows it holds nothing)
+    assert close_namespaces(b"completely-else", STORED) == []
+    assert close_namespaces(b"chat", []) == []
+
+
+def test_missing_namespace_hint() -> None:
+    assert missing_namespace_hint(b"chta", STORED) == "namespace chta holds no blocks; did you mean chat?"
+    assert missing_namespace_hint(CONNECTOR, STORED[:1]) == (
+        f"namespace '{CONNECTOR.decode()}' holds no blocks; did you mean '{CONNECTOR.decode()}|pp0of2'?"
+    )
+    many = [f"model-{i}".encode() for i in range(7)]
+    assert missing_namespace_hint(b"zzz", many) == (
+        "namespace zzz holds no blocks; the namespaces stored are model-0, model-1, model-2, model-3, "
+        "model-4 and 2 more (kvstore-cli ls)"
+    )
+    assert missing_namespace_hint(b"zzz", [b"\xff\x00bin"]).endswith("are 0xff0062696e (kvstore-cli ls)")
+    assert "the daemon stores nothing" in missing_namespace_hint(b"chat", [])
 
 
 # ---- durations -----------------------------------------------------------------------

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from kvstore_server.config import ServerConfig, format_size, parse_size
+from kvstore_server.config import (
+    SIZE_FORMS,
+    SIZE_SETTINGS,
+    ServerConfig,
+    attach_values,
+    format_size,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +58,54 @@ def test_parse_size_rejects_bad_strings_naming_them(bad: str) -> None:
 def test_parse_size_rejects_negative_ints() -> None:
     with pytest.raises(ValueError, match="-1"):
         parse_size(-1)
+
+
+@pytest.mark.parametrize(
+    ("value", "what", "message"),
+    [
+        ("lots", "--memory", f"--memory: invalid size 'lots' ({SIZE_FORMS})"),
+        ("-1GiB", "--memory", f"--memory: invalid size '-1GiB': a size must not be negative ({SIZE_FORMS})"),
+        (-5, "capacity", f"capacity: invalid size -5: a size must not be negative ({SIZE_FORMS})"),
+        ("2 parsecs", "", f"invalid size '2 parsecs' ({SIZE_FORMS})"),
+    ],
+)
+def test_size_errors_name_the_setting_and_the_accepted_forms(
+    value: str | int, what: str, message: str
+) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_size(value, what)
+    assert str(info.value) == message
+    assert "512MiB, 16GiB" in SIZE_FORMS
+
+
+def test_attach_values_joins_a_dash_value_to_its_flag_only() -> None:
+    flags = ["--memory", "--capacity"]
+    assert attach_values(["--memory", "-1GiB", "--sync"], flags) == ["--memory=-1GiB", "--sync"]
+    assert attach_values(["--capacity", "-.5G"], flags) == ["--capacity=-.5G"]
+    # an option after the flag stays an option; other flags and values are left alone
+    assert attach_values(["--memory", "--sync"], flags) == ["--memory", "--sync"]
+    assert attach_values(["--memory", "-h"], flags) == ["--memory", "-h"]
+    assert attach_values(["--workers", "-1", "--memory"], flags) == ["--workers", "-1", "--memory"]
+    assert attach_values(["--memory=1GiB", "-5"], flags) == ["--memory=1GiB", "-5"]
+
+
+def test_size_settings_are_the_size_fields() -> None:
+    assert set(SIZE_SETTINGS) == {
+        "capacity", "max_put_bytes", "max_inflight_put_bytes", "max_partial_bytes", "memory",
+        "write_behind_bytes", "fleet_queue_bytes",
+    }  # fmt: skip
+
+
+def test_a_bad_size_in_the_file_names_the_file_and_its_key(tmp_path: Path) -> None:
+    path = write(tmp_path, 'memory = "lots"\n')
+    with pytest.raises(ValueError) as info:
+        ServerConfig.load(path)
+    assert str(info.value) == f"{path}: memory: invalid size 'lots' ({SIZE_FORMS})"
+    with pytest.raises(ValueError) as info:
+        ServerConfig.load(write(tmp_path, "write-behind-bytes = -1\n"))
+    assert str(info.value).startswith(
+        f"{path}: write-behind-bytes: invalid size -1: a size must not be negative"
+    )
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 from types import SimpleNamespace
 
 import pytest
 import torch
-from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.config import ConnectorConfig, NamespaceInfo, role_summary
+from kvstore_connector.hitlog import HitLog
 from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.transfer import BlockMover, find_block_dim, index_select
 
@@ -30,10 +32,11 @@ def test_extra_config_maps_documented_keys() -> None:
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"kvstore_adress": "x:1"}, "unknown kv_connector_extra_config keys"),
+        ({"kvstore_adress": "x:1"}, "unknown key 'kvstore_adress'"),
         ({"save_mode": "later"}, "save_mode"),
-        ({"lookup_timeout_s": 0}, "lookup_timeout"),
-        ({"load_timeout_s": "fast"}, "load_timeout"),
+        ({"lookup_timeout_s": 0}, "lookup_timeout_s must be a positive number of seconds, not 0"),
+        ({"load_timeout_s": "fast"}, "load_timeout_s must be"),
+        ({"retry_interval_s": -1}, "retry_interval_s must be"),
         ({"consume": "yes"}, "consume"),
         ({"kvstore_address": "nohostport"}, "HOST:PORT"),
         ({"local_reads": "on"}, "local_reads"),
@@ -48,6 +51,72 @@ def test_extra_config_maps_documented_keys() -> None:
 def test_bad_extra_config_is_refused_with_its_name(extra: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_every_problem_of_the_extra_config_is_told_at_once_under_the_keys_users_write() -> None:
+    with pytest.raises(ValueError) as caught:
+        ConnectorConfig.from_extra_config(
+            {"kvstore_adress": "x:1", "lookup_timeout_s": 0, "save_mode": "later", "colour": 1}
+        )
+    message = str(caught.value)
+    assert message.startswith("kv_connector_extra_config: ")
+    assert "unknown key 'kvstore_adress' (did you mean 'kvstore_address'?)" in message
+    assert "unknown key 'colour';" in message  # nothing close: no guess
+    assert "lookup_timeout_s must be a positive number of seconds, not 0" in message
+    assert "save_mode must be 'sync' or 'async', not 'later'" in message
+    assert message.endswith("(known keys: arena, compression, consume, kvstore_address, load_timeout_s, "
+                            "local_data_dir, local_reads, lookup_timeout_s, namespace, retry_interval_s, "
+                            "save_backlog_mib, save_decode, save_mode, save_timeout_s, tls_ca, tls_cert, tls_key, "
+                            "token_env, tune_malloc)")  # fmt: skip
+    # no chained exception: the message is the whole story
+    assert caught.value.__cause__ is None and caught.value.__context__ is None
+
+
+@pytest.mark.parametrize(
+    ("role", "extra", "summary"),
+    [
+        ("kv_producer", {}, "loads nothing, saves sync"),
+        ("kv_consumer", {}, "loads, saves nothing"),
+        ("kv_consumer", {"consume": True}, "loads (consume: DropSelect), saves nothing"),
+        (
+            "kv_consumer",
+            {"save_mode": "async"},
+            "loads, saves nothing (save_mode and save_decode do not apply)",
+        ),
+        ("kv_both", {}, "loads, saves async"),
+        ("kv_both", {"save_mode": "sync"}, "loads, saves sync"),
+    ],
+)
+def test_the_start_up_line_says_what_the_role_does(role: str, extra: dict, summary: str) -> None:
+    assert role_summary(role, ConnectorConfig.from_extra_config(extra)) == summary
+
+
+def test_a_bad_extra_config_is_logged_once_before_the_engine_reports_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvstore_connector.connector import KVStoreConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    transfer = SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={"kvstore_adress": "x:1"})
+    vllm_config = SimpleNamespace(kv_transfer_config=transfer)
+    with pytest.raises(ValueError, match="did you mean 'kvstore_address'") as caught:
+        KVStoreConnector(vllm_config, KVConnectorRole.WORKER, None)  # type: ignore[arg-type]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert [r.getMessage() for r in errors] == [f"KVStoreConnector cannot start: {caught.value}"]
+    assert caught.value.__context__ is None
+
+
+def test_the_connectors_vllm_034_declarations() -> None:
+    from kvstore_connector.connector import KVStoreConnector
+
+    # never an asynchronous load, never a hand-off that reads freed blocks; sleep mode is fine;
+    # no lookahead hashing; our layer hooks must run at every step (no full CUDA graphs)
+    flagged = SimpleNamespace(kv_transfer_params={"do_remote_prefill": True})  # by a P/D proxy
+    assert KVStoreConnector.may_load_async(None, flagged) is False  # type: ignore[arg-type]
+    assert KVStoreConnector.requires_kv_delivery.fget(None) is False  # type: ignore[attr-defined]
+    assert KVStoreConnector.supports_sleep_mode(None) is True  # type: ignore[arg-type]
+    assert KVStoreConnector.supports_lookahead_block_hashes(None) is False  # type: ignore[arg-type]
+    assert KVStoreConnector.requires_piecewise_for_cudagraph({}) is True
 
 
 def test_consume_hand_offs_never_take_the_same_host_path() -> None:
@@ -155,6 +224,49 @@ def test_stats_aggregate_reduce_and_travel_between_processes() -> None:
     taken = merged.take()
     assert taken is not None and taken.data["blocks_loaded"] == 4
     assert merged.is_empty()
+
+
+# ---- the hit log
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_hit_is_one_info_line_in_the_engines_log(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.hitlog")
+    caplog.set_level(logging.INFO, logger="test.hitlog")
+    hits = HitLog(log, clock=Clock())
+    hits.hit("r1", 480, 512, 15)
+    hits.hit("r2", 64, 100, 2, local_tokens=32)
+    hits.flush(force=True)  # nothing beyond the burst: no summary
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvstore: request r1: 480 of 512 prompt tokens loaded from kvstore (15 blocks)",
+        "kvstore: request r2: 64 of 100 prompt tokens loaded from kvstore (2 blocks, after 32 in vLLM's prefix cache)",
+    ]
+
+
+def test_a_busy_interval_logs_a_few_lines_then_one_summary(caplog: pytest.LogCaptureFixture) -> None:
+    log = logging.getLogger("test.hitlog")
+    caplog.set_level(logging.DEBUG, logger="test.hitlog")
+    clock = Clock()
+    hits = HitLog(log, interval_s=10.0, burst=2, clock=clock)
+    for i in range(5):
+        hits.hit(f"r{i}", 64, 100, 2)
+    hits.flush()  # a step within the interval: nothing yet
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(info) == 2 and all("request r" in m for m in info)
+    assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 3  # each request still told
+    clock.now += 12
+    hits.flush()  # the first step after the interval
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert info[2:] == [
+        "kvstore: 3 more requests: 192 of 300 prompt tokens loaded from kvstore (6 blocks) in the last 12 s"
+    ]
+    hits.hit("r9", 32, 40, 1)  # a new interval: per-request lines again
+    assert caplog.records[-1].levelno == logging.INFO and "request r9" in caplog.records[-1].getMessage()
 
 
 # ---- block movement

@@ -1,139 +1,217 @@
-"""LmdbBackend specifics: map sizing, atomic transactions, a full map."""
+"""The LMDB backend: LMDB as the index, payloads in segment files (tiers.segments).
+
+Allocation and reuse, alignment, recovery of the index at start, the capacity bound,
+atomic writes, and reads straight into caller's buffers. Real files in tmp_path.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import lmdb
 import pytest
 from kvunit import LAYERS, NS, chain, h, layer_bytes, make_write
 
-from kvstore_server.tiers import LayerSpec, StorageFullError, open_backend
-from kvstore_server.tiers import lmdb as lmdb_backend
-from kvstore_server.tiers.lmdb import LmdbBackend
+from kvstore import records
+from kvstore.layouts import BLOCKS_DB, SEGMENTS_DIR
+from kvstore_server.tiers import LayerSpec, StorageError, StorageFullError, open_backend
+from kvstore_server.tiers.lmdb import LmdbBackend, index_reserve
+from kvstore_server.tiers.segments import ALIGN, SMALL_ALIGN, Segments, aligned, segment_size_for
 
-BIG = (LayerSpec("k", "uint8", (16384,), 16384),)
+BIG = (LayerSpec("k", "uint8", (16384,), 16384),)  # 16 KiB: four pages
+ODD = (LayerSpec("k", "uint8", (3000,), 3000),)  # not a multiple of a page
 
 
-def test_map_size_is_twice_capacity_with_a_floor(tmp_path: Path) -> None:
-    small = LmdbBackend(tmp_path / "small", capacity_bytes=1 << 20, sync=False)
-    big = LmdbBackend(tmp_path / "big", capacity_bytes=3 << 30, sync=False)
+def extents(backend: LmdbBackend, keys: list[bytes]) -> list[tuple[int, int, int]]:
+    with backend.locate([(NS, k) for k in keys]) as found:
+        return [r.where if r is not None else (-1, -1, -1) for r in found]
+
+
+def test_open_backend_places_index_and_segments_under_lmdb(tmp_path: Path) -> None:
+    backend = open_backend("lmdb", tmp_path, capacity_bytes=64 << 20, sync=True)
     try:
-        assert small._env.info()["map_size"] == 1 << 30
-        assert big._env.info()["map_size"] == 6 << 30
-    finally:
-        small.close()
-        big.close()
-
-
-def test_open_backend_places_environment_under_lmdb(tmp_path: Path) -> None:
-    backend = open_backend("lmdb", tmp_path, capacity_bytes=1 << 20, sync=True)
-    try:
-        assert backend.name == "lmdb"
         backend.write([make_write(NS, h(1))])
         assert (tmp_path / "lmdb" / "data.mdb").is_file()
+        segments = sorted(os.listdir(tmp_path / "lmdb" / SEGMENTS_DIR))
+        assert segments == ["seg-00000000"]
     finally:
         backend.close()
 
 
-def test_views_point_into_the_map(tmp_path: Path) -> None:
-    backend = LmdbBackend(tmp_path, capacity_bytes=1 << 20, sync=False)
+def test_extents_are_aligned_and_hold_exactly_the_payload(tmp_path: Path) -> None:
+    """Whole-page payloads start on a page (direct I/O can move them); others on 64 bytes."""
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
+    try:
+        keys = chain("a", 6)
+        shapes = [ODD if i % 2 == 0 else BIG for i in range(6)]
+        backend.write([make_write(NS, k, layers=layers) for k, layers in zip(keys, shapes, strict=True)])
+        where = extents(backend, keys)
+        spans = []
+        for (offset, _, nbytes), layers in zip(where, shapes, strict=True):
+            assert nbytes == layers[0].nbytes
+            assert offset % (ALIGN if layers is BIG else SMALL_ALIGN) == 0
+            spans.append((offset, offset + nbytes))
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
+        raw = (tmp_path / SEGMENTS_DIR / "seg-00000000").read_bytes()
+        for k, (offset, _, nbytes), layers in zip(keys, where, shapes, strict=True):
+            assert raw[offset : offset + nbytes] == layer_bytes(k, layers[0])
+    finally:
+        backend.close()
+
+
+def test_freed_extents_rest_while_other_space_has_room(tmp_path: Path) -> None:
+    """A same-host client may still read an extent freed a moment ago: new writes go to
+    other free space first, and take the freed extents only once nothing else has room."""
+    backend = LmdbBackend(tmp_path, capacity_bytes=8 * BIG[0].nbytes, sync=False)
+    try:
+        first = chain("a", 4)
+        backend.write([make_write(NS, k, layers=BIG) for k in first])
+        freed = {offset for offset, _, _ in extents(backend, first)}
+        backend.delete([(NS, k) for k in first])
+        second = chain("b", 4)
+        backend.write([make_write(NS, k, layers=BIG) for k in second])
+        assert not {offset for offset, _, _ in extents(backend, second)} & freed
+        third = chain("c", 4)  # the segments are full but for the resting extents
+        backend.write([make_write(NS, k, layers=BIG) for k in third])
+        assert {offset for offset, _, _ in extents(backend, third)} == freed
+    finally:
+        backend.close()
+
+
+def test_an_extent_is_not_reused_while_a_read_that_saw_it_is_open(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path, capacity_bytes=2 * BIG[0].nbytes, sync=False)  # two blocks
+    try:
+        backend.write([make_write(NS, h(1), layers=BIG)])
+        with backend.read([(NS, h(1))]) as blocks:
+            backend.delete([(NS, h(1))])
+            backend.write([make_write(NS, h(2), layers=BIG)])
+            with pytest.raises(StorageFullError):  # the freed extent is still being read
+                backend.write([make_write(NS, h(3), layers=BIG)])
+            block = blocks[0]
+            assert block is not None and block.corrupt_layer() is None  # its bytes stayed
+        backend.write([make_write(NS, h(3), layers=BIG)])  # the read ended: reused now
+        assert extents(backend, [h(3)])[0][0] == 0
+    finally:
+        backend.close()
+
+
+def test_the_index_is_rebuilt_at_start_and_bad_records_are_dropped(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
+    keys = chain("a", 6)
+    backend.write([make_write(NS, k, layers=BIG) for k in keys])
+    where = extents(backend, keys)
+    # a record naming an extent that overlaps another's, and one that is not a record
+    with backend._env.begin(write=True, db=backend._env.open_db(BLOCKS_DB)) as txn:
+        raw = txn.get(records.index_key(NS, keys[5]))
+        head = bytearray(raw)
+        head[:8] = where[4][0].to_bytes(8, "little")
+        txn.put(records.index_key(NS, keys[5]), bytes(head))
+        txn.put(records.index_key(NS, h("junk")), b"\x01\x02")
+    backend.close()
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
+    try:
+        assert sorted(m.block_hash for m in backend.scan()) == sorted(keys[:5])
+        assert backend.stored_prefix([(NS, k) for k in keys]) == 5
+        # the extents of the recovered blocks are taken: a new write goes elsewhere
+        backend.write([make_write(NS, h("new"), layers=BIG)])
+        assert extents(backend, [h("new")])[0][0] not in {offset for offset, _, _ in where[:5]}
+        with backend.read([(NS, k) for k in keys[:5]]) as blocks:
+            assert all(b is not None and b.corrupt_layer() is None for b in blocks)
+    finally:
+        backend.close()
+
+
+def test_writes_are_all_or_nothing_when_the_segments_fill(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path, capacity_bytes=512 << 10, sync=False)
+    try:
+        assert backend.payload_capacity <= 512 << 10
+        fits = backend.payload_capacity // aligned(BIG[0].nbytes)
+        backend.write([make_write(NS, k, layers=BIG) for k in chain("a", fits - 1)])
+        with pytest.raises(StorageFullError, match="full"):
+            backend.write([make_write(NS, k, layers=BIG) for k in chain("b", 3)])
+        assert not {m.block_hash for m in backend.scan()} & set(chain("b", 3))
+        # the deletion makes room in the same call (the store's pattern)
+        backend.write(
+            [make_write(NS, k, layers=BIG) for k in chain("b", 3)],
+            deletes=[(NS, k) for k in chain("a", 4)],
+        )
+        assert backend.stored_prefix([(NS, k) for k in chain("b", 3)]) == 3
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("capacity", [2000, 1 << 20, 64 << 20, 1 << 30, 100 << 30])
+def test_segments_and_index_stay_within_the_capacity(tmp_path: Path, capacity: int) -> None:
+    reserve = index_reserve(capacity)
+    size = segment_size_for(capacity - reserve)
+    segs = Segments(tmp_path, max_bytes=capacity - reserve, segment_bytes=size, direct=False)
+    try:
+        usable = sum(segs._usable_of(i) for i in range(segs.max_segments))
+        assert usable + reserve <= capacity
+        assert segs.max_segments >= 1 and usable >= capacity * 0.9 - reserve
+    finally:
+        segs.close()
+
+
+def test_read_into_fills_scattered_buffers(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
     try:
         backend.write([make_write(NS, h(1))])
-        with backend.read([(NS, h(1))]) as blocks:
-            block = blocks[0]
-            assert block is not None
-            assert block.layers[0].readonly
-            assert bytes(block.layers[0]) == layer_bytes(h(1), LAYERS[0])
+        target = bytearray(1000)
+        view = memoryview(target)
+        pieces = [view[500 : 500 + LAYERS[0].nbytes], view[0 : LAYERS[1].nbytes]]
+        with backend.locate([(NS, h(1)), (NS, h(2))]) as found:
+            assert found[1] is None
+            record = found[0]
+            assert record is not None
+            backend.read_into(record, pieces).result()
+        assert bytes(pieces[0]) == layer_bytes(h(1), LAYERS[0])
+        assert bytes(pieces[1]) == layer_bytes(h(1), LAYERS[1])
+        with pytest.raises(ValueError, match="bytes of buffers"):
+            backend.read_into(record, pieces[:1])
     finally:
         backend.close()
 
 
-@pytest.fixture
-def tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """An environment whose map is 256 KiB (the real floor is 1 GiB; lowered for the test)."""
-    monkeypatch.setattr(lmdb_backend, "_MAP_MIN_BYTES", 0)
-    backend = LmdbBackend(tmp_path, capacity_bytes=128 << 10, sync=False)
-    yield backend
-    backend.close()
-
-
-def fill(backend: LmdbBackend, prefix: str) -> list[bytes]:
-    """Write single big blocks until the map is full; return what was stored."""
-    stored: list[bytes] = []
-    with pytest.raises(StorageFullError, match="map is full"):
-        for block_hash in chain(prefix, 100):
-            backend.write([make_write(NS, block_hash, layers=BIG)])
-            stored.append(block_hash)
-    return stored
-
-
-def test_full_map_raises_storage_full_error(tiny: LmdbBackend) -> None:
-    stored = fill(tiny, "a")
-    assert 3 <= len(stored) < 16
-    # the env is still usable and holds exactly what was committed
-    assert sorted(m.block_hash for m in tiny.scan()) == sorted(stored)
-    with tiny.read([(NS, x) for x in stored]) as blocks:
-        assert all(b is not None and b.corrupt_layer() is None for b in blocks)
-
-
-def test_full_map_puts_are_all_or_nothing(tiny: LmdbBackend) -> None:
-    stored = fill(tiny, "a")
-    # a batch that cannot fit even after its deletion: none of its blocks may stick
-    batch = [make_write(NS, x, layers=BIG) for x in chain("b", 10)]
-    with pytest.raises(StorageFullError):
-        tiny.write(batch, deletes=[(NS, stored[0])])
-    scanned = sorted(m.block_hash for m in tiny.scan())
-    assert not set(scanned) & set(chain("b", 10))
-    # the deletion itself may have been committed (the store wants it gone either way)
-    assert set(scanned) >= set(stored[1:])
-
-
-def test_room_freed_by_a_delete_is_reused_by_the_next_write(tiny: LmdbBackend) -> None:
-    # LMDB reuses pages freed by a commit only two commits later; the backend
-    # must not leave the caller stuck with a map full of free pages.
-    stored = fill(tiny, "a")
-    tiny.delete([(NS, x) for x in stored])
-    batch = chain("b", len(stored) - 1)
-    tiny.write([make_write(NS, x, layers=BIG) for x in batch])
-    assert sorted(m.block_hash for m in tiny.scan()) == sorted(batch)
-
-
-def test_full_map_put_succeeds_by_evicting_in_the_same_call(tiny: LmdbBackend) -> None:
-    # the store's pattern: delete the victims and store the new blocks in one call
-    for round_ in range(4):
-        stored = sorted(m.block_hash for m in tiny.scan())
-        batch = chain(f"r{round_}-", 6)
-        tiny.write([make_write(NS, x, layers=BIG) for x in batch], deletes=[(NS, x) for x in stored])
-        assert sorted(m.block_hash for m in tiny.scan()) == sorted(batch)
-        with tiny.read([(NS, x) for x in batch]) as blocks:
-            assert all(b is not None and b.corrupt_layer() is None for b in blocks)
-
-
-def test_unreadable_metadata_is_skipped(tmp_path: Path) -> None:
-    backend = LmdbBackend(tmp_path, capacity_bytes=1 << 20, sync=False)
+def test_a_payload_cut_short_on_disk_is_an_error_not_bytes(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
     try:
-        backend.write([make_write(NS, h(1)), make_write(NS, h(2))])
-        key = len(NS).to_bytes(2, "big") + NS + h(2)
-        with backend._env.begin(write=True, db=backend._meta) as txn:
-            txn.put(key, b"{not json")
-        assert [m.block_hash for m in backend.scan()] == [h(1)]
-        with backend.read([(NS, h(1)), (NS, h(2))]) as blocks:
-            assert blocks[0] is not None
-            assert blocks[1] is None
+        backend.write([make_write(NS, h(1), layers=BIG)])
+        with backend.locate([(NS, h(1))]) as found:
+            record = found[0]
+        assert record is not None
+        os.truncate(tmp_path / SEGMENTS_DIR / "seg-00000000", record.where[0] + 100)
+        with pytest.raises(StorageError, match="short read"):
+            backend.read_into(record, [memoryview(bytearray(BIG[0].nbytes))]).result()
+    finally:
+        backend.close()
+
+
+def test_an_environment_of_the_older_layout_is_replaced(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path), max_dbs=2)
+    with env.begin(write=True, db=env.open_db(b"data")) as txn:
+        txn.put(b"k", b"v" * 1000)
+    env.close()
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
+    try:
+        assert list(backend.scan()) == []
+        backend.write([make_write(NS, h(1))])
+        assert backend.stored_prefix([(NS, h(1))]) == 1
     finally:
         backend.close()
 
 
 def test_other_lmdb_errors_are_storage_errors(tmp_path: Path) -> None:
-    from kvstore_server.tiers import StorageError
-
-    backend = LmdbBackend(tmp_path, capacity_bytes=1 << 20, sync=False)
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
     try:
         # LMDB's default key limit is 511 bytes: a 600-byte namespace is refused by LMDB itself
         with pytest.raises(StorageError) as info:
             backend.write([make_write(b"n" * 600, h(1))])
         assert not isinstance(info.value, StorageFullError)
         assert isinstance(info.value.__cause__, lmdb.Error)
+        # its extent went back: the segments hold nothing
+        assert backend.segments.free_bytes == backend.payload_capacity
     finally:
         backend.close()

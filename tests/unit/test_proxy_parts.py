@@ -73,3 +73,29 @@ def test_a_prefill_request_makes_one_token_and_streams_nothing() -> None:
                                                  "temperature": 0.5}  # fmt: skip
     assert prefill_request(body, chat=True)["max_completion_tokens"] == 1
     assert body["max_tokens"] == 64  # the client's request is left as it was
+
+
+def test_the_store_address_defaults_to_the_daemons_port(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvstore_proxy import main as proxy_main
+
+    class Dialled(Exception):
+        pass
+
+    def client(address: str, **_: object) -> None:
+        raise Dialled(address)
+
+    async def every_instance_serves(model: str, urls: list[str]) -> list[str]:
+        return []
+
+    monkeypatch.setattr(proxy_main, "_check_all", every_instance_serves)
+    monkeypatch.setattr(proxy_main, "KVStoreClient", client)
+    namespace = "kvc2|m|bfloat16|bs16|kvh4|hd128|mha|cuda|pp0of1"
+    argv = ["--model", "m", "--prefill", "p:1", "--decode", "d:2", "--kv-namespace", namespace]
+    with pytest.raises(Dialled, match="^localhost:50051$"):
+        proxy_main.main([*argv, "--store", "localhost"])
+    with pytest.raises(SystemExit) as info:
+        proxy_main.main([*argv, "--store", "localhost:http"])
+    assert info.value.code == 2
+    assert "--store: invalid address 'localhost:http': the port must be a number" in capsys.readouterr().err

@@ -222,8 +222,6 @@ BIG = (LayerSpec("k", "uint8", (16384,), 16384),)
 def tiny_lmdb(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[[], lmdb_backend.LmdbBackend]]:
-    monkeypatch.setattr(lmdb_backend, "_MAP_MIN_BYTES", 0)  # the real floor is 1 GiB
-
     def make() -> lmdb_backend.LmdbBackend:
         return lmdb_backend.LmdbBackend(tmp_path / "lmdb", capacity_bytes=8 * 16384, sync=False)
 
@@ -231,7 +229,7 @@ def tiny_lmdb(
 
 
 def test_full_capacity_puts_keep_succeeding_on_a_tight_lmdb_map(tiny_lmdb) -> None:
-    capacity = 8 * 16384  # the map is only twice this
+    capacity = 8 * 16384  # the segments hold exactly this
     store = Store(tiny_lmdb(), capacity)
     try:
         for round_ in range(5):
@@ -279,13 +277,14 @@ def fill_map(backend: lmdb_backend.LmdbBackend, tag: str, *, chained: bool = Fal
 
 
 def test_when_eviction_does_not_make_room_a_burst_of_full_puts_evicts_once(tiny_lmdb) -> None:
-    """A reader that pins the map's old pages (a same-host client's long read) means
-    freed pages are not reused: the first full put evicts one put's worth (and a block),
-    finds it did not help, and every later full put fails at once without evicting."""
+    """A read that holds freed extents (a long Get) means they are not reused: the
+    first full put evicts one put's worth (and a block), finds it did not help, and
+    every later full put fails at once without evicting."""
     backend = tiny_lmdb()
     fill_map(backend, "fill")
-    store = Store(backend, 1 << 30)  # the byte budget is far away: only the map is full
-    pin = backend._env.begin()  # a reader holding the current snapshot
+    store = Store(backend, 1 << 30)  # the byte budget is far away: only the segments are full
+    pin = backend.read([])  # a read in progress: what is freed now waits for it
+    pin.__enter__()
     try:
         before = store.stats()["blocks"]
         for i in range(17):
@@ -295,7 +294,7 @@ def test_when_eviction_does_not_make_room_a_burst_of_full_puts_evicts_once(tiny_
         assert before - store.stats()["blocks"] == 2  # the put's 16 KiB, plus one block
         assert store.stats()["evictions"] == 2
     finally:
-        pin.abort()
+        pin.__exit__(None, None, None)
     x = h("after")
     assert store.put(NS, b"", [x], BIG, block_data([x], BIG)).blocks_written == 1
     assert sorted(m.block_hash for m in store.backend.scan()) == sorted(k[1] for k in store._index.keys())
@@ -606,9 +605,13 @@ def test_concurrent_overlapping_puts_stay_consistent(store: Store) -> None:
 def test_listener_events_in_commit_order(make_store: MakeStore) -> None:
     store = make_store(capacity=4 * BLOCK_BYTES)
     events: list[tuple[str, bytes, list[bytes], list[bytes]]] = []
-    store.add_listener(
-        lambda kind, ns, hashes, parents, tokens: events.append((kind, ns, list(hashes), list(parents)))
-    )
+    tiers: list[str | None] = []
+
+    def listener(kind, ns, hashes, parents, tokens, tier) -> None:
+        events.append((kind, ns, list(hashes), list(parents)))
+        tiers.append(tier)
+
+    store.add_listener(listener)
     a, b = chain("a", 3), chain("b", 2)
     put(store, a)
     put(store, a)  # nothing new: no event
@@ -628,6 +631,9 @@ def test_listener_events_in_commit_order(make_store: MakeStore) -> None:
     final = sorted((e[1], sorted(e[2])) for e in events[5:])
     assert [e[0] for e in events[5:]] == ["removed", "removed"]
     assert final == sorted([(NS, sorted(a[:2])), (NS2, [h("x")])])
+    # puts land in the persistent tier; a removal is from every tier
+    assert [t for e, t in zip(events, tiers, strict=True) if e[0] == "stored"] == ["persistent"] * 3
+    assert {t for e, t in zip(events, tiers, strict=True) if e[0] == "removed"} == {None}
 
 
 def test_parent_claims_that_would_form_a_cycle_are_refused(store: Store) -> None:

@@ -1,0 +1,408 @@
+"""Segment files: where the persistent tier keeps block payloads, and the I/O pool
+that moves them.
+
+    <dir>/seg-00000000, seg-00000001, ...   preallocated files of `segment_bytes`
+
+A block's payload (its layers back to back) is one extent of one segment, aligned to
+ALIGN bytes; which extent holds which block is recorded in the LMDB index (see
+tiers.lmdb), never in the files, so a segment needs no header. Space is handed out
+first-fit per segment (tiers.arena.Allocator), and segments are created as they are
+needed up to `max_bytes` in all. A freed extent rests for a while before it is handed
+out again, unless nothing else has room (a soft quarantine): a same-host client that
+found its record a moment earlier may still be reading it. (Reads of this process are
+protected for certain by tiers.lmdb, which frees an extent only once no read that may
+see it is open.)
+
+I/O goes through `IOPool`: worker threads issuing `os.preadv` / `os.pwritev`, which
+release the GIL, with a budget of bytes in flight (not a count of requests: a few
+large requests keep a disk busy, many small ones do not). Each block is one request
+whose buffers are gathered from (or scattered to) wherever its layers lie, e.g. the
+arena's layer-major extents: no join, no heap copy.
+
+Direct I/O: writes use O_DIRECT where the filesystem takes it (probed at open;
+tmpfs and some network filesystems do not) and the buffers allow it (every buffer's
+address and length a multiple of ALIGN, as the arena's are for the usual KV layer
+sizes); buffered otherwise. Direct writes do not fill the page cache with KV that
+may never be read again, and their rate is the disk's, not the page cache's. Reads
+are buffered: a block read twice comes from the page cache at memory speed.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+from kvstore_server.tiers.arena import Allocator
+from kvstore_server.tiers.base import NO_SPACE, StorageError, StorageFullError
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096
+_REST_S = 10.0  # how long a freed extent rests while other space has room
+SMALL_ALIGN = 64  # payloads that are not a multiple of a page: never written direct
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+DEFAULT_THREADS = 16
+DEFAULT_INFLIGHT_BYTES = 1 << 30
+MAX_SEGMENT_BYTES = 1 << 30
+SMALL_SPACE = 64 << 20
+
+
+def segment_size_for(space: int) -> int:
+    """The segment size for `space` bytes of segments: one segment up to SMALL_SPACE, else
+    an eighth of the space, at least SMALL_SPACE and at most MAX_SEGMENT_BYTES."""
+    size = space if space <= SMALL_SPACE else min(MAX_SEGMENT_BYTES, max(SMALL_SPACE, space // 8))
+    unit = ALIGN if size >= ALIGN else SMALL_ALIGN
+    return max(SMALL_ALIGN, size - size % unit)
+
+
+def alignment(nbytes: int) -> int:
+    """A page for payloads of whole pages (direct I/O may move them), else SMALL_ALIGN."""
+    return ALIGN if nbytes % ALIGN == 0 else SMALL_ALIGN
+
+
+def aligned(nbytes: int) -> int:
+    """The bytes an extent of `nbytes` takes."""
+    unit = alignment(nbytes)
+    return -(-nbytes // unit) * unit
+
+
+def _address(view: memoryview) -> int | None:
+    """The buffer's address, or None when it cannot be told (a read-only buffer)."""
+    if view.readonly:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _direct_ok(views: Sequence[memoryview]) -> bool:
+    for view in views:
+        if view.nbytes % ALIGN:
+            return False
+        address = _address(view)
+        if address is None or address % ALIGN:
+            return False
+    return True
+
+
+class IOPool:
+    """Threads issuing preadv/pwritev, at most `inflight_bytes` of requests at once
+    (a request larger than the budget runs alone)."""
+
+    def __init__(self, threads: int = DEFAULT_THREADS, inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-io")
+        self._budget = inflight_bytes
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self.threads = threads
+
+    def submit(self, nbytes: int, fn: Callable[[], None]) -> Future[None]:
+        """Run `fn` (an I/O of `nbytes`) on a worker once the budget has room."""
+        with self._cond:
+            while self._inflight and self._inflight + nbytes > self._budget:
+                self._cond.wait()
+            self._inflight += nbytes
+
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._cond:
+                    self._inflight -= nbytes
+                    self._cond.notify_all()
+
+        return self._pool.submit(run)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def _full_io(
+    op: Callable[[int, list[memoryview], int], int], fd: int, views: list[memoryview], at: int
+) -> None:
+    """preadv/pwritev until every byte of `views` is moved (calls of at most IOV_MAX
+    buffers; a short transfer continues where it stopped). A read that ends early
+    (the file is shorter than the record says) raises StorageError."""
+    pending = [v for v in views if v.nbytes]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        done = op(fd, batch, at)
+        if done <= 0:
+            raise StorageError(f"short {'read' if op is os.preadv else 'write'} at offset {at}")
+        at += done
+        rest = []
+        for i, view in enumerate(batch):
+            if done >= view.nbytes:
+                done -= view.nbytes
+                continue
+            rest.append(view[done:])
+            rest.extend(batch[i + 1 :])
+            break
+        pending = rest + pending[len(batch) :]
+
+
+class Segments:
+    """The segment files of one directory and their free space. Thread-safe."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int,
+        segment_bytes: int,
+        direct: bool | None = None,
+        sync: bool = False,
+    ) -> None:
+        """`direct`: None probes O_DIRECT and uses it where it works; False never."""
+        if segment_bytes % SMALL_ALIGN or segment_bytes <= 0:
+            raise ValueError(f"segment size {segment_bytes} is not a positive multiple of {SMALL_ALIGN}")
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.segment_bytes = segment_bytes
+        self.max_bytes = max_bytes
+        # whole segments within max_bytes; the last may be partly usable (see _usable)
+        self.max_segments = -(-max_bytes // segment_bytes) if max_bytes > 0 else 0
+        self.sync = sync
+        self._resting: collections.deque[tuple[float, int, int, int]] = collections.deque()
+        self._usable: list[int] = []  # per segment: extents are handed out below this
+        self._beyond: list[int] = []  # per segment: recorded bytes at or above it
+        self._lock = threading.Lock()
+        self._fds: list[int] = []  # buffered, read-write
+        self._direct_fds: list[int | None] = []
+        self._free: list[Allocator] = []
+        self._dirty: set[int] = set()
+        for path in sorted(root.glob("seg-*")):
+            index = int(path.name[4:], 16)
+            if index != len(self._fds):
+                raise StorageError(f"segment files of {root} are not numbered 0.. in order ({path.name})")
+            self._open(index)
+        want_direct = direct is None or direct
+        self.direct = bool(want_direct) and self._probe_direct()
+        if direct and not self.direct:
+            log.warning("direct I/O is not available in %s: writes go through the page cache", root)
+        log.info(
+            "persistent tier: %d of at most %d segments of %d MiB in %s, %s writes",
+            len(self._fds),
+            self.max_segments,
+            segment_bytes >> 20,
+            root,
+            "direct" if self.direct else "buffered",
+        )
+
+    # ---- files
+    def _path(self, index: int) -> Path:
+        return self.root / f"seg-{index:08x}"
+
+    def _open(self, index: int) -> None:
+        path = self._path(index)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            want = max(self._usable_of(index), os.fstat(fd).st_size)
+            if os.fstat(fd).st_size < want:
+                os.posix_fallocate(fd, 0, want)
+        except OSError as exc:
+            os.close(fd)
+            if index == len(self._fds):
+                path.unlink(missing_ok=True)
+            if exc.errno in NO_SPACE:
+                raise StorageFullError(f"no room for another segment in {self.root}") from exc
+            raise StorageError(f"cannot create the segment {path}: {exc.strerror}") from exc
+        self._fds.append(fd)
+        self._direct_fds.append(None)
+        self._free.append(Allocator(0, os.fstat(fd).st_size))  # beyond the usable part: recovered()
+        self._usable.append(max(0, min(self.segment_bytes, self.max_bytes - index * self.segment_bytes)))
+        self._beyond.append(0)
+
+    def _probe_direct(self) -> bool:
+        """Whether O_DIRECT writes and reads work here: one aligned page written and read
+        back in a file of its own."""
+        probe = self.root / ".direct-probe"
+        buf = mmap.mmap(-1, ALIGN)
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        except (OSError, AttributeError) as exc:
+            log.debug("O_DIRECT refused in %s: %s", self.root, exc)
+            return False
+        view = memoryview(buf)
+        try:
+            buf[:8] = b"kvstore!"
+            return os.pwritev(fd, [view], 0) == ALIGN and os.preadv(fd, [view], 0) == ALIGN
+        except OSError as exc:
+            log.debug("O_DIRECT I/O failed in %s: %s", self.root, exc)
+            return False
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+            view.release()
+            buf.close()
+
+    def _direct_fd(self, index: int) -> int:
+        fd = self._direct_fds[index]
+        if fd is None:
+            fd = self._direct_fds[index] = os.open(self._path(index), os.O_RDWR | os.O_DIRECT)
+        return fd
+
+    # ---- space
+    def claim(self, segment: int, offset: int, nbytes: int) -> bool:
+        """Mark a recorded extent used (at start); False if it overlaps another or lies
+        outside the segments (the record is then dropped)."""
+        with self._lock:
+            if segment >= len(self._free) or not self._free[segment].claim(offset, aligned(nbytes)):
+                return False
+            if offset + aligned(nbytes) > self._usable[segment]:
+                self._beyond[segment] += aligned(nbytes)
+            return True
+
+    def recovered(self) -> None:
+        """After the claims at start: the space beyond each segment's usable part (the
+        capacity shrank since the files were made) is never handed out again; a trailing
+        segment with nothing recorded there is cut to its usable part (removed when none)."""
+        with self._lock:
+            for index, free in enumerate(self._free):
+                end = free.total
+                usable = self._usable[index]
+                for start, length in list(free.runs()):
+                    lo, hi = max(start, usable), min(start + length, end)
+                    if lo < hi:
+                        free.claim(lo, hi - lo)
+            while self._fds and self._beyond[-1] == 0 and self._usable[-1] < self.segment_bytes:
+                index = len(self._fds) - 1
+                if self._usable[index] == 0:
+                    os.close(self._fds.pop())
+                    dfd = self._direct_fds.pop()
+                    if dfd is not None:
+                        os.close(dfd)
+                    self._free.pop()
+                    self._usable.pop()
+                    self._beyond.pop()
+                    self._path(index).unlink(missing_ok=True)
+                    log.info("removed segment %d: the capacity no longer covers it", index)
+                    continue
+                if os.fstat(self._fds[index]).st_size > self._usable[index]:
+                    os.ftruncate(self._fds[index], self._usable[index])
+                    log.info("cut segment %d to %d bytes: the capacity shrank", index, self._usable[index])
+                break
+
+    def allocate(self, nbytes: int) -> tuple[int, int]:
+        """(segment, offset) of a free extent for `nbytes`, creating a segment when none has
+        room. Raises StorageFullError when all `max_segments` are full."""
+        size = aligned(nbytes)
+        if size > self.segment_bytes:
+            raise StorageFullError(
+                f"a block of {nbytes} bytes is larger than a segment ({self.segment_bytes})"
+            )
+        with self._lock:
+            unit = alignment(nbytes)
+            self._wake(time.monotonic())
+            found = self._first_fit(size, unit)
+            if found is not None:
+                return found
+            if len(self._fds) < self.max_segments and self._usable_of(len(self._fds)) >= size:
+                self._open(len(self._fds))
+                offset = self._free[-1].allocate(size, unit)
+                if offset is None:  # cannot happen: a fresh segment holds any extent that fits
+                    raise StorageError("a new segment has no room")
+                return len(self._fds) - 1, offset
+            if self._resting:  # nothing else has room: the rest ends
+                self._wake(float("inf"))
+                found = self._first_fit(size, unit)
+                if found is not None:
+                    return found
+            raise StorageFullError(
+                f"the persistent tier's {self.max_segments} segments of {self.segment_bytes} bytes are full"
+            )
+
+    def free(self, segment: int, offset: int, nbytes: int) -> None:
+        """Give an extent back (reusable at once, but for any part beyond the segment's
+        usable space: that stays out of use)."""
+        size = aligned(nbytes)
+        with self._lock:
+            usable = self._usable[segment]
+            if offset + size > usable:
+                self._beyond[segment] -= size
+                size = max(0, usable - offset)
+            if size:
+                self._resting.append((time.monotonic() + _REST_S, segment, offset, size))
+
+    @property
+    def bytes_on_disk(self) -> int:
+        with self._lock:
+            return sum(os.fstat(fd).st_size for fd in self._fds)
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            unmade = sum(self._usable_of(i) for i in range(len(self._fds), self.max_segments))
+            resting = sum(entry[3] for entry in self._resting)
+            return sum(f.free_bytes for f in self._free) + resting + unmade
+
+    def _first_fit(self, size: int, unit: int) -> tuple[int, int] | None:
+        for index, free in enumerate(self._free):
+            offset = free.allocate(size, unit)
+            if offset is not None:
+                return index, offset
+        return None
+
+    def _wake(self, now: float) -> None:
+        """Return the extents that have rested until `now` to the free space."""
+        resting = self._resting
+        while resting and resting[0][0] <= now:
+            _, segment, offset, size = resting.popleft()
+            self._free[segment].free(offset, size)
+
+    def _usable_of(self, index: int) -> int:
+        return max(0, min(self.segment_bytes, self.max_bytes - index * self.segment_bytes))
+
+    # ---- I/O (on IOPool's threads)
+    def write(self, segment: int, offset: int, views: list[memoryview]) -> None:
+        """Write `views` back to back at the extent; direct where possible."""
+        direct = self.direct and _direct_ok(views)
+        fd = self._direct_fd(segment) if direct else self._fds[segment]
+        try:
+            _full_io(os.pwritev, fd, views, offset)
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise StorageFullError(f"the filesystem of {self.root} is full ({exc.strerror})") from exc
+            if direct and exc.errno == errno.EINVAL:  # the filesystem took the probe but not this
+                _full_io(os.pwritev, self._fds[segment], views, offset)
+                return
+            raise StorageError(f"write to segment {segment} failed: {exc.strerror}") from exc
+        if self.sync:
+            with self._lock:
+                self._dirty.add(segment)
+
+    def read(self, segment: int, offset: int, views: list[memoryview]) -> None:
+        """Fill `views` from the extent (buffered: the page cache serves repeated reads)."""
+        if segment >= len(self._fds):
+            raise StorageError(f"segment {segment} does not exist")
+        try:
+            _full_io(os.preadv, self._fds[segment], views, offset)
+        except OSError as exc:
+            raise StorageError(f"read from segment {segment} failed: {exc.strerror}") from exc
+
+    def flush(self) -> None:
+        """fdatasync the segments written since the last flush (with `sync`)."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for index in sorted(dirty):
+            os.fdatasync(self._fds[index])
+
+    def fd(self, segment: int) -> int:
+        return self._fds[segment]
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds:
+                os.close(fd)
+            for dfd in self._direct_fds:
+                if dfd is not None:
+                    os.close(dfd)
+            self._fds.clear()
+            self._direct_fds.clear()
