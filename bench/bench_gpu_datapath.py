@@ -714,6 +714,66 @@ def recompute(args: argparse.Namespace) -> dict[int, float]:
     return out
 
 
+# ---- the host's disk and page cache: what the persistent tier can reach -------------------
+def io_ceilings(directory: Path, total: int, request: int, threads: int) -> dict[str, float]:
+    """Raw parallel I/O of `total` bytes in `request`-byte requests from `threads` threads,
+    the persistent tier's own shape (kvstore_server.tiers.segments: one request per block,
+    IOPool's threads): pwritev (O_DIRECT where the filesystem takes it, as the tier
+    writes) then fdatasync; preadv after the page cache was dropped (the disk); preadv
+    again (the page cache). Seconds of each; a missing key: could not be measured."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = directory / "io-ceiling.bin"
+    total -= total % request
+    buf = mmap.mmap(-1, request * threads)
+    buf.write(os.urandom(1 << 20) * (request * threads >> 20))
+    views = [memoryview(buf)[i * request : (i + 1) * request] for i in range(threads)]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    out: dict[str, float] = {}
+    try:
+        os.posix_fallocate(fd, 0, total)
+        try:
+            wfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            out["direct"] = 1.0
+        except OSError:
+            wfd = os.dup(fd)
+        offsets = list(range(0, total, request))
+
+        def run(op: Callable[[int, list[memoryview], int], int], use_fd: int) -> float:
+            def one(i: int) -> None:
+                op(use_fd, [views[i % threads]], offsets[i])
+
+            start = now()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, range(len(offsets))))
+            return now() - start
+
+        start = now()
+        run(os.pwritev, wfd)
+        os.fdatasync(fd)
+        out["write"] = now() - start
+        os.close(wfd)
+        if drop_page_cache():
+            out["disk_read"] = run(os.preadv, fd)
+        else:
+            run(os.preadv, fd)
+        out["cache_read"] = run(os.preadv, fd)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    gb = total / 1e9
+    print(
+        f"(io) the data dir's filesystem, {gb:.2f} GB in {request >> 10} KiB requests from {threads} threads:"
+    )
+    for key, what in (("write", f"pwritev{' O_DIRECT' if 'direct' in out else ''} + fdatasync"),
+                      ("disk_read", "preadv, page cache dropped (the disk)"),
+                      ("cache_read", "preadv, in the page cache")):  # fmt: skip
+        if key in out:
+            print(f"  {what:<44} {out[key] * 1e3:9.1f} ms {gb / out[key]:7.2f} GB/s")
+    out["bytes"] = float(total)
+    return out
+
+
 # ---- the parent: daemons, children, summary --------------------------------------------
 class Daemon:
     def __init__(self, args: argparse.Namespace, data_dir: Path, memory_dir: Path) -> None:
@@ -788,6 +848,10 @@ def parent(args: argparse.Namespace) -> None:
     info: dict[str, Any] = {}
     daemon = Daemon(args, tmp / "data", memory_dir)
     try:
+        if args.io_ceilings:
+            block = kv_bytes(args.block_sizes[0], args.block_sizes[0])  # one block: one request
+            info["io"] = io_ceilings(tmp, max(kv_bytes(t, args.block_sizes[0]) for t in args.tokens),
+                                     block, args.io_threads)  # fmt: skip
         if args.daemon:
             print(f"daemon: {' '.join(daemon.cmd[1:])}")
             print(f"  data dir on {fs_of(tmp)}; arena under {memory_dir}")
@@ -815,7 +879,7 @@ def parent(args: argparse.Namespace) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(memory_dir, ignore_errors=True)
     prefill = recompute(args) if args.recompute else {}
-    summary(args, results, prefill)
+    summary(args, results, prefill, info.get("io", {}))
 
 
 def print_cold(results: dict) -> None:
@@ -831,7 +895,7 @@ def print_cold(results: dict) -> None:
                         res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
 
 
-def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float]) -> None:
+def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float], io: dict) -> None:
     print("\n=== summary: medians, GB/s of KV bytes (1e9 B/s) ===")
     print(f"{'tokens':>6} {'blk':>3} {'KV MB':>6} | {'gath.ceil':>9} {'save':>6} {'%ceil':>5} | "
           f"{'scat.ceil':>9} {'hot ld':>6} {'%ceil':>5} | {'cold pc':>7} {'disk':>6} | "
@@ -872,6 +936,30 @@ def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float]) 
     for line in lines:
         print(line)
     print("  where the rest of the time goes: each end-to-end row's split above (RPCs, xxh3, copies, Python)")
+    if io:
+        io_gb = io["bytes"] / 1e9
+        ceil = {k: io_gb / io[k] for k in ("write", "disk_read", "cache_read") if k in io}
+        print(
+            "\n=== the persistent tier against this host's disk and page cache (GB/s; % of the ceiling) ==="
+        )
+        print("  ceilings: " + ", ".join(f"{k} {v:.2f}" for k, v in ceil.items()))
+        for res in results.values():
+            gb = res["nbytes"] / 1e9
+            parts = []
+            behind = res.get("write_behind_s")
+            if behind and "write" in ceil:
+                parts.append(
+                    f"write-behind {gb / behind:.2f} ({gb / behind / ceil['write'] * 100:.0f}% of write)"
+                )
+            cold = res.get("cold", {}).get("total")
+            if cold and "cache_read" in ceil:
+                parts.append(
+                    f"cold load, page cache {gb / cold:.2f} ({gb / cold / ceil['cache_read'] * 100:.0f}%)"
+                )
+            disk = res.get("cold_disk", {}).get("total")
+            if disk and "disk_read" in ceil:
+                parts.append(f"cold load, disk {gb / disk:.2f} ({gb / disk / ceil['disk_read'] * 100:.0f}%)")
+            print(f"  {res['tokens']} tokens, block {res['bs']}: " + "; ".join(parts))
 
 
 def main() -> None:
@@ -893,6 +981,9 @@ def main() -> None:
     p.add_argument("--no-daemon", dest="daemon", action="store_false", help="only the ceilings and recompute")
     p.add_argument("--no-legacy", dest="legacy", action="store_false", help="skip (b)")
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--no-io-ceilings", dest="io_ceilings", action="store_false",
+                   help="skip the raw disk and page-cache ceilings")  # fmt: skip
+    p.add_argument("--io-threads", type=int, default=16, help="threads of the raw I/O ceilings (the tier's)")
     p.add_argument("--profile", action="store_true", help="cProfile one hot save and load per size")
     p.add_argument(
         "--layout",

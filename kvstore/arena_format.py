@@ -117,8 +117,30 @@ def layer_offsets(layer_bytes: Sequence[int], num_blocks: int) -> list[int]:
 
 
 def block_layer_offset(layer_bytes: Sequence[int], num_blocks: int, layer: int, position: int) -> int:
-    """Offset of block `position`'s slice of `layer` in an extent of `num_blocks` blocks."""
+    """Offset of block `position`'s slice of `layer` in an extent of `num_blocks` blocks.
+    O(layer): for every layer of a block, block_offsets; for many, layer_starts once."""
     return num_blocks * sum(layer_bytes[:layer]) + position * layer_bytes[layer]
+
+
+def layer_starts(layer_bytes: Sequence[int]) -> list[int]:
+    """One block's bytes of the layers before each layer (prefix sums): block `position`'s
+    slice of layer l lies at `num_blocks * starts[l] + position * layer_bytes[l]`."""
+    starts, before = [], 0
+    for nbytes in layer_bytes:
+        starts.append(before)
+        before += nbytes
+    return starts
+
+
+def block_offsets(layer_bytes: Sequence[int], num_blocks: int, position: int) -> list[int]:
+    """Offsets of block `position`'s slice of every layer, relative to its extent (one pass:
+    with a store layer per KV head a block has 256 layers, and a sum per layer was
+    quadratic)."""
+    offsets, before = [], 0
+    for nbytes in layer_bytes:
+        offsets.append(num_blocks * before + position * nbytes)
+        before += nbytes
+    return offsets
 
 
 def arena_file(memory_dir: Path, data_dir: Path) -> Path:

@@ -383,6 +383,7 @@ class Pinned:
         self.stop_reason = wire.stop_reason_name(resp.stop_reason)
         """Why num_blocks is short of the blocks asked for (kvstore.blocks' STOP_* reasons)."""
         self._sizes = _layer_sizes(self.layers)
+        self._starts = fmt.layer_starts(self._sizes)
         runs, first = [], 0
         for r in resp.runs:
             runs.append(Run(first, r.count, r.offset, r.extent_blocks, r.first))
@@ -399,8 +400,8 @@ class Pinned:
 
     def _at(self, run: Run, layer: int, block: int) -> int:
         """Offset of block `block` (index within `run`) of `layer`."""
-        return run.offset + fmt.block_layer_offset(
-            self._sizes, run.extent_blocks, layer, run.position + block
+        return (
+            run.offset + run.extent_blocks * self._starts[layer] + (run.position + block) * self._sizes[layer]
         )
 
     @property

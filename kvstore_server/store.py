@@ -544,9 +544,8 @@ class Store:
                 return None
             view = memory.file.view
             for i, block in enumerate(run):
-                for k, size in enumerate(sizes):
-                    at = offset + fmt.block_layer_offset(sizes, n, k, i)
-                    view[at : at + size] = block.layer(k)
+                for k, (at, size) in enumerate(zip(fmt.block_offsets(sizes, n, i), sizes, strict=True)):
+                    view[offset + at : offset + at + size] = block.layer(k)
             tokens = [block.tokens or [] for block in run] if all(block.tokens for block in run) else None
             res = Reservation(
                 id=0, prefix=b"", namespace=namespace, parent_hash=run[0].parent,
@@ -928,9 +927,10 @@ class Store:
         try:
             sizes = [layer.nbytes for layer in res.layers]
             n, width, view = len(res.hashes), len(res.layers), memory.file.view
+            starts = fmt.layer_starts(sizes)
 
             def data(k: int, i: int) -> memoryview:
-                at = res.extent + fmt.block_layer_offset(sizes, n, k, i)
+                at = res.extent + n * starts[k] + i * sizes[k]
                 return view[at : at + sizes[k]]
 
             if kind == XXH3:  # what the client summed is what the arena holds (a torn write fails)

@@ -24,6 +24,7 @@ verified before bytes are written behind, served over gRPC, or used by a client.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import logging
 import mmap
 import os
@@ -35,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -43,7 +45,15 @@ from kvstore import arenas, records
 from kvstore.blocks import Layout
 from kvstore.memory import MADV_POPULATE_WRITE
 from kvstore_server.datadir import claim_arena, withdraw_arena_claim
-from kvstore_server.tiers.base import NO_SPACE, BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock
+from kvstore_server.tiers.base import (
+    NO_SPACE,
+    BlockKey,
+    BlockMeta,
+    LayerSpec,
+    Pieces,
+    StorageError,
+    StoredBlock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +123,9 @@ class ArenaFile:
             log.debug("memory tier not pre-faulted in this process: %s", exc)
         log.debug("memory tier mapped in %.2fs", time.perf_counter() - started)
         self.view = memoryview(self._map)
+        anchor = ctypes.c_char.from_buffer(self.view)
+        self.address = ctypes.addressof(anchor)  # where the mapping starts (for iovecs)
+        del anchor  # releases its export of the mapping: close() can unmap
         self.header = fmt.Header(size, arena_id, store_id, owner=owner)
         self.view[: fmt.HEADER_BYTES] = self.header.pack()
 
@@ -249,6 +262,11 @@ class Placed:
     def layer_offset(self, layer: int) -> int:
         sizes = [spec.nbytes for spec in self.meta.layers]
         return self.extent + fmt.block_layer_offset(sizes, self.extent_blocks, layer, self.position)
+
+    def layer_offsets(self) -> list[int]:
+        """Where each layer of the block lies in the arena (one pass over the layers)."""
+        sizes = [spec.nbytes for spec in self.meta.layers]
+        return [self.extent + at for at in fmt.block_offsets(sizes, self.extent_blocks, self.position)]
 
 
 class ArenaIndex:
@@ -409,6 +427,7 @@ class MemoryTier:
         self.dirty_bytes = 0
         self.memory_only: set[BlockKey] = set()  # not written behind (queue full or tier full)
         self.counters = ArenaCounters()
+        self._layout_rows: dict[tuple[int, int], tuple[tuple[LayerSpec, ...], Any, Any]] = {}
 
     def close(self, *, remove: bool = False) -> None:
         """Close the tier; `remove`: also delete the file and its index (a clean stop once
@@ -599,12 +618,33 @@ class MemoryTier:
         return expired
 
     # ---- reading
+    def pieces(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int, position: int) -> Pieces:
+        """Where block `position` of an extent of `num_blocks` blocks lies, layer by layer,
+        as iovec rows (tiers.base.Pieces): made with numpy from each layout's offsets,
+        computed once per layout and extent size."""
+        import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+        key = (id(layers), num_blocks)
+        cached = self._layout_rows.get(key)
+        if cached is None or cached[0] is not layers:
+            if len(self._layout_rows) > 256:
+                self._layout_rows.clear()
+            sizes = np.array([spec.nbytes for spec in layers], dtype=np.uint64)
+            starts = np.array(fmt.layer_starts([spec.nbytes for spec in layers]), dtype=np.uint64)
+            cached = self._layout_rows[key] = (layers, starts * np.uint64(num_blocks), sizes)
+        _, before, sizes = cached
+        iov = np.empty((len(sizes), 2), dtype=np.uint64)
+        iov[:, 0] = before + sizes * np.uint64(position) + np.uint64(self.file.address + extent)
+        iov[:, 1] = sizes
+        return Pieces(iov, self.file)
+
+    def block_pieces(self, placed: Placed) -> Pieces:
+        return self.pieces(placed.meta.layers, placed.extent, placed.extent_blocks, placed.position)
+
     def block(self, placed: Placed) -> StoredBlock:
         view = self.file.view
-        layers = []
-        for i, spec in enumerate(placed.meta.layers):
-            at = placed.layer_offset(i)
-            layers.append(view[at : at + spec.nbytes])
+        offsets = placed.layer_offsets()
+        layers = [view[at : at + spec.nbytes] for at, spec in zip(offsets, placed.meta.layers, strict=True)]
         return StoredBlock(placed.meta, layers)
 
     def stats(self) -> dict[str, int]:

@@ -23,13 +23,14 @@ write-behind thread, never from an event loop.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 # The block records are shared with the client (kvstore.blocks); re-exported here.
 from kvstore.blocks import BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock, checksum
@@ -40,6 +41,7 @@ __all__ = [
     "BlockKey",
     "BlockMeta",
     "BlockWrite",
+    "Pieces",
     "LayerSpec",
     "StorageError",
     "StorageFullError",
@@ -63,13 +65,38 @@ class Located(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class Pieces:
+    """Where a block's layers lie in memory that stays mapped while they are used (the
+    arena): one (address, length) row per layer, in layer order, as a numpy uint64 array
+    of shape (layers, 2), the layout of a `struct iovec` array. A backend that moves
+    bytes with preadv/pwritev takes it as it is: no Python object per layer."""
+
+    iov: Any  # numpy.ndarray[(layers, 2), uint64]
+    owner: object  # what keeps the memory mapped (the arena file)
+
+    def views(self) -> list[memoryview]:
+        """The same memory as one writable view per layer (for backends without iovec I/O)."""
+        return [
+            memoryview((ctypes.c_char * int(length)).from_address(int(address))).cast("B")
+            for address, length in self.iov
+        ]
+
+
+@dataclass(frozen=True, slots=True)
 class BlockWrite:
-    """A block to store: its metadata and one buffer per layer (same order); `joined`,
-    when the writer has it, is the same bytes back to back (spares the backend a join)."""
+    """A block to store: its metadata and one buffer per layer (same order), or `pieces`
+    where the layers lie in mapped memory (then `layers` may be empty: `buffers()`);
+    `joined`, when the writer has it, is the same bytes back to back (spares a join)."""
 
     meta: BlockMeta
     layers: Sequence[memoryview | bytes]
     joined: memoryview | bytes | None = None
+    pieces: Pieces | None = None
+
+    def buffers(self) -> Sequence[memoryview | bytes]:
+        if self.layers or self.pieces is None:
+            return self.layers
+        return self.pieces.views()
 
 
 class Backend(ABC):
@@ -99,11 +126,12 @@ class Backend(ABC):
         with self.read(keys) as blocks:
             yield blocks
 
-    def read_into(self, handle: Located, views: list[memoryview]) -> Future[None]:
-        """Fill `views` (one per layer, in order) with a located block's bytes. This
-        default copies on the calling thread from what `locate` read."""
+    def read_into(self, handle: Located, target: Pieces | list[memoryview]) -> Future[None]:
+        """Fill `target` (one buffer per layer, in order) with a located block's bytes.
+        This default copies on the calling thread from what `locate` read."""
         done: Future[None] = Future()
         try:
+            views = target.views() if isinstance(target, Pieces) else target
             layers = handle.layers  # type: ignore[attr-defined]
             if len(layers) != len(views):
                 raise ValueError(f"{len(views)} buffers for {len(layers)} layers")

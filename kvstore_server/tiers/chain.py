@@ -290,14 +290,11 @@ class TierChain:
                     return cold[0], STOP_NO_ROOM
             # The extent is ours alone until it is placed: no other call sees it.
             started = time.perf_counter()
-            view = memory.file.view
-            futures = []
-            for position, handle in enumerate(located):
-                pieces = []
-                for layer, size in enumerate(sizes):
-                    at = offset + fmt.block_layer_offset(sizes, n, layer, position)
-                    pieces.append(view[at : at + size])
-                futures.append(self.persistent.read_into(handle, pieces))
+            layers = located[0].meta.layers
+            futures = [
+                self.persistent.read_into(handle, memory.pieces(layers, offset, n, position))
+                for position, handle in enumerate(located)
+            ]
             read = n
             for position, future in enumerate(futures):
                 failure = future.exception()
@@ -359,7 +356,7 @@ class TierChain:
             memory.pin_extents(extents, time.time())
         started = time.perf_counter()
         try:
-            writes = [BlockWrite(placed.meta, memory.block(placed).layers) for placed in batch]
+            writes = [BlockWrite(placed.meta, (), pieces=memory.block_pieces(placed)) for placed in batch]
             keys = [w.meta.key for w in writes]
             try:
                 self.persistent.write(writes)

@@ -90,7 +90,7 @@ class DiskBackend(Backend):
             tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self._write_file(tmp, [_header(block.meta), *block.layers])
+                self._write_file(tmp, [_header(block.meta), *block.buffers()])
                 os.replace(tmp, path)
             except OSError as exc:
                 tmp.unlink(missing_ok=True)

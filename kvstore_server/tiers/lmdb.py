@@ -49,6 +49,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -76,6 +77,7 @@ from kvstore_server.tiers.base import (
     BlockWrite,
     LayerSpec,
     Located,
+    Pieces,
     StorageError,
     StorageFullError,
     StoredBlock,
@@ -270,7 +272,10 @@ class LmdbBackend(Backend):
             if not puts:
                 return
             for block in puts:
-                got = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in block.layers)
+                if block.pieces is not None:
+                    got = int(block.pieces.iov[:, 1].sum())
+                else:
+                    got = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in block.layers)
                 if got != block.meta.size:
                     raise StorageError(
                         f"block {block.meta.block_hash.hex()}: {got} bytes for a record of {block.meta.size}"
@@ -280,7 +285,7 @@ class LmdbBackend(Backend):
             futures = [
                 self.io.submit(
                     block.meta.size,
-                    functools.partial(self.segments.write, segment, offset, _views(block)),
+                    functools.partial(self.segments.write, segment, offset, _buffers(block)),
                 )
                 for block, segment, offset in placed
             ]
@@ -429,15 +434,17 @@ class LmdbBackend(Backend):
                 found = [read_lmdb_record(txn, self._blocks, self._layouts, key) for key in keys]
             yield found
 
-    def read_into(self, handle: Located, views: list[memoryview]) -> Future[None]:
-        """Read a block's payload into `views` (its layers in order, wherever they lie),
+    def read_into(self, handle: Located, target: Pieces | list[memoryview]) -> Future[None]:
+        """Read a block's payload into `target` (its layers in order, wherever they lie),
         on the I/O pool. The future raises StorageError when the read fails."""
         if not isinstance(handle, records.Record):
             raise TypeError(f"not a record of this backend: {type(handle).__name__}")
         offset, segment, nbytes = handle.where
-        if sum(v.nbytes for v in views) != nbytes:
-            raise ValueError(f"{sum(v.nbytes for v in views)} bytes of buffers for a block of {nbytes}")
-        return self.io.submit(nbytes, functools.partial(self.segments.read, segment, offset, views))
+        buffers: Any = target.iov if isinstance(target, Pieces) else list(target)
+        got = int(buffers[:, 1].sum()) if isinstance(target, Pieces) else sum(v.nbytes for v in target)
+        if got != nbytes:
+            raise ValueError(f"{got} bytes of buffers for a block of {nbytes}")
+        return self.io.submit(nbytes, functools.partial(self.segments.read, segment, offset, buffers))
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         with _reading(), self._env.begin(db=self._blocks) as txn:
@@ -468,7 +475,10 @@ class LmdbBackend(Backend):
         self._env.close()
 
 
-def _views(block: BlockWrite) -> list[memoryview]:
+def _buffers(block: BlockWrite) -> list[memoryview] | Any:
+    """What the segments write: the arena's iovec rows where the block lies there."""
+    if block.pieces is not None:
+        return block.pieces.iov
     return [v if isinstance(v, memoryview) else memoryview(v) for v in block.layers]
 
 

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from kvstore_server.tiers.arena import Allocator
 from kvstore_server.tiers.base import NO_SPACE, StorageError, StorageFullError
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ALIGN = 4096
 _REST_S = 10.0  # how long a freed extent rests while other space has room
+_MIN_SEGMENT_BYTES = 1 << 20
 SMALL_ALIGN = 64  # payloads that are not a multiple of a page: never written direct
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 DEFAULT_THREADS = 16
@@ -75,6 +77,42 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // unit) * unit
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_VEC_IO = {}
+for _name in ("preadv", "pwritev"):
+    _fn = getattr(_LIBC, _name)
+    _fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    _fn.restype = ctypes.c_ssize_t
+    _VEC_IO[_name] = _fn
+
+
+def _vec_io(name: str, fd: int, iov: Any, at: int) -> None:
+    """preadv/pwritev of a numpy iovec array (rows of address, length) until every byte is
+    moved: libc's, through ctypes, which releases the GIL for the call (no Python object
+    per buffer). A read that ends early raises StorageError."""
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    fn = _VEC_IO[name]
+    iov = np.array(iov, dtype=np.uint64, copy=True)  # advanced in place on a short transfer
+    i, k = 0, len(iov)
+    while i < k:
+        batch = iov[i : i + _IOV_MAX]
+        done = fn(fd, batch.ctypes.data, len(batch), at)
+        if done < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        if done == 0:
+            raise StorageError(f"short {name[1:-1]} at offset {at}")
+        at += done
+        ends = np.cumsum(batch[:, 1])
+        whole = int(np.searchsorted(ends, done, side="right"))
+        if whole < len(batch):
+            part = done - (int(ends[whole - 1]) if whole else 0)
+            batch[whole, 0] += part
+            batch[whole, 1] -= part
+        i += whole
+
+
 def _address(view: memoryview) -> int | None:
     """The buffer's address, or None when it cannot be told (a read-only buffer)."""
     if view.readonly:
@@ -82,7 +120,9 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _direct_ok(views: Sequence[memoryview]) -> bool:
+def _direct_ok(views: Sequence[memoryview] | Any) -> bool:
+    if not isinstance(views, list):  # an iovec array
+        return bool((views % ALIGN == 0).all())
     for view in views:
         if view.nbytes % ALIGN:
             return False
@@ -90,6 +130,13 @@ def _direct_ok(views: Sequence[memoryview]) -> bool:
         if address is None or address % ALIGN:
             return False
     return True
+
+
+def _move(name: str, fd: int, views: list[memoryview] | Any, at: int) -> None:
+    if not isinstance(views, list):  # an iovec array
+        _vec_io(name, fd, views, at)
+    else:
+        _full_io(os.preadv if name == "preadv" else os.pwritev, fd, views, at)
 
 
 class IOPool:
@@ -163,12 +210,16 @@ class Segments:
         """`direct`: None probes O_DIRECT and uses it where it works; False never."""
         if segment_bytes % SMALL_ALIGN or segment_bytes <= 0:
             raise ValueError(f"segment size {segment_bytes} is not a positive multiple of {SMALL_ALIGN}")
+        # NOTE: numpy is imported here, not at module import: the daemon has blocked its stop
+        # signals by now, so the threads numpy's BLAS starts inherit the mask (a thread that
+        # did not would take a SIGTERM and die with the process); and the first I/O does
+        # not pay for the import.
+        import numpy  # noqa: F401
+
         root.mkdir(parents=True, exist_ok=True)
         self.root = root
         self.segment_bytes = segment_bytes
         self.max_bytes = max_bytes
-        # whole segments within max_bytes; the last may be partly usable (see _usable)
-        self.max_segments = -(-max_bytes // segment_bytes) if max_bytes > 0 else 0
         self.sync = sync
         self._resting: collections.deque[tuple[float, int, int, int]] = collections.deque()
         self._usable: list[int] = []  # per segment: extents are handed out below this
@@ -188,10 +239,11 @@ class Segments:
         if direct and not self.direct:
             log.warning("direct I/O is not available in %s: writes go through the page cache", root)
         log.info(
-            "persistent tier: %d of at most %d segments of %d MiB in %s, %s writes",
+            "persistent tier: %d segments of up to %d MiB (%d MiB of at most %d) in %s, %s writes",
             len(self._fds),
-            self.max_segments,
             segment_bytes >> 20,
+            sum(self._usable) >> 20,
+            max_bytes >> 20,
             root,
             "direct" if self.direct else "buffered",
         )
@@ -200,25 +252,50 @@ class Segments:
     def _path(self, index: int) -> Path:
         return self.root / f"seg-{index:08x}"
 
-    def _open(self, index: int) -> None:
+    def _open(self, index: int, need: int = 0) -> None:
+        """Open segment `index` (creating it when it does not exist: as large as the budget
+        and the filesystem allow, at most segment_bytes, at least `need`)."""
         path = self._path(index)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        size = os.fstat(fd).st_size
         try:
-            want = max(self._usable_of(index), os.fstat(fd).st_size)
-            if os.fstat(fd).st_size < want:
-                os.posix_fallocate(fd, 0, want)
+            if size == 0:
+                size = self._preallocate(fd, need)
         except OSError as exc:
             os.close(fd)
-            if index == len(self._fds):
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             if exc.errno in NO_SPACE:
-                raise StorageFullError(f"no room for another segment in {self.root}") from exc
+                raise StorageFullError(
+                    f"the filesystem of {self.root} has no room for another segment"
+                ) from exc
             raise StorageError(f"cannot create the segment {path}: {exc.strerror}") from exc
         self._fds.append(fd)
         self._direct_fds.append(None)
-        self._free.append(Allocator(0, os.fstat(fd).st_size))  # beyond the usable part: recovered()
-        self._usable.append(max(0, min(self.segment_bytes, self.max_bytes - index * self.segment_bytes)))
+        self._free.append(Allocator(0, size))  # beyond the usable part: recovered()
+        self._usable.append(max(0, min(size, self.segment_bytes, self._budget_left())))
         self._beyond.append(0)
+
+    def _budget_left(self) -> int:
+        return max(0, self.max_bytes - sum(self._usable))
+
+    def _preallocate(self, fd: int, need: int) -> int:
+        """Allocate a new segment's blocks now (writes into it then never fail for space):
+        the budget's worth, halved while the filesystem has less room. Returns its size."""
+        want = min(self.segment_bytes, self._budget_left())
+        floor = max(need, min(want, _MIN_SEGMENT_BYTES))
+        while True:
+            try:
+                os.posix_fallocate(fd, 0, want)
+                return want
+            except OSError as exc:
+                smaller = (want // 2) - (want // 2) % SMALL_ALIGN
+                if exc.errno not in NO_SPACE or smaller < floor or smaller <= 0:
+                    raise
+                log.warning(
+                    "the filesystem of %s is short of room: a segment of %d bytes", self.root, smaller
+                )
+                os.ftruncate(fd, 0)
+                want = smaller
 
     def _probe_direct(self) -> bool:
         """Whether O_DIRECT writes and reads work here: one aligned page written and read
@@ -272,7 +349,7 @@ class Segments:
                     lo, hi = max(start, usable), min(start + length, end)
                     if lo < hi:
                         free.claim(lo, hi - lo)
-            while self._fds and self._beyond[-1] == 0 and self._usable[-1] < self.segment_bytes:
+            while self._fds and self._beyond[-1] == 0:
                 index = len(self._fds) - 1
                 if self._usable[index] == 0:
                     os.close(self._fds.pop())
@@ -292,7 +369,7 @@ class Segments:
 
     def allocate(self, nbytes: int) -> tuple[int, int]:
         """(segment, offset) of a free extent for `nbytes`, creating a segment when none has
-        room. Raises StorageFullError when all `max_segments` are full."""
+        room. Raises StorageFullError when the segments are full to `max_bytes`."""
         size = aligned(nbytes)
         if size > self.segment_bytes:
             raise StorageFullError(
@@ -304,20 +381,25 @@ class Segments:
             found = self._first_fit(size, unit)
             if found is not None:
                 return found
-            if len(self._fds) < self.max_segments and self._usable_of(len(self._fds)) >= size:
-                self._open(len(self._fds))
-                offset = self._free[-1].allocate(size, unit)
-                if offset is None:  # cannot happen: a fresh segment holds any extent that fits
-                    raise StorageError("a new segment has no room")
-                return len(self._fds) - 1, offset
+            full: StorageFullError | None = None
+            if self._budget_left() >= size:
+                try:
+                    self._open(len(self._fds), size)
+                except StorageFullError as exc:  # the filesystem has no room for one
+                    full = exc
+                else:
+                    offset = self._free[-1].allocate(size, unit)
+                    if offset is None:  # cannot happen: a fresh segment holds any extent that fits
+                        raise StorageError("a new segment has no room")
+                    return len(self._fds) - 1, offset
             if self._resting:  # nothing else has room: the rest ends
                 self._wake(float("inf"))
                 found = self._first_fit(size, unit)
                 if found is not None:
                     return found
-            raise StorageFullError(
-                f"the persistent tier's {self.max_segments} segments of {self.segment_bytes} bytes are full"
-            )
+            if full is not None:
+                raise full
+            raise StorageFullError(f"the persistent tier's {self.max_bytes} bytes of segments are full")
 
     def free(self, segment: int, offset: int, nbytes: int) -> None:
         """Give an extent back (reusable at once, but for any part beyond the segment's
@@ -339,7 +421,7 @@ class Segments:
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            unmade = sum(self._usable_of(i) for i in range(len(self._fds), self.max_segments))
+            unmade = self._budget_left()
             resting = sum(entry[3] for entry in self._resting)
             return sum(f.free_bytes for f in self._free) + resting + unmade
 
@@ -357,33 +439,32 @@ class Segments:
             _, segment, offset, size = resting.popleft()
             self._free[segment].free(offset, size)
 
-    def _usable_of(self, index: int) -> int:
-        return max(0, min(self.segment_bytes, self.max_bytes - index * self.segment_bytes))
-
     # ---- I/O (on IOPool's threads)
-    def write(self, segment: int, offset: int, views: list[memoryview]) -> None:
-        """Write `views` back to back at the extent; direct where possible."""
+    def write(self, segment: int, offset: int, views: list[memoryview] | Any) -> None:
+        """Write `views` (buffers, or a numpy iovec array) back to back at the extent;
+        direct where possible."""
         direct = self.direct and _direct_ok(views)
         fd = self._direct_fd(segment) if direct else self._fds[segment]
         try:
-            _full_io(os.pwritev, fd, views, offset)
+            _move("pwritev", fd, views, offset)
         except OSError as exc:
             if exc.errno in NO_SPACE:
                 raise StorageFullError(f"the filesystem of {self.root} is full ({exc.strerror})") from exc
             if direct and exc.errno == errno.EINVAL:  # the filesystem took the probe but not this
-                _full_io(os.pwritev, self._fds[segment], views, offset)
+                _move("pwritev", self._fds[segment], views, offset)
                 return
             raise StorageError(f"write to segment {segment} failed: {exc.strerror}") from exc
         if self.sync:
             with self._lock:
                 self._dirty.add(segment)
 
-    def read(self, segment: int, offset: int, views: list[memoryview]) -> None:
-        """Fill `views` from the extent (buffered: the page cache serves repeated reads)."""
+    def read(self, segment: int, offset: int, views: list[memoryview] | Any) -> None:
+        """Fill `views` (buffers, or a numpy iovec array) from the extent (buffered: the
+        page cache serves repeated reads)."""
         if segment >= len(self._fds):
             raise StorageError(f"segment {segment} does not exist")
         try:
-            _full_io(os.preadv, self._fds[segment], views, offset)
+            _move("preadv", self._fds[segment], views, offset)
         except OSError as exc:
             raise StorageError(f"read from segment {segment} failed: {exc.strerror}") from exc
 

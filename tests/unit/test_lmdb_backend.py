@@ -148,9 +148,8 @@ def test_segments_and_index_stay_within_the_capacity(tmp_path: Path, capacity: i
     size = segment_size_for(capacity - reserve)
     segs = Segments(tmp_path, max_bytes=capacity - reserve, segment_bytes=size, direct=False)
     try:
-        usable = sum(segs._usable_of(i) for i in range(segs.max_segments))
-        assert usable + reserve <= capacity
-        assert segs.max_segments >= 1 and usable >= capacity * 0.9 - reserve
+        assert segs.max_bytes + reserve <= capacity and segs.max_bytes >= capacity * 0.9 - reserve
+        assert size <= segs.max_bytes
     finally:
         segs.close()
 
