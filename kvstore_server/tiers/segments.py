@@ -120,9 +120,10 @@ def _address(view: memoryview) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _direct_ok(views: Sequence[memoryview] | Any) -> bool:
+def _direct_ok(views: list[memoryview] | Any) -> bool:
     if not isinstance(views, list):  # an iovec array
-        return bool((views % ALIGN == 0).all())
+        iov: Any = views
+        return bool((iov % ALIGN == 0).all())
     for view in views:
         if view.nbytes % ALIGN:
             return False
