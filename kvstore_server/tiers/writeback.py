@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_BATCH_BYTES = 16 << 20  # per commit-lock hold: a save's commit waits at most one batch
+_BATCH_BYTES = 256 << 20  # written at once by the persistent tier's I/O pool (outside the commit lock)
 _TICK_SECONDS = 1.0
 
 
