@@ -138,6 +138,26 @@ class PutCall:
         self._future.cancel()
 
 
+class ProgressStream:
+    """A server stream of small messages: iterate it; gRPC errors become KVStoreError
+    (UNIMPLEMENTED: a daemon that predates the call); cancel() ends it."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def __iter__(self) -> ProgressStream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            raise errors.from_rpc_error(exc) from exc
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class Channel:
     """One daemon's channel and a stub per RPC. Thread-safe, like grpc's channel."""
 
@@ -192,6 +212,9 @@ class Channel:
         self._watch = self._channel.unary_stream(
             _SERVICE + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
         )
+        self._pin_stream = self._channel.unary_stream(
+            _SERVICE + "PinStream", pb.PinRequest.SerializeToString, pb.PinProgress.FromString
+        )
         self.local_access = unary(
             _SERVICE + "LocalAccess",
             pb.LocalAccessRequest.SerializeToString,
@@ -218,6 +241,10 @@ class Channel:
             return method(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from exc
+
+    def pin_stream(self, request: pb.PinRequest, timeout: float) -> ProgressStream:
+        """The PinStream call: PinProgress messages (KVStoreError on failure)."""
+        return ProgressStream(self._pin_stream(request, timeout=timeout))
 
     def get(self, request: pb.GetRequest, timeout: float) -> ServerStream:
         return ServerStream(self._get(request, timeout=timeout))

@@ -47,7 +47,7 @@ import xxhash
 
 from kvstore import arena_format as fmt
 from kvstore import wire
-from kvstore.blocks import CHECKSUMS, XXH3, selected_layers
+from kvstore.blocks import CHECKSUMS, STOP_NONE, XXH3, selected_layers
 from kvstore.memory import populate_mapping
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
@@ -362,7 +362,13 @@ class Pinned:
     """
 
     def __init__(
-        self, call: Call, mapping: Mapping, resp: pb.PinResponse, spec_type: Any, sent: float | None = None
+        self,
+        call: Call,
+        mapping: Mapping,
+        resp: pb.PinResponse,
+        spec_type: Any,
+        sent: float | None = None,
+        progress: tuple[Any, pb.PinProgress] | None = None,
     ) -> None:
         self._call = call
         self.mapping = mapping
@@ -397,6 +403,45 @@ class Pinned:
             raise errors.StoreInternalError("Pin answer does not cover its blocks")
         self.runs = runs
         self.released = False
+        # PinStream: the call still reporting progress, and how many leading layers are in
+        # place for every block (all, for a plain Pin)
+        self._progress = progress[0] if progress is not None else None
+        self.ready_layers = progress[1].ready_layers if progress is not None else len(self.layers)
+        if self.ready_layers >= len(self.layers):
+            self._progress = None
+
+    def wait_layers(self, count: int) -> None:
+        """Return once layers [0, count) of every pinned block are in place (at once for a
+        plain Pin or blocks that were all in memory); within the pin call's deadline.
+        Raises LoadIncomplete when the daemon could not read them (then release the pin
+        and recompute), StoreTimeout or StoreUnavailable when the stream broke."""
+        while self.ready_layers < min(count, len(self.layers)):
+            if self._progress is None:
+                raise errors.LoadIncomplete("the pin's progress stream is gone")
+            try:
+                message = next(self._progress)
+            except StopIteration:
+                self._progress = None
+                raise errors.LoadIncomplete(
+                    f"the daemon read {self.ready_layers} of {len(self.layers)} layers of the pinned blocks"
+                ) from None
+            except errors.KVStoreError:
+                self._progress = None
+                raise
+            if message.stop_reason not in (0, wire.STOP_REASONS[STOP_NONE]):
+                self._end_progress()
+                raise errors.LoadIncomplete(
+                    "the daemon could not read the pinned blocks from its persistent tier "
+                    f"({wire.stop_reason_name(message.stop_reason)})"
+                )
+            self.ready_layers = max(self.ready_layers, message.ready_layers)
+        if self.ready_layers >= len(self.layers):
+            self._end_progress()
+
+    def _end_progress(self) -> None:
+        call, self._progress = self._progress, None
+        if call is not None:
+            call.cancel()
 
     def _at(self, run: Run, layer: int, block: int) -> int:
         """Offset of block `block` (index within `run`) of `layer`."""
@@ -476,6 +521,7 @@ class Pinned:
         during the copy (treat the load as failed). When it certainly held, the Release is
         sent without waiting for its answer (a load does not pay its round trip); else
         this waits for the daemon's word, as release() does."""
+        self._end_progress()
         if self.released or not self.pin_id:
             return True
         if self.held():
@@ -487,6 +533,7 @@ class Pinned:
     def release(self, corrupt: Sequence[bytes] = ()) -> bool:
         """End the pin and wait for the answer; False if its lease had already run out (the
         bytes read may have been reused: treat the load as failed). Safe to call twice."""
+        self._end_progress()
         if self.released or not self.pin_id:
             return True
         self.released = True
@@ -556,6 +603,7 @@ class Arena:
         self._call = call
         self._spec_type = spec_type
         self._retry_interval = retry_interval
+        self._streams = True  # the daemon answers PinStream (until it says it does not)
         self._lock = threading.Lock()
         self._mapping: Mapping | None = None
         self._prefix = b""
@@ -645,13 +693,29 @@ class Arena:
             return None
         return Reservation(self._call, mapping, resp, [layers[k] for k in subset] if subset else layers)
 
-    def pin(self, namespace: bytes, hashes: Sequence[bytes], timeout: float | None = None) -> Pinned | None:
+    def pin(
+        self, namespace: bytes, hashes: Sequence[bytes], timeout: float | None = None, *, stream: bool = False
+    ) -> Pinned | None:
         mapping = self.mapping()
         if mapping is None:
             return None
         sent = time.monotonic()
+        request = pb.PinRequest(namespace=namespace, block_hashes=hashes)
         try:
-            resp = self._call("Pin", pb.PinRequest(namespace=namespace, block_hashes=hashes), timeout)
+            if stream and self._streams:
+                call = self._call("PinStream", request, timeout)
+                try:
+                    first = next(call)
+                except errors.KVStoreError as exc:
+                    if exc.code != "UNIMPLEMENTED":
+                        raise
+                    self._streams = False  # a daemon that predates it
+                    log.info("the daemon has no PinStream: pins wait for their promotion")
+                except StopIteration:
+                    raise errors.StoreInternalError("PinStream ended without an answer") from None
+                else:
+                    return Pinned(self._call, mapping, first.pin, self._spec_type, sent, (call, first))
+            resp = self._call("Pin", request, timeout)
         except errors.NotOffered:
             self._off()
             return None

@@ -135,6 +135,8 @@ class KVStoreClient:
     ) -> Any:
         if method == "ArenaAccess":
             timeout = min(self.timeout, 2.0)
+        if method == "PinStream":
+            return self._rpc.pin_stream(request, timeout or self.timeout)
         if background:
             self._send_later(self._rpc.arena[method], request, timeout or self.timeout)
             return None
@@ -589,13 +591,20 @@ class KVStoreClient:
         )
 
     def pin(
-        self, namespace: str | bytes, block_hashes: Sequence[bytes], *, timeout: float | None = None
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+        stream: bool = False,
     ) -> Pinned | None:
         """Pin the stored prefix of `block_hashes` in the arena for its lease (read it with
-        `pieces(layer)`, `verify()`, then `release()`). None: no arena here (use get_stream)."""
+        `pieces(layer)`, `verify()`, then `release()`). None: no arena here (use get_stream).
+        `stream`: answer before the blocks only the persistent tier held are read into the
+        arena; `Pinned.wait_layers(k)` then waits for the first k layers (PinStream)."""
         if self._arena is None:
             return None
-        return self._arena.pin(_ns(namespace), block_hashes, timeout)
+        return self._arena.pin(_ns(namespace), block_hashes, timeout, stream=stream)
 
     @property
     def local_data_dir(self) -> Path | None:

@@ -24,6 +24,9 @@
     │                               (FAILED_PRECONDITION), e.g. LocalAccess with local reads off
     ├── LocalDataCorrupt            a same-host read found bytes failing their checksum; the
     │                               daemon was told (it removes the block); read it again
+    ├── LoadIncomplete              a pin's blocks could not all be read from the daemon's
+    │                               persistent tier (PinStream ended early): do not use the
+    │                               layers not reported ready; release, recompute
     └── StoreInternalError          anything else the daemon reported (INTERNAL, ...)
 
 Who catches what: serving code (the vLLM connector) catches KVStoreError and
@@ -83,6 +86,10 @@ class NotOffered(KVStoreError):
 
 class LocalDataCorrupt(KVStoreError):
     pass
+
+
+class LoadIncomplete(KVStoreError):
+    """The daemon could not read all of a pin's blocks from its persistent tier."""
 
 
 class StoreInternalError(KVStoreError):

@@ -56,6 +56,7 @@ METHOD_ROLES = {
     "LocalAccess": "reader",
     "ArenaAccess": "reader",
     "Pin": "reader",
+    "PinStream": "reader",
     "Release": "reader",
     "Put": "writer",
     "Reserve": "writer",

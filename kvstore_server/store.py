@@ -31,7 +31,7 @@ import heapq
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -64,7 +64,7 @@ from kvstore_server.tiers import (
     checksum,
 )
 from kvstore_server.tiers.arena import MemoryTier, Pin, Placed, Reservation
-from kvstore_server.tiers.chain import NoRoom, ReadResult, TierChain, verified_prefix
+from kvstore_server.tiers.chain import NoRoom, Promotion, ReadResult, TierChain, verified_prefix
 from kvstore_server.tiers.fleet import FleetTier
 from kvstore_server.tiers.writeback import FleetWriteBehind, WriteBehind
 
@@ -212,6 +212,7 @@ class PinResult:
     lease_seconds: float
     kinds: list[str] = field(default_factory=list)  # each block's checksum kind
     stop: str = STOP_NONE  # why num_blocks is short of the request (kvstore.blocks.STOP_*)
+    ready_layers: int = -1  # leading layers in place for every block (-1: all of them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1014,8 +1015,45 @@ class Store:
 
     def pin(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
         """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
-        persistent tier holds) for the lease; a miss pins nothing (pin_id 0)."""
+        persistent tier holds, and waiting for them) for the lease; a miss pins nothing
+        (pin_id 0)."""
         memory = self._tier()
+        keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
+        left_out = self.tiers.promote(keys, now) if cold else None
+        return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out, {})
+
+    def pin_stream(
+        self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]
+    ) -> Generator[PinResult | int | str, None, None]:
+        """Pin without waiting for the promotion: yields the PinResult at once (its
+        ready_layers: -1 when every block is in place; else 0), then the count of leading
+        layers in place for every pinned block as the persistent tier's reads land (the
+        last is the layer count), or, when a read failed, its STOP_* reason last (the rest
+        never comes). The promotion is finished (its blocks placed)
+        when the iteration ends or is closed."""
+        memory = self._tier()
+        keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
+        started = self.tiers.promote_start(keys, now) if cold else None
+        promotion = started if isinstance(started, Promotion) else None
+        left_out = started if isinstance(started, tuple) else None
+        try:
+            pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
+            result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out, pending)
+            if promotion is None or not any(k in pending for k in keys[: result.num_blocks]):
+                yield result  # every pinned block is in place
+                return
+            yield dataclasses.replace(result, ready_layers=0)
+            yield from promotion.progress()
+            if promotion.failed:
+                yield STOP_EVICTED
+        finally:
+            if promotion is not None:
+                promotion.finish()
+
+    def _pin_prefix(
+        self, memory: MemoryTier, namespace: bytes, hashes: Sequence[bytes]
+    ) -> tuple[list[BlockKey], list[BlockKey], float, str]:
+        """The stored prefix's keys, those not in memory, the time, and the stop reason so far."""
         self._from_fleet(namespace, hashes)
         now = time.time()
         with self._lock:
@@ -1024,8 +1062,23 @@ class Store:
             self._index.touch(namespace, hashes[:n], now)
             keys = [(namespace, h) for h in hashes[:n]]
             cold = [k for k in keys if k not in memory.resident]
-        left_out = self.tiers.promote(keys, now) if cold else None
-        stop = STOP_NOT_STORED if n < len(hashes) else STOP_NONE
+        return keys, cold, now, STOP_NOT_STORED if n < len(hashes) else STOP_NONE
+
+    def _pinned(
+        self,
+        memory: MemoryTier,
+        prefix: bytes,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        keys: list[BlockKey],
+        cold: list[BlockKey],
+        now: float,
+        stop: str,
+        left_out: tuple[BlockKey, str] | None,
+        pending: dict[BlockKey, Placed],
+    ) -> PinResult:
+        """Pin the leading `keys` that are resident (or `pending`: a promotion's, still
+        being read) with one layer set, for the lease."""
         with self._lock:
             # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
             spans: list[list[int]] = []
@@ -1034,7 +1087,7 @@ class Store:
             layers: tuple[LayerSpec, ...] = ()
             resident = memory.resident
             for key in keys:
-                placed = resident.get(key)
+                placed = resident.get(key) or pending.get(key)
                 if placed is None or self._index.get(*key) is None:
                     if left_out is not None and left_out[0] == key:  # the promotion left it out
                         stop = left_out[1]

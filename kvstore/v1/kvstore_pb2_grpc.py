@@ -109,6 +109,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.PinStream = channel.unary_stream(
+                '/kvstore.v1.KVStore/PinStream',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinProgress.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvstore.v1.KVStore/Release',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
@@ -209,6 +214,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -292,6 +303,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinResponse.SerializeToString,
+            ),
+            'PinStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PinStream,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinProgress.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -704,6 +720,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Pin',
             kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PinStream',
+            kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PinProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,7 @@ from kvstore_server.store import (
     CapacityError,
     NoFleet,
     NoMemoryTier,
+    PinResult,
     ReadResult,
     ShuttingDown,
     Store,
@@ -424,19 +425,26 @@ class Servicer:
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
         with self.reclaim.busy():
             pin = self.store.pin(self.scope.prefix(context), namespace, hashes)
-        return pb.PinResponse(
-            pin_id=pin.pin_id,
-            num_blocks=pin.num_blocks,
-            layers=_layer_messages(pin.layers),
-            runs=[
-                pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
-                for r in pin.runs
-            ],
-            checksums=pin.checksums,
-            lease_seconds=pin.lease_seconds,
-            checksum_kinds=pin.kinds,
-            stop_reason=wire.STOP_REASONS[pin.stop],
-        )
+        return _pin_message(pin)
+
+    @translated
+    def PinStream(self, request: pb.PinRequest, context: grpc.ServicerContext) -> Iterator[pb.PinProgress]:
+        self._memory_offered()
+        namespace = self._ns(context, request.namespace)
+        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
+        with self.reclaim.busy():
+            progress = self.store.pin_stream(self.scope.prefix(context), namespace, hashes)
+            try:
+                for item in progress:
+                    if isinstance(item, PinResult):
+                        ready = len(item.layers) if item.ready_layers < 0 else item.ready_layers
+                        yield pb.PinProgress(pin=_pin_message(item), ready_layers=ready)
+                    elif isinstance(item, int):
+                        yield pb.PinProgress(ready_layers=item)
+                    else:
+                        yield pb.PinProgress(stop_reason=wire.STOP_REASONS[item])
+            finally:
+                progress.close()  # a cancelled stream: the promotion still finishes
 
     @translated
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
@@ -527,6 +535,22 @@ def _block_info(info: Any, prefix: bytes = b"") -> pb.BlockInfo:
     )
 
 
+def _pin_message(pin: PinResult) -> pb.PinResponse:
+    return pb.PinResponse(
+        pin_id=pin.pin_id,
+        num_blocks=pin.num_blocks,
+        layers=_layer_messages(pin.layers),
+        runs=[
+            pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
+            for r in pin.runs
+        ],
+        checksums=pin.checksums,
+        lease_seconds=pin.lease_seconds,
+        checksum_kinds=pin.kinds,
+        stop_reason=wire.STOP_REASONS[pin.stop],
+    )
+
+
 def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     """Method handlers; Put, Get and DropSelect use the fast codec in kvstore.wire."""
     unary = grpc.unary_unary_rpc_method_handler
@@ -549,6 +573,9 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         ),
         "Watch": grpc.unary_stream_rpc_method_handler(
             servicer.Watch, _decoder(pb.WatchRequest), pb.Event.SerializeToString
+        ),
+        "PinStream": grpc.unary_stream_rpc_method_handler(
+            servicer.PinStream, _decoder(pb.PinRequest), pb.PinProgress.SerializeToString
         ),
         "LocalAccess": unary(
             servicer.LocalAccess, _decoder(pb.LocalAccessRequest), pb.LocalAccessResponse.SerializeToString

@@ -126,16 +126,21 @@ class Backend(ABC):
         with self.read(keys) as blocks:
             yield blocks
 
-    def read_into(self, handle: Located, target: Pieces | list[memoryview]) -> Future[None]:
-        """Fill `target` (one buffer per layer, in order) with a located block's bytes.
-        This default copies on the calling thread from what `locate` read."""
+    def read_into(
+        self, handle: Located, target: Pieces | list[memoryview], layers: range | None = None
+    ) -> Future[None]:
+        """Fill `target` (one buffer per layer of the block, in order) with a located
+        block's bytes, of `layers` only when given. This default copies on the calling
+        thread from what `locate` read."""
         done: Future[None] = Future()
         try:
             views = target.views() if isinstance(target, Pieces) else target
-            layers = handle.layers  # type: ignore[attr-defined]
-            if len(layers) != len(views):
-                raise ValueError(f"{len(views)} buffers for {len(layers)} layers")
-            for view, data in zip(views, layers, strict=True):
+            stored = handle.layers  # type: ignore[attr-defined]
+            if layers is not None:
+                views, stored = views[layers.start : layers.stop], stored[layers.start : layers.stop]
+            if len(stored) != len(views):
+                raise ValueError(f"{len(views)} buffers for {len(stored)} layers")
+            for view, data in zip(views, stored, strict=True):
                 view[:] = data
         except Exception as exc:  # the caller gets it from the future, as from an I/O thread
             done.set_exception(exc)

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,7 +37,7 @@ from kvstore.blocks import (
     leading_blocks,
 )
 from kvstore_server.rates import Rate
-from kvstore_server.tiers.arena import ArenaError, MemoryTier, Placed
+from kvstore_server.tiers.arena import ArenaError, Extent, MemoryTier, Placed
 from kvstore_server.tiers.base import (
     Backend,
     BlockKey,
@@ -118,6 +118,130 @@ def verified_prefix(
     if prefix.stop == "layout":
         log.warning("block %s has another layer layout than its prefix; stopping there", keys[n][1].hex())
     return ReadResult(prefix.layers, prefix.blocks, layers, stop), None
+
+
+# Promotions read each block's layers in groups of about this many bytes (at most
+# _MAX_GROUPS), first groups first: a loader may use the first layers while the rest land.
+_GROUP_READ_BYTES = 256 << 10
+_MAX_GROUPS = 8
+
+
+def layer_groups(sizes: Sequence[int]) -> list[range]:
+    """Consecutive layer ranges of about equal bytes, each at least _GROUP_READ_BYTES of a
+    block (fewer groups for small blocks), at most _MAX_GROUPS."""
+    total = sum(sizes)
+    count = max(1, min(_MAX_GROUPS, total // _GROUP_READ_BYTES, len(sizes)))
+    groups: list[range] = []
+    start = acc = 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc * count >= total * (len(groups) + 1) and len(groups) < count - 1:
+            groups.append(range(start, i + 1))
+            start = i + 1
+    groups.append(range(start, len(sizes)))
+    return [g for g in groups if len(g)]
+
+
+class Promotion:
+    """Blocks being read from the persistent tier into one new extent (TierChain.
+    promote_start). The extent is allocated and held by the promotion (pinned, so it
+    cannot be evicted) but its blocks are not resident: no other read sees them until
+    `finish` places them. Reads are issued group of layers by group (layer_groups), all
+    blocks' first group first."""
+
+    def __init__(
+        self,
+        chain: TierChain,
+        memory: MemoryTier,
+        cold: list[BlockKey],
+        located: list[Located],
+        extent: Extent,
+        stopped: tuple[BlockKey, str] | None,
+        window: ExitStack,
+        now: float,
+    ) -> None:
+        self._chain = chain
+        self._memory = memory
+        self._cold = cold
+        self._window = window  # the persistent tier's extents stay as they are while open
+        self._now = now
+        self._stopped = stopped
+        self._finished = False
+        self.extent = extent.offset
+        layers = located[0].meta.layers
+        n = len(located)
+        self.placed = [Placed(h.meta, extent.offset, n, position) for position, h in enumerate(located)]
+        self.width = len(layers)
+        self.groups = layer_groups([layer.nbytes for layer in layers])
+        self.block_bytes = sum(layer.nbytes for layer in layers)
+        self._started = time.perf_counter()
+        self._futures = [
+            [
+                chain.persistent.read_into(handle, memory.pieces(layers, extent.offset, n, position), group)
+                for position, handle in enumerate(located)
+            ]
+            for group in self.groups
+        ]
+        self._failed_at = n  # the first block a read failed for
+
+    def progress(self) -> Iterator[int]:
+        """The count of leading layers in place for every block, as it grows (the last is
+        the layer count); stops early when a read failed (then `failed` is True)."""
+        for group, futures in zip(self.groups, self._futures, strict=True):
+            for position, future in enumerate(futures):
+                failure = future.exception()
+                if failure is not None and position < self._failed_at:
+                    log.error(
+                        "reading block %s for a load failed: %s", self._cold[position][1].hex(), failure
+                    )
+                    self._failed_at = position
+            if self._failed_at < len(self.placed):
+                return
+            yield group.stop
+
+    @property
+    def failed(self) -> bool:
+        return self._failed_at < len(self.placed)
+
+    def finish(self) -> tuple[BlockKey, str] | None:
+        """Wait for every read, place the blocks read whole (resident, clean) and let the
+        extent go if none was; called exactly once. Returns the first block left out and
+        why, or None."""
+        if self._finished:
+            raise RuntimeError("a promotion is finished once")
+        self._finished = True
+        chain, memory = self._chain, self._memory
+        try:
+            for _ in self.progress():
+                pass
+            for futures in self._futures:  # the failed group's later blocks, and later groups
+                for future in futures:
+                    future.exception()
+        finally:
+            self._window.close()
+        read = self._failed_at
+        chain.read_rate.add(read * self.block_bytes, time.perf_counter() - self._started)
+        stopped = self._stopped
+        if read < len(self.placed):
+            stopped = self._cold[read], STOP_EVICTED
+        placed = self.placed[:read]
+        live: list[Placed] = []
+        with chain._commit_lock:
+            try:
+                memory.index.put(placed)
+            except ArenaError as exc:
+                log.error("%s; promotion skipped", exc)
+                placed, stopped = [], (self._cold[0], STOP_NO_ROOM)
+            with chain._lock:
+                live = [p for p in placed if chain._owner.indexed(p.meta.key)]
+                memory.place(live, self._now, dirty=False)
+                memory.unpin_extents([self.extent])  # frees it when nothing was placed
+                memory.counters.promotions += 1
+                memory.counters.promoted_blocks += len(live)
+        if len(live) < len(placed):
+            kept = {p.meta.key for p in live}
+            chain.forget_records([p.meta.key for p in placed if p.meta.key not in kept])
+        return stopped
 
 
 class TierChain:
@@ -240,11 +364,22 @@ class TierChain:
 
     # ---- promotion: persistent -> memory
     def promote(self, keys: list[BlockKey], now: float) -> tuple[BlockKey, str] | None:
-        """Read the blocks of `keys` that only the persistent tier holds into one new
-        extent: the reads run on the persistent tier's I/O threads, straight into the
-        extent, outside the commit lock (taken only to allocate and to place). The
-        request's blocks already in memory stay pinned meanwhile. Returns the first block
-        it left out and why (kvstore.blocks.STOP_*), or None when it left none out.
+        """Bring the blocks of `keys` that only the persistent tier holds into memory and
+        wait for them (see promote_start). Returns the first block it left out and why
+        (kvstore.blocks.STOP_*), or None when it left none out."""
+        started = self.promote_start(keys, now)
+        if isinstance(started, Promotion):
+            return started.finish()
+        return started
+
+    def promote_start(self, keys: list[BlockKey], now: float) -> Promotion | tuple[BlockKey, str] | None:
+        """Start reading the blocks of `keys` that only the persistent tier holds into one
+        new extent: the reads run on the persistent tier's I/O threads, straight into the
+        extent, outside the commit lock (taken only to allocate and to place), group of
+        layers by group so that a loader can start on the first layers while the rest is
+        read (Promotion.progress). The request's blocks already in memory stay pinned
+        meanwhile. Returns the Promotion (whose `finish` must be called), or, when nothing
+        needed promoting or nothing could be, None or (the first block left out, why).
 
         NOTE: the bytes are not verified here: every reader of the arena verifies the
         checksums of what it uses (a client on its device, the daemon before it sends
@@ -256,15 +391,19 @@ class TierChain:
             memory.pin_extents(hot, now)
             cold = [k for k in keys if k not in memory.resident and self._owner.indexed(k)]
         try:
-            return self._promote_blocks(memory, cold, now) if cold else None
+            if not cold:
+                return None
+            return self._start(memory, cold, now)
         finally:
             with self._lock:
                 memory.unpin_extents(hot)
 
-    def _promote_blocks(
+    def _start(
         self, memory: MemoryTier, cold: list[BlockKey], now: float
-    ) -> tuple[BlockKey, str] | None:
-        with self.persistent.locate(cold) as found:
+    ) -> Promotion | tuple[BlockKey, str] | None:
+        window = ExitStack()
+        try:
+            found = window.enter_context(self.persistent.locate(cold))
             located: list[Located] = []
             stopped: tuple[BlockKey, str] | None = None
             for key, handle in zip(cold, found, strict=True):
@@ -277,54 +416,26 @@ class TierChain:
                 located.append(handle)
             n = len(located)
             if not n:
+                window.close()
                 return stopped
             sizes = [layer.nbytes for layer in located[0].meta.layers]
             nbytes = fmt.extent_bytes(sum(sizes), n)
             if nbytes > memory.allocator.total:
+                window.close()
                 return cold[0], STOP_NO_ROOM  # the load is served from what is in memory
             with self._commit_lock:
                 try:
                     offset = self.allocate(nbytes, now)
                 except NoRoom as exc:
                     log.info("no promotion of %d blocks: %s", n, exc)
+                    window.close()
                     return cold[0], STOP_NO_ROOM
-            # The extent is ours alone until it is placed: no other call sees it.
-            started = time.perf_counter()
-            layers = located[0].meta.layers
-            futures = [
-                self.persistent.read_into(handle, memory.pieces(layers, offset, n, position))
-                for position, handle in enumerate(located)
-            ]
-            read = n
-            for position, future in enumerate(futures):
-                failure = future.exception()
-                if failure is not None and read == n:
-                    log.error("reading block %s for a load failed: %s", cold[position][1].hex(), failure)
-                    read = position
-            self.read_rate.add(read * sum(sizes), time.perf_counter() - started)
-            if read < n:
-                stopped = cold[read], STOP_EVICTED
-            placed = [Placed(h.meta, offset, n, position) for position, h in enumerate(located[:read])]
-        with self._commit_lock:
-            try:
-                memory.index.put(placed)
-            except ArenaError as exc:
-                log.error("%s; promotion skipped", exc)
-                with self._lock:
-                    memory.allocator.free(offset, nbytes)
-                return cold[0], STOP_NO_ROOM
-            with self._lock:
-                live = [p for p in placed if self._owner.indexed(p.meta.key)]
-                if live:
-                    memory.place(live, now, dirty=False)
-                else:
-                    memory.allocator.free(offset, nbytes)
-                memory.counters.promotions += 1
-                memory.counters.promoted_blocks += len(live)
-        if len(live) < len(placed):
-            kept = {p.meta.key for p in live}
-            self.forget_records([p.meta.key for p in placed if p.meta.key not in kept])
-        return stopped
+                with self._lock:  # held by the promotion itself until it is placed
+                    extent = memory.extents[offset] = Extent(offset, nbytes, n, pins=1, last_use=now)
+            return Promotion(self, memory, cold, located, extent, stopped, window, now)
+        except BaseException:
+            window.close()
+            raise
 
     # ---- write-behind: memory -> persistent
     def write_behind_once(self, batch_bytes: int) -> bool:

@@ -434,16 +434,30 @@ class LmdbBackend(Backend):
                 found = [read_lmdb_record(txn, self._blocks, self._layouts, key) for key in keys]
             yield found
 
-    def read_into(self, handle: Located, target: Pieces | list[memoryview]) -> Future[None]:
-        """Read a block's payload into `target` (its layers in order, wherever they lie),
-        on the I/O pool. The future raises StorageError when the read fails."""
+    def read_into(
+        self, handle: Located, target: Pieces | list[memoryview], layers: range | None = None
+    ) -> Future[None]:
+        """Read a block's payload into `target` (one buffer per layer, in order, wherever
+        they lie), of `layers` only when given (a contiguous part of the payload), on
+        the I/O pool. The future raises StorageError when the read fails."""
         if not isinstance(handle, records.Record):
             raise TypeError(f"not a record of this backend: {type(handle).__name__}")
         offset, segment, nbytes = handle.where
-        buffers: Any = target.iov if isinstance(target, Pieces) else list(target)
-        got = int(buffers[:, 1].sum()) if isinstance(target, Pieces) else sum(v.nbytes for v in target)
+        specs = handle.meta.layers
+        if layers is not None:
+            offset += sum(spec.nbytes for spec in specs[: layers.start])
+            nbytes = sum(spec.nbytes for spec in specs[layers.start : layers.stop])
+        else:
+            layers = range(len(specs))
+        buffers: Any
+        if isinstance(target, Pieces):
+            buffers = target.iov[layers.start : layers.stop]
+            got = int(buffers[:, 1].sum())
+        else:
+            buffers = list(target)[layers.start : layers.stop]
+            got = sum(v.nbytes for v in buffers)
         if got != nbytes:
-            raise ValueError(f"{got} bytes of buffers for a block of {nbytes}")
+            raise ValueError(f"{got} bytes of buffers for {nbytes} bytes of the block")
         return self.io.submit(nbytes, functools.partial(self.segments.read, segment, offset, buffers))
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:

@@ -244,6 +244,68 @@ def test_write_behind_reaches_the_persistent_tier_and_loads_promote(make_daemon,
         assert stats["persistent_hit_blocks"] == 5
 
 
+def _only_in_the_persistent_tier(d, hashes: list[bytes], layers: dict[str, torch.Tensor]) -> None:
+    """Store `layers` through the arena, wait until written behind, then kill the daemon and
+    remove its arena: after the restart, only the persistent tier holds them."""
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == len(hashes)
+        eventually(lambda: kv.stats()["written_behind"] == len(hashes))
+        arena_path = kv.arena_path
+    assert arena_path is not None
+    d.kill()
+    arena_path.unlink()
+    d.start()
+
+
+@both_backends
+def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_they_land(make_daemon) -> None:
+    """PinStream: the answer comes with no layer in place, then the leading layers by group
+    (each block's first layers are read first, for every block), so a loader starts on
+    the first layers while the rest is read; the bytes of a ready layer are final."""
+    d = make_daemon()
+    # 16 layers of 64 KiB per block: 1 MiB a block, read in 4 groups of 4 layers
+    hashes, layers = chain("stream", 3), make_layers(3, num_layers=16, shape=(256, 128), dtype=torch.float16)
+    _only_in_the_persistent_tier(d, hashes, layers)
+    with KVStoreClient(d.address, arena=True) as kv:
+        pinned = kv.pin(NS, hashes, stream=True)
+        assert pinned is not None and pinned.num_blocks == 3
+        assert pinned.ready_layers == 0  # nothing was in memory
+        seen = []
+        for layer in range(16):
+            pinned.wait_layers(layer + 1)
+            seen.append(pinned.ready_layers)
+            assert pinned.verify([layer]) is None  # a ready layer is whole in every block
+        assert sorted(set(seen)) == [4, 8, 12, 16]  # group by group, first layers first
+        got = {name: torch.cat([view for _, view in pinned.pieces(i)]) for i, name in enumerate(layers)}
+        assert_same(got, layers)
+        pinned.release()
+        again = kv.pin(NS, hashes, stream=True)  # now in memory: all there at once
+        assert again is not None and again.ready_layers == 16
+        again.release()
+        stats = kv.stats()
+        assert (stats["promoted_blocks"], stats["promoted_bytes"]) == (3, 3 * 16 * 64 * 1024)
+        assert stats["persistent_read_rate"] > 0
+
+
+def test_a_cold_pin_whose_read_fails_ends_incomplete_and_never_serves_the_bytes(make_daemon) -> None:
+    """A segment cut short under a record: the stream ends before the layers are reported
+    ready (LoadIncomplete); a plain load of the prefix then stops before the bad block."""
+    d = make_daemon()
+    hashes, layers = chain("cut", 2), make_layers(2, num_layers=16, shape=(256, 128), dtype=torch.float16)
+    _only_in_the_persistent_tier(d, hashes, layers)
+    [segment] = sorted((d.data_dir / "lmdb" / "segments").glob("seg-*"))
+    os.truncate(segment, 1 << 20)  # the first block (1 MiB at offset 0) stays whole
+    with KVStoreClient(d.address, arena=True) as kv:
+        pinned = kv.pin(NS, hashes, stream=True)
+        assert pinned is not None and pinned.num_blocks == 2
+        with pytest.raises(errors.LoadIncomplete):
+            pinned.wait_layers(16)
+        assert pinned.ready_layers < 16
+        pinned.release()
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+        assert_same(kv.select(NS, hashes[:1]), rows(layers, 0, 1))
+
+
 @both_backends
 def test_committed_blocks_survive_a_daemon_sigkill_before_write_behind(make_daemon) -> None:
     # write_behind_bytes 1: nothing is queued behind, so the arena alone holds the blocks
