@@ -167,8 +167,30 @@ def instrument(client: Any, probe: Probe) -> None:
     arena = client._arena
     call = arena._call
 
+    class FirstTimed:
+        """A PinStream whose first message (the pin's answer) is timed as the Pin RPC."""
+
+        def __init__(self, stream: Any, start: float) -> None:
+            self.stream, self.start = stream, start
+
+        def __iter__(self) -> Any:
+            return self
+
+        def __next__(self) -> Any:
+            try:
+                return next(self.stream)
+            finally:
+                if self.start:
+                    probe.add("Pin", self.start)
+                    self.start = 0.0
+
+        def cancel(self) -> None:
+            self.stream.cancel()
+
     def timed_call(method: str, request: Any, timeout: float | None = None, **kw: Any) -> Any:
         start = now()
+        if method == "PinStream":
+            return FirstTimed(call(method, request, timeout, **kw), start)
         try:
             return call(method, request, timeout, **kw)
         finally:

@@ -618,10 +618,10 @@ class MemoryTier:
         return expired
 
     # ---- reading
-    def pieces(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int, position: int) -> Pieces:
-        """Where block `position` of an extent of `num_blocks` blocks lies, layer by layer,
-        as iovec rows (tiers.base.Pieces): made with numpy from each layout's offsets,
-        computed once per layout and extent size."""
+    def extent_rows(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int) -> Any:
+        """Where every block of an extent of `num_blocks` blocks lies, layer by layer: a numpy
+        uint64 array [num_blocks, layers, 2] of (address, length) rows (iovecs), made in one
+        step from each layout's offsets (computed once per layout and extent size)."""
         import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
         key = (id(layers), num_blocks)
@@ -633,10 +633,15 @@ class MemoryTier:
             starts = np.array(fmt.layer_starts([spec.nbytes for spec in layers]), dtype=np.uint64)
             cached = self._layout_rows[key] = (layers, starts * np.uint64(num_blocks), sizes)
         _, before, sizes = cached
-        iov = np.empty((len(sizes), 2), dtype=np.uint64)
-        iov[:, 0] = before + sizes * np.uint64(position) + np.uint64(self.file.address + extent)
-        iov[:, 1] = sizes
-        return Pieces(iov, self.file)
+        positions = np.arange(num_blocks, dtype=np.uint64)[:, None]
+        rows = np.empty((num_blocks, len(sizes), 2), dtype=np.uint64)
+        rows[:, :, 0] = before[None, :] + sizes[None, :] * positions + np.uint64(self.file.address + extent)
+        rows[:, :, 1] = sizes[None, :]
+        return rows
+
+    def pieces(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int, position: int) -> Pieces:
+        """Where block `position` of an extent lies, layer by layer (tiers.base.Pieces)."""
+        return Pieces(self.extent_rows(layers, extent, num_blocks)[position], self.file)
 
     def block_pieces(self, placed: Placed) -> Pieces:
         return self.pieces(placed.meta.layers, placed.extent, placed.extent_blocks, placed.position)

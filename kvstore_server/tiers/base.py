@@ -129,15 +129,15 @@ class Backend(ABC):
     def read_into(
         self, handle: Located, target: Pieces | list[memoryview], layers: range | None = None
     ) -> Future[None]:
-        """Fill `target` (one buffer per layer of the block, in order) with a located
-        block's bytes, of `layers` only when given. This default copies on the calling
-        thread from what `locate` read."""
+        """Fill `target` (one buffer per layer, in order) with a located block's bytes: of
+        `layers` only when given (then `target` holds buffers for those layers alone).
+        This default copies on the calling thread from what `locate` read."""
         done: Future[None] = Future()
         try:
             views = target.views() if isinstance(target, Pieces) else target
             stored = handle.layers  # type: ignore[attr-defined]
             if layers is not None:
-                views, stored = views[layers.start : layers.stop], stored[layers.start : layers.stop]
+                stored = stored[layers.start : layers.stop]
             if len(stored) != len(views):
                 raise ValueError(f"{len(views)} buffers for {len(stored)} layers")
             for view, data in zip(views, stored, strict=True):
@@ -146,6 +146,20 @@ class Backend(ABC):
             done.set_exception(exc)
         else:
             done.set_result(None)
+        return done
+
+    def read_batch(
+        self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
+    ) -> Future[None]:
+        """read_into for several blocks, as one unit of work (one I/O task where the backend
+        has a pool: a per-block task costs more than its read when the reads are small)."""
+        done: Future[None] = Future()
+        for handle, target in reads:
+            failure = self.read_into(handle, target, layers).exception()
+            if failure is not None:
+                done.set_exception(failure)
+                return done
+        done.set_result(None)
         return done
 
     def delete(self, keys: Sequence[BlockKey]) -> None:

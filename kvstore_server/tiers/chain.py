@@ -44,6 +44,7 @@ from kvstore_server.tiers.base import (
     BlockWrite,
     LayerSpec,
     Located,
+    Pieces,
     StorageError,
     StoredBlock,
 )
@@ -124,6 +125,7 @@ def verified_prefix(
 # _MAX_GROUPS), first groups first: a loader may use the first layers while the rest land.
 _GROUP_READ_BYTES = 256 << 10
 _MAX_GROUPS = 8
+_TASKS_PER_THREAD = 2
 
 
 def layer_groups(sizes: Sequence[int]) -> list[range]:
@@ -170,15 +172,26 @@ class Promotion:
         self.extent = extent.offset
         layers = located[0].meta.layers
         n = len(located)
-        self.placed = [Placed(h.meta, extent.offset, n, position) for position, h in enumerate(located)]
+        self.placed = [
+            Placed(h.meta, extent.offset, n, position, getattr(h, "sums", b""))
+            for position, h in enumerate(located)
+        ]
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
         self._started = time.perf_counter()
+        rows = memory.extent_rows(layers, extent.offset, n)  # [block, layer, (address, length)]
+        # per group, the blocks in chunks: a task each, a few per I/O thread
+        tasks = max(1, _TASKS_PER_THREAD * getattr(chain.persistent, "io_threads", 1))
+        size = -(-n // tasks)
+        self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
         self._futures = [
             [
-                chain.persistent.read_into(handle, memory.pieces(layers, extent.offset, n, position), group)
-                for position, handle in enumerate(located)
+                chain.persistent.read_batch(
+                    [(located[p], Pieces(rows[p, group.start : group.stop], memory.file)) for p in chunk],
+                    group,
+                )
+                for chunk in self._chunks
             ]
             for group in self.groups
         ]
@@ -188,13 +201,15 @@ class Promotion:
         """The count of leading layers in place for every block, as it grows (the last is
         the layer count); stops early when a read failed (then `failed` is True)."""
         for group, futures in zip(self.groups, self._futures, strict=True):
-            for position, future in enumerate(futures):
+            for chunk, future in zip(self._chunks, futures, strict=True):
                 failure = future.exception()
-                if failure is not None and position < self._failed_at:
+                if failure is not None and chunk.start < self._failed_at:
                     log.error(
-                        "reading block %s for a load failed: %s", self._cold[position][1].hex(), failure
+                        "reading blocks from %s for a load failed: %s",
+                        self._cold[chunk.start][1].hex(),
+                        failure,
                     )
-                    self._failed_at = position
+                    self._failed_at = chunk.start  # (a block of the chunk: the first, to be sure)
             if self._failed_at < len(self.placed):
                 return
             yield group.stop

@@ -54,7 +54,8 @@ from typing import Any
 import lmdb
 
 from kvstore import records
-from kvstore.blocks import Layout
+from kvstore.arena_format import layer_starts
+from kvstore.blocks import Layout, per_layout
 from kvstore.layouts import (
     BLOCKS_DB,
     FORMAT_KEY,
@@ -161,8 +162,10 @@ class LmdbBackend(Backend):
         self.payload_capacity = self.segments.max_bytes
         self._own_io = io is None
         self.io = io if io is not None else IOPool()
+        self.io_threads = self.io.threads
         self._maps = SegmentMaps(path)
         self._known_layouts: set[bytes] = set()
+        self._layer_starts: dict[int, tuple[tuple[LayerSpec, ...], list[int]]] = {}
         self._recovered: list[BlockMeta] | None = self._recover()
         self.segments.recovered()
         _allocate(path / "lock.mdb")
@@ -438,27 +441,50 @@ class LmdbBackend(Backend):
         self, handle: Located, target: Pieces | list[memoryview], layers: range | None = None
     ) -> Future[None]:
         """Read a block's payload into `target` (one buffer per layer, in order, wherever
-        they lie), of `layers` only when given (a contiguous part of the payload), on
-        the I/O pool. The future raises StorageError when the read fails."""
+        they lie), of `layers` only when given (a contiguous part of the payload; `target`
+        then holds buffers for those layers alone), on the I/O pool. The future raises
+        StorageError when the read fails."""
+        return self.read_batch([(handle, target)], layers)
+
+    def read_batch(
+        self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
+    ) -> Future[None]:
+        """read_into for several blocks in one task of the I/O pool, one preadv each."""
+        planned = [self._plan_read(handle, target, layers) for handle, target in reads]
+        total = sum(nbytes for _, _, nbytes, _ in planned)
+
+        def run() -> None:
+            for segment, offset, _, buffers in planned:
+                self.segments.read(segment, offset, buffers)
+
+        return self.io.submit(total, run)
+
+    def _plan_read(
+        self, handle: Located, target: Pieces | list[memoryview], layers: range | None
+    ) -> tuple[int, int, int, Any]:
+        """(segment, offset, bytes, buffers) of one block's read. Raises ValueError (TypeError)
+        when the buffers do not match the block (do not come from this backend)."""
         if not isinstance(handle, records.Record):
             raise TypeError(f"not a record of this backend: {type(handle).__name__}")
         offset, segment, nbytes = handle.where
-        specs = handle.meta.layers
         if layers is not None:
-            offset += sum(spec.nbytes for spec in specs[: layers.start])
-            nbytes = sum(spec.nbytes for spec in specs[layers.start : layers.stop])
-        else:
-            layers = range(len(specs))
+            starts = self._starts(handle.meta.layers)  # one more entry: the block's end
+            offset += starts[layers.start]
+            nbytes = starts[layers.stop] - starts[layers.start]
         buffers: Any
         if isinstance(target, Pieces):
-            buffers = target.iov[layers.start : layers.stop]
+            buffers = target.iov
             got = int(buffers[:, 1].sum())
         else:
-            buffers = list(target)[layers.start : layers.stop]
+            buffers = list(target)
             got = sum(v.nbytes for v in buffers)
         if got != nbytes:
             raise ValueError(f"{got} bytes of buffers for {nbytes} bytes of the block")
-        return self.io.submit(nbytes, functools.partial(self.segments.read, segment, offset, buffers))
+        return segment, offset, nbytes, buffers
+
+    def _starts(self, layers: tuple[LayerSpec, ...]) -> list[int]:
+        """Each layer's offset in a block's payload, and the payload's size last (per layout)."""
+        return per_layout(self._layer_starts, layers, _payload_starts)
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         with _reading(), self._env.begin(db=self._blocks) as txn:
@@ -487,6 +513,11 @@ class LmdbBackend(Backend):
         self._maps.close()
         self.segments.close()
         self._env.close()
+
+
+def _payload_starts(layers: tuple[LayerSpec, ...]) -> list[int]:
+    sizes = [spec.nbytes for spec in layers]
+    return [*layer_starts(sizes), sum(sizes)]
 
 
 def _buffers(block: BlockWrite) -> list[memoryview] | Any:
