@@ -76,40 +76,43 @@ def segment_path(root: Path, segment: int) -> Path:
     return root / SEGMENTS_DIR / f"seg-{segment:08x}"
 
 
-class SegmentMaps:
-    """Read-only mappings of a backend's segment files, made as they are first read and
-    kept (a segment never shrinks while its daemon lives). Views into them stay valid
-    while this object lives. The daemon may reuse a freed extent while another
-    process still reads it: every reader verifies checksums, so that is a failed check
-    (and a read through the daemon), never wrong bytes used."""
+class SegmentFiles:
+    """The LMDB backend's segment files, opened read-only as they are first read, for a
+    same-host reader. Reads copy (pread), never map: a file cut short under a mapping
+    would be a SIGBUS in the reader's process (a vLLM engine); a short read is a miss.
+    The daemon may reuse a freed extent while another process reads it: every reader
+    verifies checksums, so that is a failed check, never wrong bytes used."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._maps: dict[int, mmap.mmap] = {}
+        self._fds: dict[int, int] = {}
 
-    def view(self, segment: int, offset: int, nbytes: int) -> memoryview | None:
-        m = self._maps.get(segment)
-        if m is None:
+    def read(self, segment: int, offset: int, nbytes: int) -> memoryview | None:
+        fd = self._fds.get(segment)
+        if fd is None:
             try:
-                with open(segment_path(self.root, segment), "rb") as f:
-                    m = self._maps[segment] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:
-                log.warning("cannot map segment %d of %s: %s", segment, self.root, exc)
+                fd = self._fds[segment] = os.open(segment_path(self.root, segment), os.O_RDONLY)
+            except OSError as exc:
+                log.warning("cannot open segment %d of %s: %s", segment, self.root, exc)
                 return None
-        if offset + nbytes > len(m):
+        data = bytearray(nbytes)
+        view = memoryview(data)
+        done = 0
+        try:
+            while done < nbytes:
+                got = os.preadv(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    return None
+                done += got
+        except OSError as exc:
+            log.warning("cannot read segment %d of %s: %s", segment, self.root, exc)
             return None
-        return memoryview(m)[offset : offset + nbytes]
-
-    def maps(self) -> list[mmap.mmap]:
-        return list(self._maps.values())
+        return view
 
     def close(self) -> None:
-        for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a view is still referenced: the mapping goes with it
-                log.debug("a segment mapping is still in use at close")
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 # ---- disk: one safetensors file per block (readable by the `safetensors` library as-is),
@@ -192,15 +195,15 @@ def read_lmdb_record(txn: Any, blocks_db: Any, layouts_db: Any, key: BlockKey) -
 
 
 def read_lmdb_block(
-    txn: Any, blocks_db: Any, layouts_db: Any, maps: SegmentMaps, key: BlockKey
+    txn: Any, blocks_db: Any, layouts_db: Any, files: SegmentFiles, key: BlockKey
 ) -> StoredBlock | None:
-    """One block: its record from the index and views of its payload in the segment
-    files. None when absent or unreadable (logged)."""
+    """One block: its record from the index and its payload read from the segment files.
+    None when absent or unreadable (logged)."""
     record = read_lmdb_record(txn, blocks_db, layouts_db, key)
     if record is None:
         return None
     offset, segment, nbytes = record.where
-    data = maps.view(segment, offset, nbytes)
+    data = files.read(segment, offset, nbytes)
     views = split_layers(data, record.meta) if data is not None else None
     if views is None:
         log.warning("block %s: its extent does not match its record", key[1].hex())

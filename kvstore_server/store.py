@@ -248,7 +248,12 @@ class Store:
         self.backend = backend
         self.memory = memory
         self.fleet = fleet
-        self.capacity_bytes = capacity_bytes
+        # the byte budget of the blocks: what the persistent tier can hold of --capacity
+        # once its own index is paid for (LmdbBackend.payload_capacity), so eviction makes
+        # room before the segments run out rather than after
+        payload = getattr(backend, "payload_capacity", None)
+        self.capacity_bytes = min(capacity_bytes, payload) if payload else capacity_bytes
+        self.configured_capacity = capacity_bytes  # what stats report: the bound of the files
         self.counters = Counters()
         self.started_at = time.time()
         self._index = PrefixIndex()
@@ -288,11 +293,15 @@ class Store:
             self._recover_memory(memory)
         self._index.sort_leaves()
         self._writer = WriteBehind(self.tiers) if memory is not None else None
-        if self._index.bytes_used > capacity_bytes:
+        if self._index.bytes_used > self.capacity_bytes:
             with self._commit_lock, self._lock:
-                victims = eviction.down_to(self._index, capacity_bytes)
+                victims = eviction.down_to(self._index, self.capacity_bytes)
             self.tiers.delete(victims)
             log.info("evicted %d blocks to fit the configured capacity", len(victims))
+        relocate = getattr(backend, "relocate", None)
+        if relocate is not None:  # what lies beyond a capacity that shrank moves inside it
+            for key in relocate():
+                self._index.remove(*key)
         log.info(
             "loaded %d blocks (%d bytes) in %d namespaces from the %s backend",
             self._index.num_blocks,
@@ -731,6 +740,15 @@ class Store:
                 self.counters.checksum_failures += 1
             if remove_bad:
                 self._remove_corrupt(bad)
+        elif result.stop == STOP_EVICTED and remove_bad:
+            # the index has it, no tier could read it (a file cut short, a failing disk):
+            # it leaves the store, so a lookup stops counting it
+            missing = keys[result.num_blocks]
+            with self._lock:
+                unreadable = self._index.get(*missing) is not None
+            if unreadable:
+                log.warning("block %s cannot be read from any tier: removed", missing[1].hex())
+                self._remove_corrupt(missing)
         return result
 
     def _remove_corrupt(self, key: BlockKey) -> None:
@@ -1192,7 +1210,7 @@ class Store:
                 **parts,
                 "blocks": self._index.num_blocks,
                 "bytes_used": self._index.bytes_used,
-                "capacity_bytes": self.capacity_bytes,
+                "capacity_bytes": self.configured_capacity,
                 "namespaces": len(self._index.namespaces()),
                 "backend": self.backend.name,
                 "uptime_seconds": time.time() - self.started_at,

@@ -27,7 +27,7 @@ from kvstore.layouts import (
     LAYOUTS_DB,
     LMDB_MAX_DBS,
     LMDB_MAX_READERS,
-    SegmentMaps,
+    SegmentFiles,
     backend_dir,
     block_path,
     lmdb_key,
@@ -96,18 +96,18 @@ class LmdbReader:
         except lmdb.Error as exc:
             self._env.close()
             raise StorageError(f"cannot open {path} for reading: {type(exc).__name__}: {exc}") from exc
-        self._maps = SegmentMaps(path)
+        self._files = SegmentFiles(path)
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        """One read transaction of the index; the views point into the mapped segments."""
+        """One read transaction of the index; the payloads read from the segment files."""
         with _lmdb_errors():  # e.g. MapResizedError after a daemon restart
             txn = self._env.begin(buffers=True)
         with txn:
             blocks: list[StoredBlock | None] = []
             for key in keys:
                 with _lmdb_errors():
-                    blocks.append(read_lmdb_block(txn, self._blocks, self._layouts, self._maps, key))
+                    blocks.append(read_lmdb_block(txn, self._blocks, self._layouts, self._files, key))
             yield blocks
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
@@ -118,7 +118,7 @@ class LmdbReader:
         return len(keys)
 
     def close(self) -> None:
-        self._maps.close()
+        self._files.close()
         self._env.close()
 
 

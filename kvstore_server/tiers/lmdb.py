@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -65,9 +64,8 @@ from kvstore.layouts import (
     LMDB_MAX_READERS,
     SEGMENTS_DIR,
     LayoutReader,
-    SegmentMaps,
-    read_lmdb_block,
     read_lmdb_record,
+    split_layers,
 )
 from kvstore.layouts import lmdb_key as _key
 from kvstore_server.tiers.base import (
@@ -163,7 +161,6 @@ class LmdbBackend(Backend):
         self._own_io = io is None
         self.io = io if io is not None else IOPool()
         self.io_threads = self.io.threads
-        self._maps = SegmentMaps(path)
         self._known_layouts: set[bytes] = set()
         self._layer_starts: dict[int, tuple[tuple[LayerSpec, ...], list[int]]] = {}
         self._recovered: list[BlockMeta] | None = self._recover()
@@ -401,6 +398,52 @@ class LmdbBackend(Backend):
         except OSError:
             return False
 
+    def relocate(self) -> list[BlockKey]:
+        """After a restart with a smaller capacity (the store has evicted down to it): move
+        the blocks recorded beyond the segments' usable space into free space within it,
+        then cut the files, so the capacity bounds the disk again. Blocks that find no
+        room are dropped; returns their keys (the store forgets them). At start only."""
+        if not self.segments.bytes_beyond:
+            return []
+        moves: list[tuple[bytes, records.Record]] = []
+        with self._env.begin(buffers=True) as txn:
+            reader = LayoutReader(txn, self._layouts)
+            for raw_key, value in txn.cursor(db=self._blocks):
+                try:
+                    record = records.parse(bytes(raw_key), value, reader)
+                except (*records.BAD_RECORD, StorageError):
+                    continue
+                offset, segment, nbytes = record.where
+                if self.segments.beyond(segment, offset, nbytes):
+                    moves.append((bytes(raw_key), record))
+        dropped: list[BlockKey] = []
+        moved = 0
+        for key, record in moves:
+            offset, segment, nbytes = record.where
+            try:
+                to_segment, to_offset = self.segments.allocate(nbytes)
+            except StorageFullError:
+                to_segment = -1
+            with self._env.begin(write=True) as txn:
+                if to_segment < 0:
+                    txn.delete(key, db=self._blocks)
+                    dropped.append(record.meta.key)
+                else:
+                    buf = memoryview(bytearray(nbytes))
+                    self.segments.read(segment, offset, [buf])
+                    self.segments.write(to_segment, to_offset, [buf])
+                    packed, _ = records.pack((to_offset, to_segment, nbytes), record.meta, record.sums)
+                    txn.put(key, packed, db=self._blocks)
+                    moved += 1
+            self.segments.free(segment, offset, nbytes)
+        self.segments.trim()
+        log.info(
+            "the capacity shrank: moved %d blocks inside it, dropped %d that found no room",
+            moved,
+            len(dropped),
+        )
+        return dropped
+
     # ---- reads
     @contextmanager
     def _read_window(self) -> Iterator[None]:
@@ -417,16 +460,31 @@ class LmdbBackend(Backend):
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        """Views into the mapped segments (valid inside the context)."""
-        with self._read_window():
-            with _reading():
-                txn = self._env.begin(buffers=True)
-            with txn:
-                blocks: list[StoredBlock | None] = []
-                for key in keys:
-                    with _reading():
-                        blocks.append(read_lmdb_block(txn, self._blocks, self._layouts, self._maps, key))
-            yield blocks
+        """The blocks read into memory (preadv on the I/O pool, in parallel; a block whose
+        extent cannot be read whole is None: logged, never its bytes).
+
+        NOTE: read, not mapped: a segment file cut short under a mapping (a failing or
+        tampered disk) would be a SIGBUS that kills the daemon; a short read is a miss."""
+        with self.locate(keys) as found:
+            reads: list[tuple[records.Record, bytearray, Future[None]] | None] = []
+            for record in found:
+                if record is None:
+                    reads.append(None)
+                    continue
+                data = bytearray(record.where[2])
+                reads.append((record, data, self.read_into(record, [memoryview(data)], None)))
+            blocks: list[StoredBlock | None] = []
+            for read in reads:
+                if read is None:
+                    blocks.append(None)
+                    continue
+                record, data, future = read
+                failure = future.exception()
+                views = split_layers(memoryview(data), record.meta) if failure is None else None
+                if views is None:
+                    log.warning("block %s could not be read: %s", record.meta.block_hash.hex(), failure)
+                blocks.append(StoredBlock(record.meta, views) if views is not None else None)
+        yield blocks
 
     @contextmanager
     def locate(self, keys: Sequence[BlockKey]) -> Iterator[list[records.Record | None]]:
@@ -493,14 +551,6 @@ class LmdbBackend(Backend):
                     return n
         return len(keys)
 
-    def release_memory(self) -> None:
-        """Drop the segment mappings' pages from this process (they stay in the page cache)."""
-        for m in self._maps.maps():
-            try:
-                m.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError) as exc:
-                log.debug("madvise of a segment mapping failed: %s", exc)
-
     @property
     def bytes_on_disk(self) -> int:
         """Segment files and the index's files: what the capacity bounds."""
@@ -510,7 +560,6 @@ class LmdbBackend(Backend):
     def close(self) -> None:
         if self._own_io:
             self.io.close()
-        self._maps.close()
         self.segments.close()
         self._env.close()
 

@@ -350,6 +350,22 @@ class Segments:
                     lo, hi = max(start, usable), min(start + length, end)
                     if lo < hi:
                         free.claim(lo, hi - lo)
+        self.trim()
+
+    def beyond(self, segment: int, offset: int, nbytes: int) -> bool:
+        """Whether an extent lies (partly) beyond its segment's usable space."""
+        return offset + aligned(nbytes) > self._usable[segment]
+
+    @property
+    def bytes_beyond(self) -> int:
+        """Recorded bytes beyond the usable space (the capacity shrank; see relocate)."""
+        with self._lock:
+            return sum(self._beyond)
+
+    def trim(self) -> None:
+        """Cut trailing segments with nothing recorded beyond their usable space to that
+        space (removing those with none). Only at start, before any reader maps them."""
+        with self._lock:
             while self._fds and self._beyond[-1] == 0:
                 index = len(self._fds) - 1
                 if self._usable[index] == 0:
