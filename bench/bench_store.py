@@ -6,6 +6,7 @@
                                 [--chunk-bytes 4MiB] [--chunk-sweep 1MiB,4MiB,16MiB]
                                 [--repeat 2] [--inflight 2] [--untuned-client]
                                 [--skip-raw] [--skip-redis] [--skip-ceiling] [--profile-dir DIR]
+                                [--skip-persistent] [--persistent-total 1GiB]
 
 Prints figures only (never pass/fail). GB/s here means 1e9 bytes per second.
 
@@ -25,6 +26,14 @@ tensors come out. Paths:
             buffers=True, copied into fresh per-layer arrays
   redis     a private redis-server (no persistence), pipelined SET / GET of
             the same per-block values
+
+Last, the persistent tier against the data dir's filesystem ("persistent" part): raw
+parallel pwritev (O_DIRECT where the filesystem takes it) + fdatasync, preadv after
+`echo 3 > /proc/sys/vm/drop_caches` (root) and preadv from the page cache, in the tier's
+own shape (tiers.segments: one request per block from DEFAULT_THREADS threads); next to
+them the daemon's write-behind (from the first put through the arena until
+write_behind_blocks is 0) and cold loads (kill -9, arena file deleted, restart, then
+pins of blocks only the persistent tier holds), each as % of its ceiling.
 
 Passes per path: "cold" store into a fresh store (first-touch memory, file
 growth), then everything is deleted (Evict all / txn.drop / FLUSHALL) and the
@@ -342,16 +351,24 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
     out = [res]
     capacity = max(2 * w.total_bytes + (256 << 20), 1 << 30)
     extra = ["--log-level", "WARNING", *(["--sync"] if args.sync else [])]
+    # the arena in shared memory, as deployed, in a directory of this run's own (removed at
+    # the end: a stop keeps an arena that holds memory-only blocks, a crash any arena)
+    memory_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.memory_dir))
     daemon = Daemon(
         root / "daemon-data",
         backend=args.backend,
         capacity=str(capacity),
-        # the arena in shared memory, as deployed; its size fits a pass (a clean stop removes it)
+        # its size fits a pass
         memory_size=str(w.total_bytes + (256 << 20) if args.memory is None else args.memory),
-        memory_dir=Path(args.memory_dir),
+        memory_dir=memory_dir,
         extra_args=extra,
         env=args.daemon_env,
-    ).start()
+    )
+    try:
+        daemon.start()
+    except BaseException:
+        shutil.rmtree(memory_dir, ignore_errors=True)
+        raise
     OUR_PIDS["daemon"] = daemon.proc.pid
     print(f"  {daemon.ready_line}", flush=True)
     nbytes = w.total_bytes
@@ -508,6 +525,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
     finally:
         daemon.stop()
         OUR_PIDS.pop("daemon", None)
+        shutil.rmtree(memory_dir, ignore_errors=True)
     return out
 
 
@@ -886,6 +904,340 @@ def bench_ceiling(args: argparse.Namespace, w: Workload) -> PathResult:
     return res
 
 
+# ---------------------------------------------------------------------------- persistent tier vs raw I/O
+@dataclass
+class IoResult:
+    """The data dir's filesystem (raw parallel I/O in the persistent tier's shape) and the
+    daemon's persistent tier on it, in GB/s; None: not measured."""
+
+    fs: str = ""
+    nbytes: int = 0
+    request: int = 0
+    threads: int = 0
+    direct: bool = False
+    write: float | None = None  # pwritev (O_DIRECT where allowed) + fdatasync
+    write_nosync: float | None = None  # the same pwritev calls alone, before the fdatasync
+    read_disk: float | None = None  # preadv after drop_caches
+    read_cache: float | None = None  # preadv from the page cache
+    group: int = 0  # the bytes of one promotion read (tiers.chain.layer_groups)
+    read_cache_group: float | None = None  # preadv from the page cache, `group`-byte requests
+    write_behind: float | None = None  # first put through the arena .. write_behind_blocks == 0
+    write_behind_stat: float | None = None  # the daemon's write_behind_rate
+    put_only: float | None = None  # the puts alone, into the arena
+    load_first: float | None = None  # pins after a restart, the segments written direct
+    load_warm: float | None = None  # pins after a restart, the segments in the page cache
+    load_dropped: float | None = None  # pins after a restart and drop_caches
+    read_stat: dict[str, float] = field(default_factory=dict)  # persistent_read_rate per load pass
+    notes: list[str] = field(default_factory=list)
+    passes: list[Pass] = field(default_factory=list)
+
+
+def drop_page_cache() -> bool:
+    """sync, then `echo 3 > /proc/sys/vm/drop_caches` (root); False where refused."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError as exc:
+        print(f"    (cannot drop the page cache: {exc})", flush=True)
+        return False
+
+
+def fs_of(path: Path) -> str:
+    """'ext4 at /': the filesystem type and mount point that hold `path`."""
+    best = ("?", "")
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if (
+                len(fields) > 2
+                and str(path.resolve()).startswith(fields[1])
+                and len(fields[1]) >= len(best[1])
+            ):
+                best = (fields[2], fields[1])
+    return f"{best[0]} at {best[1]}"
+
+
+def raw_io_ceilings(directory: Path, res: IoResult) -> None:
+    """Parallel pwritev / preadv of res.nbytes in res.request-byte requests from res.threads
+    threads on one preallocated file, the persistent tier's own shape (tiers.segments: one
+    request per block from IOPool's threads, O_DIRECT writes where the filesystem takes
+    them, buffered reads): write + fdatasync; read after drop_caches; read from the page
+    cache."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "io-ceiling.bin"
+    request, threads = res.request, res.threads
+    total = res.nbytes - res.nbytes % request
+    buf = mmap.mmap(-1, request * threads)  # page-aligned, as O_DIRECT wants
+    noise = os.urandom(1 << 16)
+    for at in range(0, len(buf), len(noise)):
+        buf[at : at + len(noise)] = noise[: len(buf) - at]
+    views = [memoryview(buf)[i * request : (i + 1) * request] for i in range(threads)]
+    offsets = range(0, total, request)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    wfd = -1
+    try:
+        os.posix_fallocate(fd, 0, total)
+        try:  # probe O_DIRECT as Segments does: open it and write one aligned request
+            wfd = os.open(path, os.O_RDWR | os.O_DIRECT)
+            os.pwritev(wfd, [views[0]], 0)
+            res.direct = True
+        except (OSError, AttributeError) as exc:
+            if wfd >= 0:
+                os.close(wfd)
+            wfd = os.dup(fd)
+            res.notes.append(
+                f"O_DIRECT refused here ({exc}): buffered writes, as the persistent tier falls back"
+            )
+
+        def run(op: Callable[[int, list[memoryview], int], int], use_fd: int) -> None:
+            def one(i: int) -> None:
+                op(use_fd, [views[i % threads]], offsets[i])
+
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(one, range(len(offsets))))
+
+        marks: dict[str, float] = {}
+
+        def write() -> None:
+            marks["start"] = time.perf_counter()
+            run(os.pwritev, wfd)
+            marks["written"] = time.perf_counter()
+            os.fdatasync(fd)
+
+        mode = "O_DIRECT " if res.direct else ""
+        res.write = timed_pass(f"raw pwritev {mode}+ fdatasync", total, write, res.passes)
+        res.write_nosync = rate(total, marks["written"] - marks["start"])
+        # NOTE: the first read of freshly written extents after a drop ran at half the rate
+        # of later ones here (3x the system time): one untimed pass takes that, as the
+        # daemon's first cold load does before its dropped-cache one
+        if drop_page_cache():
+            run(os.preadv, fd)
+            drop_page_cache()
+            res.read_disk = timed_pass(
+                "raw preadv, page cache dropped", total, lambda: run(os.preadv, fd), res.passes
+            )
+        else:
+            res.notes.append("the page cache could not be dropped (needs root): no disk-read rows")
+            run(os.preadv, fd)  # into the page cache for the next row
+        res.read_cache = timed_pass("raw preadv, page cache", total, lambda: run(os.preadv, fd), res.passes)
+        if res.group and res.group < request:  # a promotion reads a block in layer groups
+            parts = request // res.group
+            groups = [view[k * res.group : (k + 1) * res.group] for view in views for k in range(parts)]
+
+            def read_groups() -> None:
+                def one(i: int) -> None:
+                    os.preadv(fd, [groups[i % len(groups)]], i * res.group)
+
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(one, range(total // res.group)))
+
+            res.read_cache_group = timed_pass(
+                f"raw preadv, page cache, {format_size(res.group)} requests", total, read_groups, res.passes
+            )
+            for view in groups:
+                view.release()
+    finally:
+        if wfd >= 0:
+            os.close(wfd)
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        for view in views:
+            view.release()
+        buf.close()
+
+
+def map_arena(client) -> None:
+    """Map the daemon's arena in this process and wait for the client's background pre-fault
+    of the mapping to end (a worker maps it once, at start; on 2 cores it would compete
+    with the daemon during the timed pass)."""
+    import threading
+
+    if not client.arena_available():
+        raise RuntimeError("the client could not map the daemon's arena")
+    for thread in threading.enumerate():
+        if thread.name == "kvstore-arena-prefault":
+            thread.join()
+
+
+def pin_pass(client, ns: str, w: Workload, hashes: list[bytes]) -> None:
+    """Pin every block through the arena, one request of --blocks-per-put blocks at a time,
+    and end each pin (what a load does before and after its copies)."""
+    for first in range(0, len(hashes), w.blocks_per_put):
+        hs = hashes[first : first + w.blocks_per_put]
+        pinned = client.pin(ns, hs)
+        if pinned is None:
+            raise RuntimeError("the client does not use the daemon's arena")
+        if pinned.num_blocks != len(hs):
+            raise RuntimeError(f"pin at block {first}: {pinned.num_blocks}/{len(hs)} ({pinned.stop_reason})")
+        pinned.finish()
+
+
+def bench_persistent(args: argparse.Namespace, w: Workload, root: Path) -> IoResult:
+    """Raw I/O ceilings on the data dir's filesystem, then the daemon's persistent tier on it:
+    the write-behind of blocks put through the arena, and cold loads (pins of blocks only the
+    persistent tier holds, after kill -9, the arena file deleted and a restart) with the
+    segments in the page cache and with it dropped."""
+    from kvstore_client import KVStoreClient
+    from kvstore_server.tiers.chain import layer_groups
+    from kvstore_server.tiers.segments import DEFAULT_THREADS
+
+    per_put = w.blocks_per_put * w.block_bytes
+    total = max(per_put, args.persistent_total - args.persistent_total % per_put)
+    data_root = root / "persistent"
+    res = IoResult(fs_of(root), total, w.block_bytes, DEFAULT_THREADS)
+    groups = layer_groups([w.layer_block_bytes] * w.layers)
+    res.group = w.block_bytes // len(groups) if w.block_bytes % len(groups) == 0 else 0
+    print(
+        f"  raw I/O on {res.fs} ({data_root}): {format_size(w.block_bytes)} requests, {res.threads} threads",
+        flush=True,
+    )
+    raw_io_ceilings(data_root / "raw", res)
+
+    memory = total + (256 << 20)  # the whole pass fits: nothing is evicted or dropped
+    memory_dir = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=args.memory_dir))
+    daemon = Daemon(
+        data_root / "daemon-data",
+        backend=args.backend,
+        capacity=str(max(2 * total + (256 << 20), 1 << 30)),
+        memory_size=str(memory),
+        memory_dir=memory_dir,
+        extra_args=[
+            "--log-level",
+            "WARNING",
+            "--write-behind-bytes",
+            str(memory),
+            *(["--sync"] if args.sync else []),
+        ],
+        env=args.daemon_env,
+    )
+    hashes = new_hashes(total // w.block_bytes)
+    try:
+        daemon.start()
+        OUR_PIDS["daemon"] = daemon.proc.pid
+        print(f"  {daemon.ready_line}", flush=True)
+        with KVStoreClient(daemon.address, timeout=120.0) as client:
+            map_arena(client)
+            marks: dict[str, float] = {}
+
+            def put_and_write_behind() -> None:
+                marks["start"] = time.perf_counter()
+                daemon_store_pass(client, "bench", w, hashes)
+                marks["put"] = time.perf_counter()
+                while client.stats()["write_behind_blocks"]:
+                    time.sleep(0.01)
+
+            with py_spy(args, daemon.proc.pid, "write-behind"):
+                res.write_behind = timed_pass(
+                    "daemon: put via the arena .. written behind", total, put_and_write_behind, res.passes
+                )
+            res.put_only = rate(total, marks["put"] - marks["start"])
+            stats = client.stats()
+            res.write_behind_stat = stats["write_behind_rate"] / GB
+            puts = len(hashes) // w.blocks_per_put
+            if stats["commits"] != puts or stats["written_behind_bytes"] != total:
+                res.notes.append(
+                    f"write-behind: {stats['commits']} arena commits for {puts} puts, "
+                    f"{stats['written_behind_bytes']} of {total} bytes written behind, "
+                    f"{stats['write_behind_dropped']} blocks dropped"
+                )
+        passes = [
+            ("load_first", "daemon: cold pins, first read after the writes", False),
+            ("load_warm", "daemon: cold pins, page cache warm", False),
+            ("load_dropped", "daemon: cold pins, page cache dropped", True),
+        ]
+        for key, label, drop in passes:
+            # kill -9 (nothing waits for write-behind), delete the arena, restart: every pin
+            # promotes its blocks from the persistent tier
+            daemon.kill()
+            shutil.rmtree(memory_dir)  # the arena file and its index
+            memory_dir.mkdir()
+            if drop and not drop_page_cache():
+                res.notes.append("the page cache could not be dropped (needs root): no dropped-cache load")
+                continue
+            daemon.start()
+            OUR_PIDS["daemon"] = daemon.proc.pid
+            with KVStoreClient(daemon.address, timeout=120.0) as client, py_spy(args, daemon.proc.pid, key):
+                map_arena(client)
+                setattr(
+                    res,
+                    key,
+                    timed_pass(label, total, lambda c=client: pin_pass(c, "bench", w, hashes), res.passes),
+                )
+                stats = client.stats()
+                res.read_stat[key] = stats["persistent_read_rate"] / GB
+                if stats["persistent_hit_blocks"] != len(hashes):
+                    res.notes.append(
+                        f"{label}: {stats['persistent_hit_blocks']} of {len(hashes)} blocks came from the persistent tier"
+                    )
+    finally:
+        daemon.stop()
+        OUR_PIDS.pop("daemon", None)
+        shutil.rmtree(memory_dir, ignore_errors=True)
+        shutil.rmtree(data_root, ignore_errors=True)
+    return res
+
+
+def report_persistent(res: IoResult, sync: bool) -> None:
+    print()
+    print(
+        f"== persistent tier vs raw I/O on the data dir's filesystem ({res.fs}): {format_size(res.nbytes)} in "
+        f"{format_size(res.request)} requests (one per block) from {res.threads} threads (tiers.segments)"
+    )
+    head = f"{'':<60} {'GB/s':>6}  {'% of ceiling':>12}"
+    print(head)
+    print("-" * len(head))
+
+    def row(label: str, value: float | None, ceiling: float | None = None) -> None:
+        if value is None:
+            return
+        share = f"{100 * value / ceiling:11.0f}%" if ceiling else ""
+        print(f"{label:<60} {value:6.2f}  {share:>12}")
+
+    mode = "O_DIRECT " if res.direct else ""
+    # the daemon fdatasyncs its segments with --sync only
+    write = res.write if sync else res.write_nosync
+    row(f"raw pwritev {mode}+ fdatasync" + (" (ceiling)" if sync else ""), res.write)
+    row(f"raw pwritev {mode}without the fdatasync" + ("" if sync else " (ceiling)"), res.write_nosync)
+    row("  daemon write-behind: first put .. write_behind_blocks 0", res.write_behind, write)
+    row("  daemon write_behind_rate stat (its batches' own time)", res.write_behind_stat, write)
+    row("  (the puts alone, into the arena)", res.put_only)
+    row("raw preadv, page cache dropped (ceiling)", res.read_disk)
+    row("  daemon cold load (pin), page cache dropped", res.load_dropped, res.read_disk)
+    row("  daemon cold load (pin), first read after the writes (*)", res.load_first)
+    row("raw preadv, page cache (ceiling)", res.read_cache)
+    row("  daemon cold load (pin), page cache warm", res.load_warm, res.read_cache)
+    if res.read_cache_group is not None:
+        row(
+            f"raw preadv, page cache, {format_size(res.group)} reads (ceiling)",
+            res.read_cache_group,
+        )
+        row("  daemon cold load (pin), page cache warm", res.load_warm, res.read_cache_group)
+    for key, value in res.read_stat.items():
+        print(f"  (persistent_read_rate stat after {key}: {value:.2f} GB/s)")
+    print("goal: the daemon's rows >= 70% of their ceiling")
+    if res.read_cache_group is not None:
+        print(
+            f"a promotion reads a block in groups of layers ({format_size(res.group)} each, tiers.chain."
+            "layer_groups): its own page-cache ceiling is the second"
+        )
+    if res.direct:
+        print(
+            "(*) the segments were written with O_DIRECT, so not from this kernel's page cache; on a VM the "
+            "host may still cache them: no ceiling of its own"
+        )
+    if res.passes:
+        print(
+            f"others: up to {max(p.others for p in res.passes):.2f} cores during these passes, steal up to "
+            f"{max(p.steal for p in res.passes):.2f} (one pass each: > ~0.3 is disturbed, rerun)"
+        )
+    for note in res.notes:
+        print(f"note [persistent]: {note}")
+
+
 # ---------------------------------------------------------------------------- report
 def fmt(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
@@ -963,7 +1315,11 @@ def report(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=("lmdb", "disk"), default="lmdb")
-    p.add_argument("--memory-dir", default="/dev/shm", help="where the daemon's arena lives (a tmpfs)")
+    p.add_argument(
+        "--memory-dir",
+        default="/dev/shm",
+        help="a tmpfs; the daemons' arenas go in a private directory there, removed at the end",
+    )
     p.add_argument(
         "--memory", default=None, help="the daemon's memory tier size (default: a pass fits; 0: off)"
     )
@@ -1007,6 +1363,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-raw", action="store_true")
     p.add_argument("--skip-redis", action="store_true")
     p.add_argument("--skip-ceiling", action="store_true")
+    p.add_argument(
+        "--skip-persistent",
+        action="store_true",
+        help="skip the persistent tier vs raw I/O part (write-behind, cold loads, their ceilings)",
+    )
+    p.add_argument(
+        "--persistent-total",
+        type=parse_size,
+        default="1GiB",
+        help="bytes written behind and loaded cold in the persistent tier part (1GiB)",
+    )
     p.add_argument("--profile-dir", default="", help="record py-spy raw stacks of the daemon per phase here")
     p.add_argument("--_ceiling-server", dest="ceiling_server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1042,6 +1409,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="kvstore-bench-"))
     results: list[PathResult] = []
     ceiling = None
+    persistent = None
     try:
         print(f"[daemon, backend={args.backend}]", flush=True)
         results.extend(bench_daemon(args, w, root))
@@ -1055,9 +1423,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_ceiling:
             print("[raw gRPC stream on loopback]", flush=True)
             ceiling = bench_ceiling(args, w)
+        if not args.skip_persistent:
+            print("[persistent tier vs raw I/O on the data dir's filesystem]", flush=True)
+            persistent = bench_persistent(args, w, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(args, w, results, ceiling)
+    if persistent is not None:
+        report_persistent(persistent, args.sync)
     if args.profile_dir:
         summarize_py_spy(args.profile_dir)
     print(f"(bench wall time {time.perf_counter() - t_start:.0f} s)")

@@ -46,6 +46,7 @@ from kvstore_server.tiers.base import (
     Located,
     Pieces,
     StorageError,
+    StorageFullError,
     StoredBlock,
 )
 from kvstore_server.tiers.fleet import FleetTier
@@ -123,7 +124,7 @@ def verified_prefix(
 
 # Promotions read each block's layers in groups of about this many bytes (at most
 # _MAX_GROUPS), first groups first: a loader may use the first layers while the rest land.
-_GROUP_READ_BYTES = 256 << 10
+_GROUP_READ_BYTES = 1 << 20  # smaller reads cost more per byte than they save in overlap
 _MAX_GROUPS = 8
 _TASKS_PER_THREAD = 2
 
@@ -483,30 +484,47 @@ class TierChain:
         started = time.perf_counter()
         try:
             writes = [BlockWrite(placed.meta, (), pieces=memory.block_pieces(placed)) for placed in batch]
-            keys = [w.meta.key for w in writes]
-            try:
-                self.persistent.write(writes)
-                ok = True
-            except StorageError as exc:
-                ok = False
-                log.warning(
-                    "write-behind of %d blocks failed; they stay in memory only: %s", len(writes), exc
-                )
+            written, refused = self._write_all_it_can(writes)
+            if refused and len(refused) < len(writes):
+                log.warning("write-behind: the persistent tier is full for %d of %d blocks; they stay "
+                            "in memory only", len(refused), len(writes))  # fmt: skip
+            elif refused:
+                log.warning("write-behind: the persistent tier is full; %d blocks stay in memory only",
+                            len(refused))  # fmt: skip
         finally:
             with self._lock:
                 memory.unpin_extents(extents)
         elapsed = time.perf_counter() - started
+        keys = [w.meta.key for w in written]
         with self._commit_lock:
             with self._lock:
                 stale = [key for key in keys if not self._owner.indexed(key)]
-                if ok:
-                    memory.written_behind(keys)
-                    self.write_rate.add(size, elapsed)
-                else:
-                    memory.drop_behind(keys)
-            if ok and stale:
+                memory.written_behind(keys)
+                memory.drop_behind([w.meta.key for w in refused])
+                if written:
+                    self.write_rate.add(sum(w.meta.size for w in written), elapsed)
+            if stale:
                 self.delete(stale)
         return True
+
+    def _write_all_it_can(self, writes: list[BlockWrite]) -> tuple[list[BlockWrite], list[BlockWrite]]:
+        """Write `writes` to the persistent tier; when it refuses them all, the halves on
+        their own, down to single blocks: a full tier (room held by reads, or too scattered
+        for a large block) refuses the blocks that do not fit, not the whole batch.
+        Returns (written, refused); the refused stay in memory only (logged)."""
+        try:
+            self.persistent.write(writes)
+            return writes, []
+        except StorageFullError:
+            if len(writes) == 1:
+                return [], writes
+        except StorageError as exc:
+            log.warning("write-behind of %d blocks failed; they stay in memory only: %s", len(writes), exc)
+            return [], writes
+        half = len(writes) // 2
+        first, first_refused = self._write_all_it_can(writes[:half])
+        second, second_refused = self._write_all_it_can(writes[half:])
+        return first + second, first_refused + second_refused
 
     def expire_leases(self) -> int:
         """Reclaim reservations and pins whose lease ran out; how many."""

@@ -86,13 +86,23 @@ for _name in ("preadv", "pwritev"):
     _VEC_IO[_name] = _fn
 
 
-def _vec_io(name: str, fd: int, iov: Any, at: int) -> None:
+def _vec_io(name: str, fd: int, iov: Any, at: int, total: int | None = None) -> None:
     """preadv/pwritev of a numpy iovec array (rows of address, length) until every byte is
     moved: libc's, through ctypes, which releases the GIL for the call (no Python object
-    per buffer). A read that ends early raises StorageError."""
+    per buffer; one call where it moves everything, the usual case). A read that ends
+    early raises StorageError."""
     import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
     fn = _VEC_IO[name]
+    if len(iov) <= _IOV_MAX and iov.flags.c_contiguous:
+        if total is None:
+            total = int(iov[:, 1].sum())
+        done = fn(fd, iov.ctypes.data, len(iov), at)
+        if done == total:
+            return
+        if done < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
     iov = np.array(iov, dtype=np.uint64, copy=True)  # advanced in place on a short transfer
     i, k = 0, len(iov)
     while i < k:
