@@ -248,3 +248,10 @@ def decode_get_response(raw: bytes) -> pb.GetResponse | Chunk:
 def encode_get_response(msg: pb.GetResponse | bytes) -> bytes:
     """gRPC response serializer for Get/DropSelect: pre-encoded chunks pass through."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+# LookupResponse.tiers: where each block of a found prefix is read from (one byte a block).
+TIER_MEMORY = 0
+TIER_PERSISTENT = 1
+TIER_FLEET = 2
+TIER_NAMES = ("memory", "persistent", "fleet")

@@ -16,6 +16,7 @@ from kvstore_client.types import (
     LayerSpec,
     PutResult,
     Selection,
+    Where,
 )
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "PutResult",
     "PutStream",
     "Selection",
+    "Where",
     "WatchStream",
     "tune_malloc",
 ]

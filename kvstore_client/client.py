@@ -46,7 +46,7 @@ from kvstore_client.address import with_default_port
 from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Reservation
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
-from kvstore_client.types import EvictResult, LayerSpec, PutResult, Selection
+from kvstore_client.types import EvictResult, LayerSpec, PutResult, Selection, Where
 
 if TYPE_CHECKING:
     import torch
@@ -203,6 +203,30 @@ class KVStoreClient:
                 self._send_later(self._rpc.lookup, req, timeout or self.timeout)
                 return n
         return int(self._unary(self._rpc.lookup, req, timeout).num_blocks)
+
+    def where(
+        self,
+        namespace: str | bytes | Sequence[str | bytes],
+        block_hashes: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+    ) -> Where:
+        """lookup, and where the prefix lives: the tier each of its blocks is read from and
+        how fast the tiers below memory read (what a loader weighs against recomputing).
+        One round trip, always (the daemon alone knows what is in its memory tier)."""
+        if isinstance(namespace, (str, bytes)):
+            req = pb.LookupRequest(namespace=_ns(namespace), block_hashes=block_hashes, tiers=True)
+        else:
+            req = pb.LookupRequest(
+                namespaces=[_ns(ns) for ns in namespace], block_hashes=block_hashes, tiers=True
+            )
+        resp = self._unary(self._rpc.lookup, req, timeout)
+        tiers = (
+            resp.tiers
+            if len(resp.tiers) == resp.num_blocks
+            else bytes([wire.TIER_PERSISTENT]) * resp.num_blocks
+        )
+        return Where(resp.num_blocks, tiers, resp.persistent_read_rate, resp.fleet_read_rate)
 
     def _send_later(self, method: Any, request: Any, timeout: float) -> None:
         """Queue a unary call for the background sender (started on first use)."""

@@ -32,6 +32,18 @@ class EvictResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Where:
+    """Where a stored prefix lives (KVStoreClient.where): a tier per block, the
+    kvstore.wire.TIER_* codes (0 memory, 1 persistent, 2 fleet), and the daemon's
+    measured read rates of the tiers below memory, in bytes/s (0: not measured yet)."""
+
+    num_blocks: int
+    tiers: bytes
+    persistent_read_rate: float
+    fleet_read_rate: float
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     """One change of the store as Watch reports it: blocks of one namespace stored or removed."""
 

@@ -330,6 +330,22 @@ class Store:
             self.counters.miss_blocks += len(hashes) - n
         return n
 
+    def tiers_of(self, namespace: bytes, hashes: Sequence[bytes], n: int) -> bytes:
+        """Where each of the first `n` blocks of `hashes` (a prefix lookup found) is read
+        from: a byte per block, kvstore.wire.TIER_* (blocks the local index lacks: the fleet)."""
+        memory = self.memory
+        out = bytearray(n)
+        with self._lock:
+            for i, block_hash in enumerate(hashes[:n]):
+                key = (namespace, block_hash)
+                if memory is not None and key in memory.resident:
+                    out[i] = wire.TIER_MEMORY
+                elif self._index.get(namespace, block_hash) is not None:
+                    out[i] = wire.TIER_PERSISTENT
+                else:
+                    out[i] = wire.TIER_FLEET
+        return bytes(out)
+
     def _from_fleet(self, namespace: bytes, hashes: Sequence[bytes]) -> None:
         """Bring the blocks after the local prefix of `hashes` that the fleet holds into the
         persistent tier (verified, like a put), so a read or pin serves them like any

@@ -18,7 +18,8 @@
         "token_env": "KVSTORE_TOKEN",  # environment variable holding the bearer token, if any
         "tls_ca": null,              # PEM CA bundle: connect with TLS
         "tls_cert": null, "tls_key": null,  # client certificate for mutual TLS
-        "compression": "none"        # "fp8" | "int8": KV quantized on the device before it leaves
+        "compression": "none",       # "fp8" | "int8": KV quantized on the device before it leaves
+        "recompute_tokens_per_s": null  # this engine's prefill rate: hits slower to load are recomputed
     }
 
 A token is read from the environment, not from this config: vLLM prints the
@@ -57,6 +58,7 @@ _KEYS = {
     "tls_cert": "tls_cert",
     "tls_key": "tls_key",
     "compression": "compression",
+    "recompute_tokens_per_s": "recompute_tokens_per_s",
 }
 _KEY_OF = {field: key for key, field in _KEYS.items()}  # what users write, for messages
 _MAX_MODEL_ID = 120
@@ -151,6 +153,11 @@ class ConnectorConfig:
     it arrives, so bytes moved and stored are about half of bf16's. Lossy; part of the
     namespace, so compressed and raw KV never mix. KV that is fp8 in the engine already
     (kv_cache_dtype=fp8) is stored as it is."""
+    recompute_tokens_per_s: float | None = None
+    """This engine's prefill rate in tokens/s: a stored block counts as a hit only where
+    loading it (at its tier's rate, as the daemon measures it) is estimated faster than
+    recomputing it (kvstore_connector.costs). Default: 30000 on GPUs, 0 (off: every hit
+    loads) elsewhere; 0 turns it off."""
 
     def __post_init__(self) -> None:
         problems = self._problems()
@@ -180,6 +187,9 @@ class ConnectorConfig:
             out.append(f"save_decode must be true, false or null, not {self.save_decode!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             out.append("tls_cert and tls_key go together")
+        rate = self.recompute_tokens_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate < 0):
+            out.append(f"recompute_tokens_per_s must be a number of tokens/s (0: off), not {rate!r}")
         if self.local_data_dir is not None and not isinstance(self.local_data_dir, str):
             out.append(f"local_data_dir must be a path string, not {self.local_data_dir!r}")
         if not isinstance(self.address, str) or ":" not in self.address:
@@ -240,6 +250,21 @@ class NamespaceInfo:
     pp_size: int
     compression: str = "none"
     """The codec blocks are stored with (kvstore_connector.compression); "none": raw."""
+    num_layers: int = 0
+    """Attention layers of the model (not part of the namespace; 0: unknown)."""
+
+    def block_bytes(self) -> int:
+        """About the bytes a block of one pipeline stage stores (0 when the layer count is
+        unknown): what a load of it moves, for the cost of a hit (kvstore_connector.costs)."""
+        if not self.num_layers:
+            return 0
+        element = (
+            1
+            if self.compression != "none" or is_fp8_name(self.kv_dtype)
+            else (4 if self.kv_dtype in ("float32", "fp32") else 2)
+        )
+        per_layer = (1 if self.mla else 2) * self.num_kv_heads * self.head_size * self.block_size * element
+        return per_layer * -(-self.num_layers // self.pp_size)
 
     @classmethod
     def from_vllm(
@@ -264,6 +289,9 @@ class NamespaceInfo:
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,
             compression="none" if is_fp8_name(kv_dtype) else compression,  # never quantized twice
+            num_layers=int(
+                getattr(getattr(model_config, "hf_text_config", None), "num_hidden_layers", 0) or 0
+            ),
         )
 
     @property

@@ -14,6 +14,7 @@ from kvstore_client import KVStoreClient
 from kvstore_client.errors import KVStoreError
 from kvstore_client.hashing import MultiModalInput, block_hashes
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.costs import DEFAULT_RECOMPUTE_TOKENS_PER_S, worth_loading
 from kvstore_connector.events import StoreEvents
 from kvstore_connector.hitlog import HitLog
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
@@ -67,6 +68,10 @@ class SchedulerSide:
         self.save_decode = save and save_decode
         self.block_size = info.block_size
         self.namespaces = info.all_namespaces()
+        # hits that never lose to recompute (kvstore_connector.costs)
+        rate = config.recompute_tokens_per_s
+        self._recompute_rate = DEFAULT_RECOMPUTE_TOKENS_PER_S.get(info.device, 0.0) if rate is None else rate
+        self._block_bytes = info.block_bytes()
         self.client = KVStoreClient(config.address, timeout=config.lookup_timeout, **config.client_options())
         self.health = StoreHealth(config.address, config.retry_interval, log)
         self.stats = KVStoreConnectorStats()
@@ -84,10 +89,27 @@ class SchedulerSide:
         return tracked
 
     def _lookup(self, hashes: list[bytes]) -> int:
+        """The stored prefix worth loading: where a load of its blocks is estimated slower
+        than recomputing them (kvstore_connector.costs), those are left to recompute."""
         if not hashes or not self.health.available():
             return 0
         try:
-            hit = self.client.lookup(self.namespaces, hashes, timeout=self.config.lookup_timeout)
+            if self._recompute_rate > 0 and self._block_bytes > 0:
+                where = self.client.where(self.namespaces, hashes, timeout=self.config.lookup_timeout)
+                hit = worth_loading(
+                    where.tiers, self.block_size, self._block_bytes, where.persistent_read_rate,
+                    where.fleet_read_rate, self._recompute_rate,
+                )  # fmt: skip
+                if hit < where.num_blocks:
+                    self.stats.add(blocks_declined=where.num_blocks - hit)
+                    log.debug(
+                        "kvstore: %d of %d stored blocks left to recompute: loading them is slower "
+                        "(tiers %s, persistent tier %.2f GB/s, recompute %.0f tokens/s)",
+                        where.num_blocks - hit, where.num_blocks, where.tiers[hit:hit + 8].hex(),
+                        where.persistent_read_rate / 1e9, self._recompute_rate,
+                    )  # fmt: skip
+            else:
+                hit = self.client.lookup(self.namespaces, hashes, timeout=self.config.lookup_timeout)
         except KVStoreError as exc:
             self.stats.add(lookup_errors=1)
             self.health.failed("lookup", exc)

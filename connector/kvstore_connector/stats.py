@@ -11,6 +11,7 @@ COUNTERS = (
     "lookups",
     "lookup_errors",
     "hit_tokens",
+    "blocks_declined",
     "loads",
     "blocks_loaded",
     "bytes_loaded",
@@ -61,6 +62,8 @@ class KVStoreConnectorStats(KVConnectorStats):
             "Lookup errors": d["lookup_errors"],
             # the words of the engine's hit log lines (kvstore_connector.hitlog)
             "Tokens loaded from kvstore": d["hit_tokens"],
+            # stored blocks left to recompute: loading them was estimated slower
+            "Blocks declined (slower than recompute)": d["blocks_declined"],
             "Blocks loaded": d["blocks_loaded"],
             "Load GB/s": round(d["bytes_loaded"] / load_s / 1e9, 3) if load_s else 0.0,
             "Load errors (blocks)": d["load_errors"],

@@ -35,22 +35,30 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "namespaces", "probe")
+    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
     probe: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ...) -> None: ...
+    tiers: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "tiers", "persistent_read_rate", "fleet_read_rate")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_READ_RATE_FIELD_NUMBER: _ClassVar[int]
+    FLEET_READ_RATE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    tiers: bytes
+    persistent_read_rate: float
+    fleet_read_rate: float
+    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., persistent_read_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset")

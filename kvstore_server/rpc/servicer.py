@@ -121,11 +121,19 @@ class Servicer:
             if len(request.namespaces) > wire.MAX_LOOKUP_NAMESPACES:
                 raise InvalidRequest(f"at most {wire.MAX_LOOKUP_NAMESPACES} namespaces per lookup")
             spaces = [self._ns(context, ns) for ns in request.namespaces]
-            return pb.LookupResponse(
-                num_blocks=min(self.store.lookup(ns, hashes, probe=request.probe) for ns in spaces)
-            )
-        namespace = self._ns(context, request.namespace)
-        return pb.LookupResponse(num_blocks=self.store.lookup(namespace, hashes, probe=request.probe))
+        else:
+            spaces = [self._ns(context, request.namespace)]
+        n = min(self.store.lookup(ns, hashes, probe=request.probe) for ns in spaces)
+        if not request.tiers:
+            return pb.LookupResponse(num_blocks=n)
+        where = [self.store.tiers_of(ns, hashes, n) for ns in spaces]
+        rates = self.store.tiers.rates()
+        return pb.LookupResponse(
+            num_blocks=n,
+            tiers=bytes(max(codes) for codes in zip(*where, strict=True)) if len(where) > 1 else where[0],
+            persistent_read_rate=float(rates["persistent_read_rate"]),
+            fleet_read_rate=float(rates["fleet_read_rate"]),
+        )
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:

@@ -12,6 +12,7 @@ behaviour is proven on real vLLM in tests/e2e.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -21,6 +22,7 @@ import pytest
 import torch
 from daemon import eventually
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.costs import HOT_LOAD_RATE
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.scheduler import SchedulerSide
 from kvstore_connector.worker import WorkerSide
@@ -710,3 +712,38 @@ def test_compressed_kv_moves_and_is_stored_at_half_size_within_its_error_bound(
     assert stats is not None and stats.data["bytes_loaded"] == stored  # the packed bytes moved
     for w in (saver, loader):
         w.close()
+
+
+def test_hits_that_would_load_slower_than_recompute_are_left_to_recompute(daemon) -> None:
+    """A hit never loses to recompute: with the daemon's measured persistent-tier rate,
+    an engine that recomputes a block faster than that tier loads it takes the blocks in
+    memory and leaves the rest of the prefix to recompute (counted as declined)."""
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)  # 6 full blocks
+    g = torch.Generator().manual_seed(5)
+    layers = {name: torch.randn((5, 2, BS, 128), generator=g).to(torch.bfloat16) for name in LAYERS}
+    stored = per_head(layers)
+    other = block_hashes(INFO.hash_root, list(range(5000, 5000 + 4 * BS)), BS)
+    store_blocks(daemon.address, other, seed=1)
+    with KVStoreClient(daemon.address) as kv:
+        pinned = kv.pin(NS, other)  # a promotion: the daemon measures its persistent tier's rate
+        assert pinned is not None and pinned.num_blocks == 4
+        pinned.release()
+        kv.put(NS, hashes[:2], {n: t[:2].contiguous() for n, t in stored.items()})  # the memory tier
+    with KVStoreClient(daemon.address, arena=False) as kv:  # the persistent tier only
+        kv.put(NS, hashes[2:5], {n: t[2:5].contiguous() for n, t in stored.items()}, parent_hash=hashes[1])
+        where = kv.where(NS, hashes)
+    assert (where.num_blocks, list(where.tiers)) == (5, [0, 0, 1, 1, 1])
+    assert where.persistent_read_rate > 0
+    info = dataclasses.replace(INFO, num_layers=len(LAYERS))
+    block_bytes = info.block_bytes()
+    assert block_bytes == len(LAYERS) * 2 * BS * 128 * 2  # what per_head stores of a block
+    # recompute a block in a time between a memory load and a persistent-tier load of it
+    memory_s, persistent_s = block_bytes / HOT_LOAD_RATE, block_bytes / where.persistent_read_rate
+    assert memory_s < persistent_s
+    rate = BS / (memory_s * persistent_s) ** 0.5
+    side = SchedulerSide(info, config(daemon.address, recompute_tokens_per_s=rate), load=True, save=False)
+    assert side.get_num_new_matched_tokens(request("r1", PROMPT), 0) == (2 * BS, False)
+    assert side.stats.data["blocks_declined"] == 3
+    always = SchedulerSide(info, config(daemon.address, recompute_tokens_per_s=0), load=True, save=False)
+    assert always.get_num_new_matched_tokens(request("r2", PROMPT), 0) == (5 * BS, False)
+    assert always.stats.data["blocks_declined"] == 0

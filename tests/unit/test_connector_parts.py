@@ -65,7 +65,8 @@ def test_every_problem_of_the_extra_config_is_told_at_once_under_the_keys_users_
     assert "lookup_timeout_s must be a positive number of seconds, not 0" in message
     assert "save_mode must be 'sync' or 'async', not 'later'" in message
     assert message.endswith("(known keys: arena, compression, consume, kvstore_address, load_timeout_s, "
-                            "local_data_dir, local_reads, lookup_timeout_s, namespace, retry_interval_s, "
+                            "local_data_dir, local_reads, lookup_timeout_s, namespace, recompute_tokens_per_s, "
+                            "retry_interval_s, "
                             "save_backlog_mib, save_decode, save_mode, save_timeout_s, tls_ca, tls_cert, tls_key, "
                             "token_env, tune_malloc)")  # fmt: skip
     # no chained exception: the message is the whole story
