@@ -496,11 +496,18 @@ class TierChain:
                 memory.unpin_extents(extents)
         elapsed = time.perf_counter() - started
         keys = [w.meta.key for w in written]
+        wrote = {p.meta.key: p for p in batch}
         with self._commit_lock:
             with self._lock:
                 stale = [key for key in keys if not self._owner.indexed(key)]
-                memory.written_behind(keys)
-                memory.drop_behind([w.meta.key for w in refused])
+                # NOTE: only where the block is still the one written: a block removed and
+                # put again meanwhile has a new placement, still waiting to be written behind
+                # (its write replaces what this one wrote)
+                resident = memory.resident
+                memory.written_behind([key for key in keys if resident.get(key) is wrote[key]])
+                memory.drop_behind(
+                    [w.meta.key for w in refused if resident.get(w.meta.key) is wrote[w.meta.key]]
+                )
                 if written:
                     self.write_rate.add(sum(w.meta.size for w in written), elapsed)
             if stale:

@@ -101,6 +101,7 @@ CASES = {
     "Commit": 120,
     "Abort": 60,
     "Pin": 160,
+    "PinStream": 100,
     "Release": 100,
 }
 
@@ -185,6 +186,10 @@ def unary_seeds() -> dict[str, list[Message]]:
         ],
         "Abort": [pb.AbortRequest(reservation_id=1), pb.AbortRequest()],
         "Pin": [
+            pb.PinRequest(namespace=FUZZ_NS, block_hashes=STORED),
+            pb.PinRequest(namespace=FUZZ_NS2, block_hashes=MISSING),
+        ],
+        "PinStream": [
             pb.PinRequest(namespace=FUZZ_NS, block_hashes=STORED),
             pb.PinRequest(namespace=FUZZ_NS2, block_hashes=MISSING),
         ],
