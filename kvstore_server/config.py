@@ -94,7 +94,42 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 SIZE_SETTINGS: tuple[str, ...] = tuple(name for name, kind in _TOML_TYPES.items() if kind is _SIZE)
 """The settings that are sizes; each one's flag is --NAME-WITH-DASHES."""
 
-DEFAULT_MEMORY = 1 << 30
+DEFAULT_MEMORY = 1 << 30  # the least an automatic memory tier is
+_MAX_AUTO_MEMORY = 64 << 30
+_MIN_AUTO_CAPACITY = 8 << 30
+_MAX_AUTO_CAPACITY = 1 << 40
+
+
+def _free_space(path: Path) -> int:
+    """Bytes free for an unprivileged writer on the filesystem of `path` (or its nearest
+    existing parent)."""
+    for candidate in (path, *path.parents):
+        try:
+            st = os.statvfs(candidate)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return 0
+
+
+def auto_capacity(data_dir: Path) -> int:
+    """The default --capacity: a quarter of the data directory's free space, at least
+    8 GiB where half the free space allows, at most 1 TiB."""
+    free = _free_space(data_dir)
+    return max(min(free // 4, _MAX_AUTO_CAPACITY), min(_MIN_AUTO_CAPACITY, free // 2), 1 << 20)
+
+
+def auto_memory(memory_dir: Path) -> int:
+    """The default --memory: a tenth of the host's RAM, at least 1 GiB and at most 64 GiB,
+    and at most half the room memory_dir has (1 GiB there when it has less: an arena that
+    does not fit is then refused at start, and the daemon runs without one)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 0
+    size = min(max(DEFAULT_MEMORY, ram // 10), _MAX_AUTO_MEMORY)
+    room = _free_space(memory_dir) // 2
+    return max(min(size, room), DEFAULT_MEMORY) if room else DEFAULT_MEMORY
 
 
 def _loopback(host: str) -> bool:
@@ -170,8 +205,12 @@ class ServerConfig:
     """Where the backend keeps its files; created if missing; one daemon per directory."""
     backend: str = "lmdb"
     """'lmdb' (embedded, default) or 'disk' (one safetensors file per block)."""
-    capacity: int = 8 << 30
-    """Byte budget for stored KV data (units accepted: 512MiB, 64GiB). Eviction keeps usage under it."""
+    capacity: int = -1
+    """Byte budget of the persistent tier on disk, its index included (units accepted:
+    512MiB, 64GiB). Eviction keeps usage under it. "auto" (the default): a quarter of the
+    data directory's free space at start, at least 8 GiB where half the free space allows,
+    at most 1 TiB (segment files are made as they fill, so it costs nothing until used).
+    -1 in code means "auto"."""
     sync: bool = False
     """fsync every commit, so acknowledged blocks survive power loss too (slower).
     Without it they survive any process crash; after an OS crash the store starts empty."""
@@ -221,7 +260,9 @@ class ServerConfig:
     memory: int | None = None
     """Size of the memory tier: an arena in a file under memory_dir that same-host clients
     map (saves and loads move no bytes through gRPC), in front of the backend. 0 turns it
-    off. Not set: 1 GiB, or off with a warning where memory_dir has no room for it."""
+    off. Not set: a tenth of the host's RAM, at least 1 GiB and at most 64 GiB, and at
+    most half the room memory_dir has (allocated at start); off with a warning where
+    memory_dir has no room for 1 GiB."""
     memory_dir: Path = Path("/dev/shm")
     """Where the arena file lives: a shared-memory filesystem (tmpfs). The file outlives
     the daemon process (a restarted daemon recovers its committed blocks), not a reboot."""
@@ -282,7 +323,12 @@ class ServerConfig:
         for name in ("fleet_lookup_seconds", "fleet_timeout_seconds"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
-        self.capacity = parse_size(self.capacity, "capacity")
+        raw: object = self.capacity
+        self.capacity_auto = raw in ("auto", -1)
+        if self.capacity_auto:
+            self.capacity = auto_capacity(self.data_dir)
+        else:
+            self.capacity = parse_size(self.capacity, "capacity")
         self.max_put_bytes = parse_size(self.max_put_bytes, "max_put_bytes")
         self.max_inflight_put_bytes = parse_size(self.max_inflight_put_bytes, "max_inflight_put_bytes")
         self.max_partial_bytes = parse_size(self.max_partial_bytes, "max_partial_bytes")
@@ -329,7 +375,7 @@ class ServerConfig:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
     def memory_bytes(self) -> int:
-        return DEFAULT_MEMORY if self.memory is None else self.memory
+        return auto_memory(self.memory_dir) if self.memory is None else self.memory
 
     def offers_memory(self) -> bool:
         if self.memory_clients is not None:

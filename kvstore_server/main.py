@@ -285,7 +285,10 @@ def _parser() -> argparse.ArgumentParser:
         "--data-dir", dest="data_dir", type=Path, help="data directory (default ~/.local/share/kvstore)"
     )
     p.add_argument("--backend", choices=("lmdb", "disk"), help="storage backend (default lmdb)")
-    p.add_argument("--capacity", help="byte budget, e.g. 512MiB, 64GiB (default 8GiB)")
+    p.add_argument(
+        "--capacity",
+        help="byte budget on disk, e.g. 512MiB, 64GiB (default auto: a quarter of the data dir's free space)",
+    )
     p.add_argument("--sync", action="store_true", help="fsync every commit (survives power loss)")
     p.add_argument("--workers", type=int, help="gRPC worker threads (default 64)")
     p.add_argument("--max-put-bytes", dest="max_put_bytes", help="largest single put (default 2GiB)")
@@ -316,7 +319,7 @@ def _parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="let same-host clients read data_dir directly (default: on unless --token-file)",
     )
-    p.add_argument("--memory", help="memory tier size, e.g. 16GiB; 0: off (default 1GiB where it fits)")
+    p.add_argument("--memory", help="memory tier size, e.g. 16GiB; 0: off (default a tenth of RAM, 1-64GiB)")
     p.add_argument("--memory-dir", dest="memory_dir", type=Path, help="where the arena file lives (/dev/shm)")
     p.add_argument("--memory-group", dest="memory_group", help="group that may map the arena (mode 0660)")
     p.add_argument(
@@ -357,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     print_config = args.pop("print_config", False)
     try:
         for name, flag in flags.items():  # sizes from flags: errors name the flag
-            if name in args:
+            if name in args and not (name == "capacity" and args[name] == "auto"):
                 args[name] = parse_size(args[name], flag)
         config = ServerConfig.load(config_path, args)
     except (ValueError, OSError) as exc:
@@ -443,6 +446,18 @@ def main(argv: list[str] | None = None) -> int:
             config.max_watchers,
             config.max_waiting_drop_selects,
             config.workers,
+        )
+    if config.capacity_auto:
+        log.info(
+            "capacity %s (auto: a quarter of the free space of %s; --capacity sets it)",
+            format_size(config.capacity),
+            config.data_dir,
+        )
+    if config.memory is None and store.memory is not None:
+        log.info(
+            "memory tier %s (auto: a tenth of RAM, within half the room of %s; --memory sets it)",
+            format_size(store.memory.file.size),
+            config.memory_dir,
         )
     running.server.start()
     host = config.listen.rpartition(":")[0]

@@ -13,6 +13,8 @@ from kvstore_server.config import (
     SIZE_SETTINGS,
     ServerConfig,
     attach_values,
+    auto_capacity,
+    auto_memory,
     format_size,
     parse_size,
 )
@@ -120,7 +122,7 @@ def test_defaults() -> None:
     config = ServerConfig()
     assert config.listen == "127.0.0.1:50051"
     assert config.backend == "lmdb"
-    assert config.capacity == 8 << 30
+    assert config.capacity_auto and config.capacity == auto_capacity(config.data_dir)
     assert config.sync is False
     assert config.data_dir.is_absolute()
     assert config.data_dir.name == "kvstore"
@@ -338,3 +340,21 @@ def test_non_loopback_listen_needs_tokens_tls_or_insecure(overrides: dict, refus
 def test_tls_settings_are_checked(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ServerConfig(**overrides)
+
+
+def test_automatic_sizes_follow_the_host(tmp_path: Path) -> None:
+    """--capacity and --memory by default: shares of the room there is, within bounds."""
+    import os
+
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    capacity = auto_capacity(tmp_path / "not-yet" / "made")  # the nearest existing parent counts
+    assert capacity <= max(free // 2, 1 << 20) and capacity <= 1 << 40
+    assert capacity >= min(free // 4, 1 << 40)
+    assert ServerConfig(capacity="auto", data_dir=tmp_path).capacity == auto_capacity(tmp_path)
+    assert ServerConfig(capacity="2GiB", data_dir=tmp_path).capacity_auto is False
+    memory = auto_memory(tmp_path)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 1 << 30 <= memory <= max(1 << 30, min(64 << 30, ram // 10))
+    assert ServerConfig(memory_dir=tmp_path).memory_bytes() == memory
+    assert ServerConfig(memory=0).memory_bytes() == 0
