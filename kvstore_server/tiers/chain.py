@@ -124,7 +124,10 @@ def verified_prefix(
 
 # Promotions read each block's layers in groups of about this many bytes (at most
 # _MAX_GROUPS), first groups first: a loader may use the first layers while the rest land.
-_GROUP_READ_BYTES = 1 << 20  # smaller reads cost more per byte than they save in overlap
+# NOTE: large: a read's fixed cost dominates small ones where syscalls are dear (on a
+# sandboxed H200 host page-cache preadv ran 14 GB/s at 2 MiB, 7 at 1 MiB, 2-5 at 256 KiB:
+# bench/results/io_paths_h200.txt), and overlap matters little when the disk is the limit
+_GROUP_READ_BYTES = 4 << 20
 _MAX_GROUPS = 8
 _TASKS_PER_THREAD = 2
 

@@ -508,7 +508,7 @@ class LmdbBackend(Backend):
         self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
     ) -> Future[None]:
         """read_into for several blocks in one task of the I/O pool, one preadv each."""
-        planned = [self._plan_read(handle, target, layers) for handle, target in reads]
+        planned = _coalesced([self._plan_read(handle, target, layers) for handle, target in reads])
         total = sum(nbytes for _, _, nbytes, _ in planned)
 
         def run() -> None:
@@ -562,6 +562,32 @@ class LmdbBackend(Backend):
             self.io.close()
         self.segments.close()
         self._env.close()
+
+
+_IOV_MAX = 1024
+
+
+def _coalesced(planned: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:
+    """Reads of extents that follow each other in one segment (blocks written behind
+    together), merged into one preadv each, up to _IOV_MAX buffers: a read's fixed cost
+    is large where syscalls are dear (2 MiB reads ran 14 GB/s on a sandboxed H200 host,
+    256 KiB ones 2-5), and a promotion's blocks lie mostly back to back."""
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    out: list[tuple[int, int, int, Any]] = []
+    for segment, offset, nbytes, buffers in planned:
+        if out and not isinstance(buffers, list):
+            last_segment, last_offset, last_bytes, last_buffers = out[-1]
+            if (
+                last_segment == segment
+                and last_offset + last_bytes == offset
+                and not isinstance(last_buffers, list)
+                and len(last_buffers) + len(buffers) <= _IOV_MAX
+            ):
+                out[-1] = (segment, last_offset, last_bytes + nbytes, np.concatenate((last_buffers, buffers)))
+                continue
+        out.append((segment, offset, nbytes, buffers))
+    return out
 
 
 def _payload_starts(layers: tuple[LayerSpec, ...]) -> list[int]:

@@ -263,12 +263,12 @@ def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_the
     (each block's first layers are read first, for every block), so a loader starts on
     the first layers while the rest is read; the bytes of a ready layer are final."""
     d = make_daemon()
-    # 16 layers of 256 KiB per block: 4 MiB a block, read in 4 groups of 4 layers (1 MiB reads)
-    hashes, layers = chain("stream", 3), make_layers(3, num_layers=16, shape=(1024, 128), dtype=torch.float16)
+    # 16 layers of 1 MiB per block: 16 MiB a block, read in 4 groups of 4 layers (4 MiB reads)
+    hashes, layers = chain("stream", 2), make_layers(2, num_layers=16, shape=(4096, 128), dtype=torch.float16)
     _only_in_the_persistent_tier(d, hashes, layers)
     with KVStoreClient(d.address, arena=True) as kv:
         pinned = kv.pin(NS, hashes, stream=True)
-        assert pinned is not None and pinned.num_blocks == 3
+        assert pinned is not None and pinned.num_blocks == 2
         assert pinned.ready_layers == 0  # nothing was in memory
         seen = []
         for layer in range(16):
@@ -283,7 +283,7 @@ def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_the
         assert again is not None and again.ready_layers == 16
         again.release()
         stats = kv.stats()
-        assert (stats["promoted_blocks"], stats["promoted_bytes"]) == (3, 3 * 16 * 256 * 1024)
+        assert (stats["promoted_blocks"], stats["promoted_bytes"]) == (2, 2 * 16 * 1024 * 1024)
         assert stats["persistent_read_rate"] > 0
 
 
