@@ -892,6 +892,17 @@ def parent(args: argparse.Namespace) -> None:
             memory_dir.mkdir()
             info["restart"] = daemon.start()
             print(f"  restarted in {info['restart']:.1f}s (a fresh arena; LMDB holds the blocks)")
+            # write-behind writes O_DIRECT where it can: nothing it wrote is in the page cache.
+            # Read the segment files once, so the first pass loads from the page cache (the
+            # second, after dropping it, from the disk).
+            start, warmed = now(), 0
+            for seg in sorted((tmp / "data" / "lmdb" / "segments").glob("seg-*")):
+                with open(seg, "rb", buffering=0) as f:
+                    while chunk := f.read(16 << 20):
+                        warmed += len(chunk)
+            print(
+                f"  read the segment files into the page cache: {warmed / 1e9:.2f} GB in {now() - start:.1f}s"
+            )
             for key, value in child(args, "cold", daemon.address, tmp / "cold.json").items():
                 results.setdefault(key, {}).update(value)
             daemon.stop()

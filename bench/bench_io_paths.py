@@ -40,6 +40,11 @@ def main() -> None:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--dir", default=None, help="where the source file goes (default $TMPDIR)")
+    p.add_argument(
+        "--register",
+        action="store_true",
+        help="also register a second mapping of the shared file with CUDA (as an engine maps the arena)",
+    )
     args = p.parse_args()
     total = args.mib << 20
     fd_dir = tempfile.mkdtemp(dir=args.dir)
@@ -59,6 +64,14 @@ def main() -> None:
     private = mmap.mmap(-1, total)
     for m in (shared, private):  # every page present
         m.write(b"\0" * total)
+    registered = None
+    if args.register:  # the pages pinned by another mapping, as a vLLM engine's is
+        import torch
+
+        registered = mmap.mmap(sfd, total)
+        at = address(registered)
+        rc = torch.cuda.cudart().cudaHostRegister(at, total, 0)
+        print(f"cudaHostRegister of a second mapping: {rc}")
     try:
         print(f"{args.mib} MiB from the page cache, {args.threads} threads; GB/s")
         print(f"{'memory':>8} {'request':>8} {'buffer':>8} {'GB/s':>7}")
@@ -87,6 +100,11 @@ def main() -> None:
                     best = max(best, total / (time.perf_counter() - start) / 1e9)
                 print(f"{name:>8} {request >> 10:>6}Ki {piece >> 10:>6}Ki {best:7.2f}")
     finally:
+        if registered is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(address(registered))
+            registered.close()
         shared.close()
         os.close(sfd)
         shm_path.unlink(missing_ok=True)
