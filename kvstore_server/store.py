@@ -1070,6 +1070,7 @@ class Store:
         started = self.tiers.promote_start(keys, now) if cold else None
         promotion = started if isinstance(started, Promotion) else None
         left_out = started if isinstance(started, tuple) else None
+        finished = False
         try:
             pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
             result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out, pending)
@@ -1077,11 +1078,19 @@ class Store:
                 yield result  # every pinned block is in place
                 return
             yield dataclasses.replace(result, ready_layers=0)
-            yield from promotion.progress()
+            width = len(result.layers)
+            for ready in promotion.progress():
+                if ready >= width:
+                    # NOTE: placed before the client hears that the last layers are in: its
+                    # load may report a corrupt block at once, and Release verifies what is
+                    # resident
+                    finished = True
+                    promotion.finish()
+                yield ready
             if promotion.failed:
                 yield STOP_EVICTED
         finally:
-            if promotion is not None:
+            if promotion is not None and not finished:
                 promotion.finish()
 
     def _pin_prefix(
