@@ -302,8 +302,8 @@ class Segments:
                 smaller = (want // 2) - (want // 2) % SMALL_ALIGN
                 if exc.errno not in NO_SPACE or smaller < floor or smaller <= 0:
                     raise
-                log.warning(
-                    "the filesystem of %s is short of room: a segment of %d bytes", self.root, smaller
+                log.debug(
+                    "the filesystem of %s is short of room: trying a segment of %d bytes", self.root, smaller
                 )
                 os.ftruncate(fd, 0)
                 want = smaller
