@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import grp
 import logging
 import resource
@@ -416,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("cannot open the %s backend in %s: %s", config.backend, config.data_dir, exc)
         datadir.close(sync=config.sync, clean=False)
         return 1
+    # The index of a large store is millions of long-lived objects: out of the cyclic
+    # collector's reach from now on, so a full collection does not pause on them.
+    gc.freeze()
     try:
         running = create_server(config, store, tokens)
     except (OSError, RuntimeError) as exc:

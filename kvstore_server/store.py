@@ -27,6 +27,7 @@ drop-selects), so the index and the tiers change together. The chain shares both
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import logging
 import threading
@@ -280,6 +281,22 @@ class Store:
         self._fleet_fetcher = (
             ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch") if fleet is not None else None
         )
+        # NOTE: no cyclic GC while a million records become index entries: full
+        # collections over the growing heap were half of the rebuild's time
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._load_index(backend)
+        finally:
+            if collecting:
+                gc.enable()
+        if memory is not None:
+            self._recover_memory(memory)
+        self._index.sort_leaves()
+        self._writer = WriteBehind(self.tiers) if memory is not None else None
+        self._after_load(backend)
+
+    def _load_index(self, backend: Backend) -> None:
         for meta in backend.scan():
             self._index.add(
                 meta.namespace,
@@ -289,10 +306,9 @@ class Store:
                 meta.created_at,
                 len(meta.layers),
             )
-        if memory is not None:
-            self._recover_memory(memory)
-        self._index.sort_leaves()
-        self._writer = WriteBehind(self.tiers) if memory is not None else None
+
+    def _after_load(self, backend: Backend) -> None:
+        """Evict down to the capacity, and let the backend move what lies beyond it."""
         if self._index.bytes_used > self.capacity_bytes:
             with self._commit_lock, self._lock:
                 victims = eviction.down_to(self._index, self.capacity_bytes)

@@ -40,6 +40,7 @@ inside the daemon instead of an error we can answer with.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -163,7 +164,13 @@ class LmdbBackend(Backend):
         self.io_threads = self.io.threads
         self._known_layouts: set[bytes] = set()
         self._layer_starts: dict[int, tuple[tuple[LayerSpec, ...], list[int]]] = {}
-        self._recovered: list[BlockMeta] | None = self._recover()
+        collecting = gc.isenabled()
+        gc.disable()  # a record per block becomes an object: no full collections meanwhile
+        try:
+            self._recovered: list[BlockMeta] | None = self._recover()
+        finally:
+            if collecting:
+                gc.enable()
         self.segments.recovered()
         _allocate(path / "lock.mdb")
         self._headroom = Headroom(path / "headroom", self._headroom_bytes(reserve))
@@ -220,6 +227,7 @@ class LmdbBackend(Backend):
         extents are not valid (overlapping, outside the segments) are dropped."""
         bad: list[bytes] = []
         found: list[BlockMeta] = []
+        claims: list[tuple[int, int, int, bytes, BlockMeta]] = []
         with self._env.begin(buffers=True) as txn:
             layouts: dict[bytes, tuple[LayerSpec, ...]] = {}
             for digest, raw in txn.cursor(db=self._layouts):
@@ -235,12 +243,16 @@ class LmdbBackend(Backend):
                     log.warning("dropping an unreadable block record %s: %s", bytes(key).hex(), exc)
                     bad.append(bytes(key))
                     continue
-                offset, segment, nbytes = record.where
-                if nbytes != record.meta.size or not self.segments.claim(segment, offset, nbytes):
-                    log.warning("block %s: its extent is not valid; dropped", record.meta.block_hash.hex())
-                    bad.append(bytes(key))
-                    continue
-                found.append(record.meta)
+                claims.append((record.where[1], record.where[0], record.where[2], bytes(key), record.meta))
+        # NOTE: in extent order, not key order: claims in a random order split the free list
+        # into many runs, each insert O(runs) (a million blocks took 21 s in key order, 1.5 s so)
+        claims.sort(key=lambda c: (c[0], c[1]))
+        for segment, offset, nbytes, record_key, meta in claims:
+            if nbytes != meta.size or not self.segments.claim(segment, offset, nbytes):
+                log.warning("block %s: its extent is not valid; dropped", meta.block_hash.hex())
+                bad.append(record_key)
+                continue
+            found.append(meta)
         if bad:
             with self._env.begin(write=True) as txn:
                 for bad_key in bad:

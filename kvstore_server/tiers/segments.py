@@ -151,8 +151,10 @@ def _move(name: str, fd: int, views: list[memoryview] | Any, at: int) -> None:
 
 
 class IOPool:
-    """Threads issuing preadv/pwritev, at most `inflight_bytes` of requests at once
-    (a request larger than the budget runs alone)."""
+    """Threads issuing preadv/pwritev, at most `inflight_bytes` of requests at once (a
+    request larger than the budget runs alone). Submitting never blocks: a task waits for
+    the budget on its worker thread, so a caller (a Pin answering before its reads land)
+    goes on at once."""
 
     def __init__(self, threads: int = DEFAULT_THREADS, inflight_bytes: int = DEFAULT_INFLIGHT_BYTES) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-io")
@@ -163,12 +165,12 @@ class IOPool:
 
     def submit(self, nbytes: int, fn: Callable[[], None]) -> Future[None]:
         """Run `fn` (an I/O of `nbytes`) on a worker once the budget has room."""
-        with self._cond:
-            while self._inflight and self._inflight + nbytes > self._budget:
-                self._cond.wait()
-            self._inflight += nbytes
 
         def run() -> None:
+            with self._cond:
+                while self._inflight and self._inflight + nbytes > self._budget:
+                    self._cond.wait()
+                self._inflight += nbytes
             try:
                 fn()
             finally:
