@@ -47,6 +47,7 @@ from kvstore.blocks import (
     STOP_NONE,
     STOP_NOT_STORED,
     XXH3,
+    BlockPrefix,
     PutResult,
 )
 from kvstore.kv_events_media import MEMORY, PERSISTENT
@@ -388,15 +389,17 @@ class Store:
                 keys = [(namespace, h) for h in hashes[n : n + batch]]
                 ahead = self._fleet_fetcher.submit(fetch, keys) if self._fleet_fetcher is not None else None
             try:
-                result = self.put(
-                    namespace,
-                    blocks[0].meta.parent_hash,
-                    [b.meta.block_hash for b in blocks],
-                    got.layers,
-                    [[b.layers[k] for b in blocks] for k in range(width)],
-                    [[b.meta.checksums[k] for b in blocks] for k in range(width)],
-                    to_fleet=False,
-                )
+                result = self._fleet_into_arena(namespace, got) if self.memory is not None else None
+                if result is None:  # no arena, or no room in it: a put to the persistent tier
+                    result = self.put(
+                        namespace,
+                        blocks[0].meta.parent_hash,
+                        [b.meta.block_hash for b in blocks],
+                        got.layers,
+                        [[b.layers[k] for b in blocks] for k in range(width)],
+                        [[b.meta.checksums[k] for b in blocks] for k in range(width)],
+                        to_fleet=False,
+                    )
             except (StoreError, StorageError) as exc:
                 log.info("%d blocks found in the fleet are not stored here: %s", len(blocks), exc)
                 if ahead is not None:
@@ -407,6 +410,25 @@ class Store:
             if ahead is None:
                 return  # the fleet's part of the prefix ended in this batch
             got = ahead.result()
+
+    def _fleet_into_arena(self, namespace: bytes, got: BlockPrefix) -> PutResult | None:
+        """Blocks fetched from the fleet (verified as they were decoded) straight into the
+        arena, committed like a save: the load that asked for them finds them in memory,
+        and write-behind persists them afterwards, off the request path. None when the arena
+        has no room (or the blocks mix checksum kinds): the caller puts them instead."""
+        memory = self.memory
+        blocks = got.blocks
+        kinds = {b.meta.checksum_kind for b in blocks}
+        if memory is None or len(kinds) != 1:
+            return None
+        result = self._into_arena(
+            memory, namespace, got.layers, [b.meta.block_hash for b in blocks],
+            [b.meta.parent_hash for b in blocks], lambda i, k: blocks[i].layers[k],
+            [c for b in blocks for c in b.meta.checksums], kinds.pop(), to_fleet=False,
+        )  # fmt: skip
+        if result is not None and self._writer is not None:
+            self._writer.wake()
+        return result
 
     def put(
         self,
@@ -573,7 +595,31 @@ class Store:
     def _whole_into_arena(self, memory: MemoryTier, namespace: bytes, run: list[Whole]) -> PutResult | None:
         """`run` copied into a fresh extent and committed like a reservation; None when the
         arena has no room for it (nothing changed)."""
-        layers, n = run[0].layers, len(run)
+        tokens = [block.tokens or [] for block in run] if all(block.tokens for block in run) else None
+        return self._into_arena(
+            memory, namespace, run[0].layers, [block.block_hash for block in run],
+            [block.parent for block in run], lambda i, k: run[i].layer(k),
+            [c for block in run for c in block.checksums], XXH3, tokens,
+        )  # fmt: skip
+
+    def _into_arena(
+        self,
+        memory: MemoryTier,
+        namespace: bytes,
+        layers: tuple[LayerSpec, ...],
+        hashes: list[bytes],
+        parents: list[bytes],
+        data: Callable[[int, int], memoryview | bytes],
+        checksums: list[int],
+        kind: str,
+        tokens: list[list[int]] | None = None,
+        *,
+        to_fleet: bool = True,
+    ) -> PutResult | None:
+        """Blocks whose bytes the daemon holds (`data(block, layer)`) copied into a fresh
+        extent and committed like a reservation: resident, queued for write-behind,
+        announced. None when the arena has no room for them (nothing changed)."""
+        n = len(hashes)
         sizes = [layer.nbytes for layer in layers]
         nbytes = fmt.extent_bytes(sum(sizes), n)
         if nbytes > memory.allocator.total:
@@ -582,20 +628,18 @@ class Store:
             try:
                 offset = self.tiers.allocate(nbytes, time.time())
             except NoRoom as exc:
-                log.debug("blocks made whole go to the persistent tier: %s", exc)
+                log.debug("blocks go to the persistent tier: %s", exc)
                 return None
             view = memory.file.view
-            for i, block in enumerate(run):
+            for i in range(n):
                 for k, (at, size) in enumerate(zip(fmt.block_offsets(sizes, n, i), sizes, strict=True)):
-                    view[offset + at : offset + at + size] = block.layer(k)
-            tokens = [block.tokens or [] for block in run] if all(block.tokens for block in run) else None
+                    view[offset + at : offset + at + size] = data(i, k)
             res = Reservation(
-                id=0, prefix=b"", namespace=namespace, parent_hash=run[0].parent,
-                hashes=[block.block_hash for block in run], parents=[block.parent for block in run],
-                request_index=list(range(n)), skipped=0, layers=layers, extent=offset, nbytes=nbytes,
-                expires=0.0, token_ids=tokens,
+                id=0, prefix=b"", namespace=namespace, parent_hash=parents[0], hashes=hashes,
+                parents=parents, request_index=list(range(n)), skipped=0, layers=layers, extent=offset,
+                nbytes=nbytes, expires=0.0, token_ids=tokens,
             )  # fmt: skip
-            return self._record_taken(memory, res, [c for block in run for c in block.checksums], XXH3)
+            return self._record_taken(memory, res, checksums, kind, to_fleet=to_fleet)
 
     def _check_acyclic(self, namespace: bytes, parent_hash: bytes, hashes: Sequence[bytes]) -> None:
         # Within a put the chain is linear (hashes are unique); a cycle needs an
@@ -923,7 +967,13 @@ class Store:
         return result
 
     def _record_taken(
-        self, memory: MemoryTier, res: Reservation, checksums: Sequence[int], kind: str
+        self,
+        memory: MemoryTier,
+        res: Reservation,
+        checksums: Sequence[int],
+        kind: str,
+        *,
+        to_fleet: bool = True,
     ) -> PutResult:
         """Make a taken reservation's blocks visible (under the commit lock): recorded in
         the arena's index, queued for write-behind, announced; its extent is freed when
@@ -943,7 +993,7 @@ class Store:
                     m = p.meta
                     self._index.add(ns, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
                 memory.place(placed, placed[0].meta.created_at, dirty=True)
-                if self._fleet_writer is not None:
+                if self._fleet_writer is not None and to_fleet:
                     self._fleet_writer.add([p.meta.key for p in placed], placed[0].meta.size)
                 tokens = [res.token_ids[p.position] for p in placed] if res.token_ids else None
                 for listener in self._listeners:

@@ -73,7 +73,11 @@ def test_an_arena_save_on_one_host_is_an_arena_load_on_another(hosts) -> None:
         assert stream.via == "arena"
         assert_same(stream.read_all(), layers)
         stats = on_b.stats()
-        assert stats["fleet_promoted_blocks"] == 4 and stats["promoted_blocks"] == 4
+        # straight into B's arena (no Put to its persistent tier on the request path, no
+        # promotion from it), then written behind
+        assert (stats["fleet_promoted_blocks"], stats["promoted_blocks"], stats["memory_blocks"]) == (4, 0, 4)
+        eventually(lambda: on_b.stats()["written_behind"] == 4)
+        assert on_b.stats()["fleet_blocks_written"] == 0  # not sent back to the fleet
 
 
 def test_the_fleet_continues_a_prefix_the_local_tiers_stop_short_of(hosts) -> None:
