@@ -18,8 +18,11 @@ import logging
 import os
 import secrets
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvstore.layouts import BLOCK_SUFFIX as _SUFFIX
 from kvstore.layouts import TMP_SUFFIX as _TMP_SUFFIX
@@ -31,14 +34,27 @@ from kvstore_server.tiers.base import (
     BlockKey,
     BlockMeta,
     BlockWrite,
+    Located,
+    Pieces,
     StorageError,
     StorageFullError,
     StoredBlock,
 )
+from kvstore_server.tiers.segments import IOPool, read_at
 
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockFile:
+    """A located block (DiskBackend.locate): its record, its open file, and where each
+    layer starts in it (one more entry: where the last ends)."""
+
+    meta: BlockMeta
+    fd: int
+    starts: list[int]
 
 
 class DiskBackend(Backend):
@@ -48,6 +64,7 @@ class DiskBackend(Backend):
         self._root = root
         self._sync = sync
         self._readonly = readonly
+        self._io = IOPool()  # loads into the memory tier (read_into)
         if not readonly:
             root.mkdir(parents=True, exist_ok=True)
 
@@ -129,6 +146,74 @@ class DiskBackend(Backend):
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
         yield [read_block_file(self._root, key) for key in keys]
 
+    @contextmanager
+    def locate(self, keys: Sequence[BlockKey]) -> Iterator[list[_BlockFile | None]]:
+        """Each block file opened and its header read (None where missing or unreadable);
+        the files stay open inside the context, so an eviction meanwhile (an unlink) does
+        not take their bytes from a read_into."""
+        found: list[_BlockFile | None] = []
+        try:
+            for key in keys:
+                found.append(self._open_block(key))
+            yield found
+        finally:
+            for handle in found:
+                if handle is not None:
+                    os.close(handle.fd)
+
+    def _open_block(self, key: BlockKey) -> _BlockFile | None:
+        path = self._path(*key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = int.from_bytes(os.pread(fd, 8, 0), "little")
+            if size > os.fstat(fd).st_size - 8:  # a torn or foreign file
+                raise ValueError("header longer than the file")
+            header = json.loads(os.pread(fd, size, 8))
+            meta = BlockMeta.from_json(header["__metadata__"]["kvstore"])
+            if meta.key != key:
+                raise ValueError("the file holds another block")
+            if os.fstat(fd).st_size < 8 + size + meta.size:
+                raise ValueError("the file is shorter than its layers")
+        except (OSError, ValueError, KeyError, TypeError, StorageError) as exc:
+            os.close(fd)
+            log.warning("unreadable block file %s: %s", path, exc)
+            return None
+        starts = [8 + size]
+        for layer in meta.layers:
+            starts.append(starts[-1] + layer.nbytes)
+        return _BlockFile(meta, fd, starts)
+
+    def read_into(
+        self, handle: Located, target: Pieces | list[memoryview], layers: range | None = None
+    ) -> Future[None]:
+        """A located block's layers (of `layers`, when given: `target` then holds buffers for
+        those alone) read from its file with preadv on the I/O pool, as the LMDB backend's."""
+        return self.read_batch([(handle, target)], layers)
+
+    def read_batch(
+        self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
+    ) -> Future[None]:
+        planned = []
+        for handle, target in reads:
+            if not isinstance(handle, _BlockFile):
+                raise TypeError(f"not a block file of this backend: {type(handle).__name__}")
+            span = layers if layers is not None else range(len(handle.meta.layers))
+            at, end = handle.starts[span.start], handle.starts[span.stop]
+            buffers: Any = target.iov if isinstance(target, Pieces) else list(target)
+            got = int(buffers[:, 1].sum()) if isinstance(target, Pieces) else sum(v.nbytes for v in buffers)
+            if got != end - at:
+                raise ValueError(f"{got} bytes of buffers for {end - at} bytes of the block")
+            planned.append((handle.fd, at, buffers))
+
+        def run() -> None:
+            for fd, at, buffers in planned:
+                read_at(fd, buffers, at)
+
+        return self._io.submit(sum(handle.meta.size for handle, _ in reads), run)
+
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         for n, key in enumerate(keys):
             if not self._path(*key).is_file():
@@ -136,4 +221,5 @@ class DiskBackend(Backend):
         return len(keys)
 
     def close(self) -> None:
-        """Nothing to release: every file is closed after each call."""
+        """Stop the I/O pool; every file is closed after each call."""
+        self._io.close()

@@ -143,6 +143,12 @@ def _direct_ok(views: list[memoryview] | Any) -> bool:
     return True
 
 
+def read_at(fd: int, views: list[memoryview] | Any, at: int) -> None:
+    """Fill `views` (buffers, or a numpy iovec array) from `fd` at `at`; a read that ends
+    early raises StorageError."""
+    _move("preadv", fd, views, at)
+
+
 def _move(name: str, fd: int, views: list[memoryview] | Any, at: int) -> None:
     if not isinstance(views, list):  # an iovec array
         _vec_io(name, fd, views, at)

@@ -217,3 +217,30 @@ def test_sync_mode_writes_the_same_files(tmp_path: Path) -> None:
     rel = block_path(Path(""), NS, h(1))
     assert (tmp_path / "plain" / rel).read_bytes() == (tmp_path / "synced" / rel).read_bytes()
     assert os.listdir(tmp_path / "synced") == os.listdir(tmp_path / "plain")
+
+
+def test_locate_and_read_into_fill_scattered_buffers_from_the_pool(disk: DiskBackend, tmp_path: Path) -> None:
+    """The disk backend reaches the memory tier by the same I/O as the LMDB one: located
+    files read with preadv into the caller's buffers (all layers, or a range of them);
+    a file removed meanwhile still reads (it stays open); a cut file is not located."""
+    from kvunit import layer_bytes
+
+    disk.write([make_write(NS, h(1)), make_write(NS, h(2))])
+    cut = block_path(tmp_path / "blocks", NS, h(2))
+    os.truncate(cut, cut.stat().st_size - 1)
+    with disk.locate([(NS, h(1)), (NS, h(2)), (NS, h(3))]) as found:
+        assert found[1] is None and found[2] is None  # cut short; never stored
+        handle = found[0]
+        assert handle is not None and handle.meta.key == (NS, h(1))
+        block_path(tmp_path / "blocks", NS, h(1)).unlink()  # evicted meanwhile
+        target = bytearray(1000)
+        view = memoryview(target)
+        pieces = [view[600 : 600 + LAYERS[0].nbytes], view[0 : LAYERS[1].nbytes]]
+        disk.read_into(handle, pieces).result()
+        assert bytes(pieces[0]) == layer_bytes(h(1), LAYERS[0])
+        assert bytes(pieces[1]) == layer_bytes(h(1), LAYERS[1])
+        second = bytearray(LAYERS[1].nbytes)
+        disk.read_into(handle, [memoryview(second)], range(1, 2)).result()
+        assert bytes(second) == layer_bytes(h(1), LAYERS[1])
+        with pytest.raises(ValueError, match="bytes of buffers"):
+            disk.read_into(handle, pieces[:1])
