@@ -43,6 +43,7 @@ import functools
 import gc
 import itertools
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -164,6 +165,9 @@ class LmdbBackend(Backend):
         self.io_threads = self.io.threads
         self._known_layouts: set[bytes] = set()
         self._layer_starts: dict[int, tuple[tuple[LayerSpec, ...], list[int]]] = {}
+        self._maps: dict[int, mmap.mmap] = {}  # segment -> a read-only mapping (read())
+        self._retired: list[mmap.mmap] = []
+        self._maps_lock = threading.Lock()
         collecting = gc.isenabled()
         gc.disable()  # a record per block becomes an object: no full collections meanwhile
         try:
@@ -472,31 +476,46 @@ class LmdbBackend(Backend):
 
     @contextmanager
     def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
-        """The blocks read into memory (preadv on the I/O pool, in parallel; a block whose
-        extent cannot be read whole is None: logged, never its bytes).
-
-        NOTE: read, not mapped: a segment file cut short under a mapping (a failing or
-        tampered disk) would be a SIGBUS that kills the daemon; a short read is a miss."""
+        """Views of the blocks where they lie: the segment files mapped read-only (page
+        cache; a Get of 65536 blocks copies none of them into the daemon's heap), valid
+        inside the context, whose extents are not reused meanwhile. A block whose extent
+        lies past its file's end (a file cut short: a failing or tampered disk) is None,
+        logged, never touched: a mapped page past the end would be a SIGBUS."""
         with self.locate(keys) as found:
-            reads: list[tuple[records.Record, bytearray, Future[None]] | None] = []
+            sizes: dict[int, int] = {}
+            blocks: list[StoredBlock | None] = []
             for record in found:
                 if record is None:
-                    reads.append(None)
-                    continue
-                data = bytearray(record.where[2])
-                reads.append((record, data, self.read_into(record, [memoryview(data)], None)))
-            blocks: list[StoredBlock | None] = []
-            for read in reads:
-                if read is None:
                     blocks.append(None)
                     continue
-                record, data, future = read
-                failure = future.exception()
-                views = split_layers(memoryview(data), record.meta) if failure is None else None
+                offset, segment, nbytes = record.where
+                size = sizes.get(segment)
+                if size is None:
+                    size = sizes[segment] = self.segments.file_size(segment)
+                data = self._mapped(segment, size, offset, nbytes) if offset + nbytes <= size else None
+                views = split_layers(data, record.meta) if data is not None else None
                 if views is None:
-                    log.warning("block %s could not be read: %s", record.meta.block_hash.hex(), failure)
+                    log.warning(
+                        "block %s: its extent lies past its segment's end", record.meta.block_hash.hex()
+                    )
                 blocks.append(StoredBlock(record.meta, views) if views is not None else None)
-        yield blocks
+            yield blocks
+
+    def _mapped(self, segment: int, size: int, offset: int, nbytes: int) -> memoryview | None:
+        """A read-only view of a segment's bytes, mapped once per segment (again when the file
+        is longer than the mapping: a segment made or grown since)."""
+        with self._maps_lock:
+            m = self._maps.get(segment)
+            if m is None or len(m) < offset + nbytes:
+                try:
+                    m = mmap.mmap(self.segments.fd(segment), size, mmap.MAP_SHARED, mmap.PROT_READ)
+                except (OSError, ValueError) as exc:
+                    log.warning("cannot map segment %d: %s", segment, exc)
+                    return None
+                old, self._maps[segment] = self._maps.get(segment), m
+                if old is not None:
+                    self._retired.append(old)  # views of it may still be in use: closed at close()
+        return memoryview(m)[offset : offset + nbytes]
 
     @contextmanager
     def locate(self, keys: Sequence[BlockKey]) -> Iterator[list[records.Record | None]]:
@@ -570,6 +589,11 @@ class LmdbBackend(Backend):
         return self.segments.bytes_on_disk + index
 
     def close(self) -> None:
+        for m in [*self._maps.values(), *self._retired]:
+            try:
+                m.close()
+            except BufferError:  # a view is still referenced: the mapping goes with it
+                log.debug("a segment mapping is still in use at close")
         if self._own_io:
             self.io.close()
         self.segments.close()

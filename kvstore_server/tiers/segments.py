@@ -513,6 +513,12 @@ class Segments:
     def fd(self, segment: int) -> int:
         return self._fds[segment]
 
+    def file_size(self, segment: int) -> int:
+        """The segment file's size now (0 for a segment that does not exist)."""
+        if segment >= len(self._fds):
+            return 0
+        return os.fstat(self._fds[segment]).st_size
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds:
