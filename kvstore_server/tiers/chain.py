@@ -132,11 +132,13 @@ _MAX_GROUPS = 8
 _TASKS_PER_THREAD = 2
 
 
-def layer_groups(sizes: Sequence[int]) -> list[range]:
-    """Consecutive layer ranges of about equal bytes, each at least _GROUP_READ_BYTES of a
-    block (fewer groups for small blocks), at most _MAX_GROUPS."""
+def layer_groups(sizes: Sequence[int], num_blocks: int) -> list[range]:
+    """Consecutive layer ranges of about equal bytes, each at least _GROUP_READ_BYTES of
+    the `num_blocks` blocks read together (fewer groups for small requests), at most
+    _MAX_GROUPS. Sized by the request, not by one block: a 2 MiB block of 128 would
+    otherwise be read as one group, and a loader could not start before the last byte."""
     total = sum(sizes)
-    count = max(1, min(_MAX_GROUPS, total // _GROUP_READ_BYTES, len(sizes)))
+    count = max(1, min(_MAX_GROUPS, total * num_blocks // _GROUP_READ_BYTES, len(sizes)))
     groups: list[range] = []
     start = acc = 0
     for i, size in enumerate(sizes):
@@ -181,7 +183,7 @@ class Promotion:
             for position, h in enumerate(located)
         ]
         self.width = len(layers)
-        self.groups = layer_groups([layer.nbytes for layer in layers])
+        self.groups = layer_groups([layer.nbytes for layer in layers], n)
         self.block_bytes = sum(layer.nbytes for layer in layers)
         self._started = time.perf_counter()
         rows = memory.extent_rows(layers, extent.offset, n)  # [block, layer, (address, length)]
