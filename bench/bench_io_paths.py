@@ -1,7 +1,7 @@
 """Where a promotion's reads go: page-cache preadv into private memory vs into a shared
 /dev/shm mapping (what the arena is), by request size and buffers per request.
 
-    python bench/bench_io_paths.py [--mib 512] [--threads 16]
+    python bench/bench_io_paths.py [--mib 512] [--threads 8,16] [--requests 2048:8,256:8]
 
 The persistent tier reads a block's layers (256 store layers of 8 KiB for Llama-3.1-8B
 at 16 tokens) straight into the arena's extents with one preadv per block and layer
@@ -38,7 +38,13 @@ def address(buf: mmap.mmap) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=512)
-    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--threads", default="16", help="thread counts, comma-separated (e.g. 8,16,32)")
+    p.add_argument(
+        "--requests",
+        default="2048:2048,2048:8,1024:8,256:8",
+        help="REQUEST:BUFFER pairs in KiB, comma-separated (a request of 8 KiB buffers is one preadv "
+        "into 256 pieces of a block's store layers, as a promotion issues it)",
+    )
     p.add_argument("--dir", default=None, help="where the source file goes (default $TMPDIR)")
     p.add_argument(
         "--register",
@@ -73,16 +79,13 @@ def main() -> None:
         rc = torch.cuda.cudart().cudaHostRegister(at, total, 0)
         print(f"cudaHostRegister of a second mapping: {rc}")
     try:
-        print(f"{args.mib} MiB from the page cache, {args.threads} threads; GB/s")
-        print(f"{'memory':>8} {'request':>8} {'buffer':>8} {'GB/s':>7}")
+        print(f"{args.mib} MiB from the page cache; GB/s")
+        print(f"{'memory':>8} {'threads':>7} {'request':>8} {'buffer':>8} {'GB/s':>7}")
+        pairs = [tuple(int(x) << 10 for x in pair.split(":")) for pair in args.requests.split(",")]
+        combos = [(t, r, b) for t in (int(x) for x in args.threads.split(",")) for r, b in pairs]
         for name, dest in (("private", private), ("shared", shared)):
             base = address(dest)
-            for request, piece in (
-                (2 << 20, 2 << 20),
-                (2 << 20, 8 << 10),
-                (1 << 20, 8 << 10),
-                (256 << 10, 8 << 10),
-            ):
+            for threads, request, piece in combos:
 
                 def one(i: int, base: int = base, request: int = request, piece: int = piece) -> None:
                     at = i * request
@@ -95,10 +98,10 @@ def main() -> None:
                 best = 0.0
                 for _ in range(3):
                     start = time.perf_counter()
-                    with ThreadPoolExecutor(args.threads) as pool:
+                    with ThreadPoolExecutor(threads) as pool:
                         list(pool.map(one, range(total // request)))
                     best = max(best, total / (time.perf_counter() - start) / 1e9)
-                print(f"{name:>8} {request >> 10:>6}Ki {piece >> 10:>6}Ki {best:7.2f}")
+                print(f"{name:>8} {threads:>7} {request >> 10:>6}Ki {piece >> 10:>6}Ki {best:7.2f}")
     finally:
         if registered is not None:
             import torch
