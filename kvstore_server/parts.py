@@ -9,6 +9,11 @@ wait here, in memory the daemon bounds (`limit_bytes`), for at most
 `timeout_s`: a rank that died, or was never started, leaves its block's other
 parts to be dropped, never half a block visible.
 
+Where the parts wait: in the memory tier when it has room (`ArenaRoom`: the new
+blocks of a put get one arena extent, laid out as a commit's, and every part is
+written into it in place, so the block made whole is committed there without
+another copy), else in the daemon's heap (then stored like a put's blocks).
+
 Not thread-safe: the store calls it under a lock of its own (never the commit lock:
 the blocks it makes whole are then stored, in the arena like a commit's or as a Put, which
 takes that lock).
@@ -21,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore import arena_format as fmt
 from kvstore.blocks import BlockKey, LayerSpec, checksum, selected_layers
 
 log = logging.getLogger(__name__)
@@ -34,15 +40,29 @@ class PartsFull(Exception):
     """The bytes held for incomplete blocks would exceed the daemon's bound."""
 
 
+@dataclass(frozen=True, slots=True)
+class ArenaRoom:
+    """The memory tier, as parts land in it: `hold(layers, blocks)` holds a new extent for
+    `blocks` blocks of `layers` once per block (None: no room, the heap takes them);
+    `let_go(extent)` ends one block's hold (made whole and stored, or dropped)."""
+
+    view: memoryview  # the arena
+    hold: Callable[[tuple[LayerSpec, ...], int], int | None]
+    let_go: Callable[[int], None]
+
+
 @dataclass
 class _Block:
     layers: tuple[LayerSpec, ...]
     parent: bytes
-    data: bytearray  # the whole block, layers back to back
+    view: memoryview  # where the block lies: its own heap buffer, or the arena
     checksums: list[int | None]
     started: float
-    offsets: list[int]  # each layer's start in `data` (one list per put: its layout's)
+    offsets: list[int]  # each layer's start in `view`
     tokens: list[int] | None = None
+    extent: int | None = None  # in the arena: the extent (of `extent_blocks`) and position
+    extent_blocks: int = 0
+    position: int = 0
 
     @property
     def complete(self) -> bool:
@@ -51,20 +71,29 @@ class _Block:
 
 @dataclass(frozen=True, slots=True)
 class Whole:
-    """A block whose parts are all in: ready to store like any put's block."""
+    """A block whose parts are all in: ready to store like any put's block. `extent` not
+    None: it lies in that arena extent, at `position`, held until let go (ArenaRoom)."""
 
     index: int  # in the put that completed it
     block_hash: bytes
     parent: bytes
     layers: tuple[LayerSpec, ...]
-    data: bytearray
+    view: memoryview
     checksums: tuple[int, ...]
     tokens: list[int] | None
     offsets: list[int]
+    extent: int | None = None
+    extent_blocks: int = 0
+    position: int = 0
 
     def layer(self, k: int) -> memoryview:
         start = self.offsets[k]
-        return memoryview(self.data)[start : start + self.layers[k].nbytes]
+        return self.view[start : start + self.layers[k].nbytes]
+
+    @property
+    def data(self) -> bytes:
+        """The block's layers back to back."""
+        return b"".join(self.layer(k) for k in range(len(self.layers)))
 
 
 def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | None:
@@ -81,8 +110,14 @@ def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | No
 
 class PartAssembler:
     def __init__(
-        self, limit_bytes: int, timeout_s: float, *, clock: Callable[[], float] = time.monotonic
+        self,
+        limit_bytes: int,
+        timeout_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        arena: ArenaRoom | None = None,
     ) -> None:
+        self.arena = arena
         self.limit_bytes = limit_bytes
         self.timeout_s = timeout_s
         self._clock = clock
@@ -135,23 +170,24 @@ class PartAssembler:
                 f"(max_partial_bytes {self.limit_bytes}); retry once their other ranks have put them"
             )
         now = self._clock()
-        offsets, at = [], 0
-        for layer in layers:
-            offsets.append(at)
-            at += layer.nbytes
+        sizes = [layer.nbytes for layer in layers]
+        starts = fmt.layer_starts(sizes)
+        new = [i for i in todo if (namespace, hashes[i]) not in self._blocks]
+        extent = self.arena.hold(layers, len(new)) if self.arena is not None and new else None
+        for position, i in enumerate(new):  # all placed first: a part that fails to copy expires
+            self._blocks[(namespace, hashes[i])] = self._new_block(
+                layers, parents[i], now, sizes, starts, extent, len(new), position
+            )
+            self.nbytes += block_bytes
         done: list[Whole] = []
         for n, i in enumerate(todo):
             key = (namespace, hashes[i])
-            block = self._blocks.get(key)
-            if block is None:
-                block = _Block(layers, parents[i], bytearray(block_bytes), [None] * len(layers), now, offsets)
-                self._blocks[key] = block
-                self.nbytes += block_bytes
+            block = self._blocks[key]
             if tokens is not None and block.tokens is None:
                 block.tokens = list(tokens[n])
             for k, layer_index in enumerate(subset):
                 start = block.offsets[layer_index]
-                target = memoryview(block.data)[start : start + layers[layer_index].nbytes]
+                target = block.view[start : start + sizes[layer_index]]
                 target[:] = data(k, i)
                 # xxh3 of what it holds (the persistent tier's kind): summed once, here or by the caller
                 block.checksums[layer_index] = checksum(target) if sums is None else sums(k, i)
@@ -160,10 +196,31 @@ class PartAssembler:
                 self.nbytes -= block_bytes
                 self.completed += 1
                 whole = tuple(c for c in block.checksums if c is not None)
-                done.append(
-                    Whole(i, hashes[i], block.parent, layers, block.data, whole, block.tokens, offsets)
-                )
+                done.append(Whole(i, hashes[i], block.parent, layers, block.view, whole, block.tokens,
+                                  block.offsets, block.extent, block.extent_blocks,
+                                  block.position))  # fmt: skip
         return done
+
+    def _new_block(
+        self,
+        layers: tuple[LayerSpec, ...],
+        parent: bytes,
+        now: float,
+        sizes: list[int],
+        starts: list[int],
+        extent: int | None,
+        blocks: int,
+        position: int,
+    ) -> _Block:
+        """A block's first part: where it will lie (block `position` of the extent of
+        `blocks`, laid out as a commit's; or a heap buffer, layers back to back)."""
+        unset: list[int | None] = [None] * len(layers)
+        if extent is None or self.arena is None:
+            return _Block(layers, parent, memoryview(bytearray(sum(sizes))), unset, now, starts)
+        offsets = [
+            extent + blocks * start + position * size for start, size in zip(starts, sizes, strict=True)
+        ]
+        return _Block(layers, parent, self.arena.view, unset, now, offsets, None, extent, blocks, position)
 
     def expire(self) -> list[BlockKey]:
         """Drop blocks whose parts have waited longer than timeout_s; their keys."""
@@ -171,7 +228,9 @@ class PartAssembler:
         gone = [key for key, block in self._blocks.items() if block.started <= cutoff]
         for key in gone:
             block = self._blocks.pop(key)
-            self.nbytes -= len(block.data)
+            self.nbytes -= sum(layer.nbytes for layer in block.layers)
+            if block.extent is not None and self.arena is not None:
+                self.arena.let_go(block.extent)
         if gone:
             self.expired += len(gone)
             log.warning(

@@ -1,27 +1,31 @@
 """The store: the prefix index, capacity and the hand-off wait, over a chain of tiers.
 
 `Store` is what the gRPC servicer calls, from many worker threads at once. It
-takes validated Python values and raises the errors below; translating them to
-gRPC status codes is the servicer's job.
+takes validated Python values and raises kvstore_server.errors; translating them
+to gRPC status codes is the servicer's job.
 
-Tiers (`tiers.chain.TierChain`): the memory tier (`tiers.arena`, optional) in
-front of the persistent tier (`backend`: LMDB or disk). The index holds every
-visible block, whichever tier has it, and `capacity_bytes` bounds them all: the
-persistent tier gets every block in the end (written behind from the arena).
-Saves through the arena (reserve -> the client writes -> commit) land in the
-memory tier and are written behind; gRPC Puts go to the persistent tier. A
-partial save or put (one tensor-parallel rank's KV heads: kvstore_server.parts)
-waits in memory for the block's other parts; the block made whole goes to the
-memory tier like a commit's (a Put's way when the arena has no room). Loads
-pin blocks in the arena, promoting those only the persistent tier holds; gRPC
-reads take each block from the first tier that has it. The chain moves blocks
-between tiers; the store decides what is stored (the index, capacity,
-eviction, the chains' shape, reservations and pins, events).
+Tiers (`tiers.chain.TierChain`, each a `tiers.base.Tier`): the memory tier
+(`tiers.arena`, optional) in front of the persistent tier (`backend`: LMDB or
+disk), and the fleet (optional, read through). The index holds every visible
+block, whichever tier has it, and `capacity_bytes` bounds them all: the persistent
+tier gets every block in the end (written behind from the arena).
 
-Locks: `_lock` guards the index, the memory tier's state and the counters, and
-is held only for in-memory work. `_commit_lock` serialises everything that
-changes a tier's contents (puts, commits, promotions, write-behind, evictions,
-drop-selects), so the index and the tiers change together. The chain shares both.
+Every way in ends in `_admit` (checks, room by eviction, the tier's write, the
+index, the events): a gRPC Put writes the persistent tier; a commit records a
+reservation's extent in the memory tier (reservations and pins are the memory
+tier's); blocks put in parts (one tensor-parallel rank's KV heads:
+kvstore_server.parts) are assembled in place in one arena extent and committed
+there once whole; fleet hits are copied into the arena and committed like a
+save. Loads pin blocks in the arena, promoting those only the persistent tier
+holds; gRPC reads take each block from the first tier that has it. What a tier
+evicts or a read finds corrupt comes back to the store, which drops it from the
+index and announces it.
+
+Locks: `_lock` (the memory tier's, shared) guards the index, the memory tier's
+state and the counters, and is held only for in-memory work. `_commit_lock`
+serialises everything that changes a tier's contents (puts, commits, promotions,
+write-behind, evictions, drop-selects), so the index and the tiers change
+together. Order: `_parts_lock`, then `_commit_lock`, then `_lock`.
 """
 
 from __future__ import annotations
@@ -52,8 +56,22 @@ from kvstore.blocks import (
 )
 from kvstore.kv_events_media import MEMORY, PERSISTENT
 from kvstore_server import eviction
+from kvstore_server.errors import (
+    CapacityError,
+    FleetUnavailable,
+    InvalidChain,
+    InvalidCommit,
+    InvalidPart,
+    LeaseNotFound,
+    NoFleet,
+    NoMemoryTier,
+    NotFoundError,
+    ShuttingDown,
+    StoreError,
+    WaitTimeout,
+)
 from kvstore_server.index import Entry, PrefixIndex
-from kvstore_server.parts import PartAssembler, PartError, PartsFull, Whole, check_subset
+from kvstore_server.parts import ArenaRoom, PartAssembler, PartError, PartsFull, Whole, check_subset
 from kvstore_server.tiers import (
     Backend,
     BlockKey,
@@ -65,12 +83,29 @@ from kvstore_server.tiers import (
     StoredBlock,
     checksum,
 )
-from kvstore_server.tiers.arena import MemoryTier, Pin, Placed, Reservation
-from kvstore_server.tiers.chain import NoRoom, Promotion, ReadResult, TierChain, verified_prefix
+from kvstore_server.tiers.arena import MemoryTier, NoRoom, Placed, Reservation, Run
+from kvstore_server.tiers.chain import ReadResult, Started, TierChain, verified_prefix
 from kvstore_server.tiers.fleet import FleetTier
 from kvstore_server.tiers.writeback import FleetWriteBehind, WriteBehind
 
-__all__ = ["ReadResult", "Store"]
+__all__ = [
+    "CapacityError",
+    "FleetUnavailable",
+    "InvalidChain",
+    "InvalidCommit",
+    "InvalidPart",
+    "LeaseNotFound",
+    "NoFleet",
+    "NoMemoryTier",
+    "NotFoundError",
+    "PinResult",
+    "ReadResult",
+    "Run",
+    "ShuttingDown",
+    "Store",
+    "StoreError",
+    "WaitTimeout",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,54 +113,6 @@ log = logging.getLogger(__name__)
 # yet), then about this many bytes' worth.
 _FLEET_FIRST_BATCH = 4
 _FLEET_FETCH_BYTES = 64 << 20
-
-
-class StoreError(Exception):
-    """Base of the errors the store raises to the servicer."""
-
-
-class InvalidChain(StoreError):
-    """The put would link blocks into a cycle (parents are what clients claim)."""
-
-
-class CapacityError(StoreError):
-    """The request cannot fit in the store's byte budget."""
-
-
-class NotFoundError(StoreError):
-    """The named block is not stored."""
-
-
-class WaitTimeout(StoreError):
-    """DropSelect's wait ran out before the whole prefix was stored."""
-
-
-class ShuttingDown(StoreError):
-    """The store is closing; the call should be retried elsewhere or later."""
-
-
-class LeaseNotFound(StoreError):
-    """No reservation or pin with that id (never made, expired, or already ended)."""
-
-
-class InvalidCommit(StoreError):
-    """A commit that does not match its reservation (checksum count)."""
-
-
-class NoMemoryTier(StoreError):
-    """The daemon runs without a memory tier."""
-
-
-class NoFleet(StoreError):
-    """The daemon runs without a fleet tier."""
-
-
-class InvalidPart(StoreError):
-    """A partial put or read that does not fit the block (the caller's error)."""
-
-
-class FleetUnavailable(StoreError):
-    """The fleet did not answer a call that needs it (not a lookup or a read: those miss)."""
 
 
 @dataclass
@@ -140,68 +127,6 @@ class Counters:
     bytes_read: int = 0
     evictions: int = 0
     checksum_failures: int = 0
-
-
-def _block_tokens(token_ids: Sequence[int], blocks: int, indices: Sequence[int]) -> list[list[int]] | None:
-    """The tokens of blocks `indices` of a put's `blocks` (None: the put gave none)."""
-    if not token_ids:
-        return None
-    per = len(token_ids) // blocks
-    return [list(token_ids[i * per : (i + 1) * per]) for i in indices]
-
-
-def _selection(blocks: Sequence[StoredBlock | None], layers: Sequence[int]) -> tuple[int, ...] | None:
-    """A read's layer selection, checked against the first block's layout (None: all)."""
-    first = blocks[0] if blocks else None
-    if not layers or first is None:
-        return None
-    try:
-        return check_subset(layers, len(first.meta.layers))
-    except PartError as exc:
-        raise InvalidPart(str(exc)) from exc
-
-
-def _run_tokens(run: Sequence[Whole]) -> list[int]:
-    """A run's token ids, block after block; none unless every block's parts gave them."""
-    tokens: list[int] = []
-    for block in run:
-        if not block.tokens:
-            return []
-        tokens.extend(block.tokens)
-    return tokens
-
-
-def _log_short(what: str, namespace: bytes, hashes: Sequence[bytes], got: int, stop: str) -> None:
-    """One DEBUG line for a read that returned fewer blocks than asked, and why (a miss is
-    routine; a layer set that differs, a checksum failure or an eviction is logged where it
-    is found, at WARNING or ERROR)."""
-    if got < len(hashes) and log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "%s of %d blocks in namespace %r returned %d: %s at block %s",
-            what, len(hashes), namespace, got, stop, hashes[got].hex(),
-        )  # fmt: skip
-
-
-def _runs(whole: Sequence[Whole]) -> list[list[Whole]]:
-    """Blocks made whole, split into runs that are chains (each block's parent is the one
-    before it): each run is one put."""
-    runs: list[list[Whole]] = []
-    for block in whole:
-        if runs and runs[-1][-1].block_hash == block.parent:
-            runs[-1].append(block)
-        else:
-            runs.append([block])
-    return runs
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """`count` blocks of a pinned prefix, at positions first.. of the extent at `extent`."""
-
-    extent: int
-    extent_blocks: int
-    first: int
-    count: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +150,26 @@ class BlockInfo:
     num_children: int
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Blocks on their way into the store, whichever way they came (Store._admit)."""
+
+    what: str  # "put" or "commit", for messages
+    namespace: bytes
+    parent_hash: bytes  # the request's parent (of its first block)
+    hashes: Sequence[bytes]  # in chain order
+    parents: Sequence[bytes]  # each block's parent
+    layers: tuple[LayerSpec, ...]
+    tokens: Sequence[Sequence[int]] | None = None  # each block's token ids (KV events)
+    skipped: int = 0  # blocks of the request found stored before (a reservation's)
+    to_fleet: bool = True  # queue the new blocks for the fleet (not blocks that came from it)
+
+
+Place = Callable[[list[int], list[BlockKey], set[BlockKey], float], "tuple[str, list[BlockKey]]"]
+"""place(fresh, victims, protect, now): write blocks `fresh` (indices into the admission)
+to their tier, created at `now`, and delete `victims` from every tier; returns the tier's
+KV-events medium and the blocks it had to evict beyond the victims (already dropped)."""
+
 Listener = Callable[
     [str, bytes, Sequence[bytes], Sequence[bytes], "Sequence[Sequence[int]] | None", "str | None"], None
 ]
@@ -233,6 +178,62 @@ Listener = Callable[
 ids when its put gave them, else None; `tier`: for "stored", the tier the commit put the
 blocks in (kvstore.kv_events_media MEMORY or PERSISTENT), None for "removed" (the blocks
 left the store: every tier)."""
+
+
+def _block_tokens(token_ids: Sequence[int], blocks: int, indices: Sequence[int]) -> list[list[int]] | None:
+    """The tokens of blocks `indices` of a put's `blocks` (None: the put gave none)."""
+    if not token_ids:
+        return None
+    per = len(token_ids) // blocks
+    return [list(token_ids[i * per : (i + 1) * per]) for i in indices]
+
+
+def _chained(parent_hash: bytes, hashes: Sequence[bytes]) -> list[bytes]:
+    """Each block's parent in a chain of `hashes` that continues `parent_hash`."""
+    return [hashes[i - 1] if i else parent_hash for i in range(len(hashes))]
+
+
+def _selection(blocks: Sequence[StoredBlock | None], layers: Sequence[int]) -> tuple[int, ...] | None:
+    """A read's layer selection, checked against the first block's layout (None: all)."""
+    first = blocks[0] if blocks else None
+    if not layers or first is None:
+        return None
+    try:
+        return check_subset(layers, len(first.meta.layers))
+    except PartError as exc:
+        raise InvalidPart(str(exc)) from exc
+
+
+def _log_short(what: str, namespace: bytes, hashes: Sequence[bytes], got: int, stop: str) -> None:
+    """One DEBUG line for a read that returned fewer blocks than asked, and why (a miss is
+    routine; a layer set that differs, a checksum failure or an eviction is logged where it
+    is found, at WARNING or ERROR)."""
+    if got < len(hashes) and log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "%s of %d blocks in namespace %r returned %d: %s at block %s",
+            what, len(hashes), namespace, got, stop, hashes[got].hex(),
+        )  # fmt: skip
+
+
+def _runs(whole: Sequence[Whole]) -> list[list[Whole]]:
+    """Blocks made whole, split into runs that are chains (each block's parent is the one
+    before it) lying in one place (an arena extent, or the heap): each run is one put."""
+    runs: list[list[Whole]] = []
+    for block in whole:
+        if runs and runs[-1][-1].block_hash == block.parent and runs[-1][-1].extent == block.extent:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return runs
+
+
+def _sum(results: Sequence[PutResult], skipped: int = 0) -> PutResult:
+    return PutResult(
+        sum(r.blocks_written for r in results),
+        skipped + sum(r.blocks_skipped for r in results),
+        sum(r.bytes_written for r in results),
+        sum(r.blocks_evicted for r in results),
+    )
 
 
 class Store:
@@ -259,21 +260,20 @@ class Store:
         self.counters = Counters()
         self.started_at = time.time()
         self._index = PrefixIndex()
-        self._lock = threading.Lock()
+        self._lock = memory.lock if memory is not None else threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._draining = False  # DropSelect waiters give up
         self._closed = False  # no more writes
         self._listeners: list[Listener] = []
         self._eviction_helps = True  # see _write
-        # blocks put in parts (tensor-parallel ranks' KV heads), and the layers of each
-        # block that partial DropSelects took (removed once all are taken)
-        self.parts = PartAssembler(partial_bytes, partial_timeout_s)
+        # blocks put in parts (tensor-parallel ranks' KV heads), assembled in the arena when
+        # it has room; and the layers of each block that partial DropSelects took
+        room = ArenaRoom(memory.file.view, self._hold_parts, self._let_go) if memory is not None else None
+        self.parts = PartAssembler(partial_bytes, partial_timeout_s, arena=room)
         self._parts_lock = threading.Lock()
         self._taken: dict[BlockKey, set[int]] = {}
-        self.tiers = TierChain(
-            backend, memory, fleet, lock=self._lock, commit_lock=self._commit_lock, owner=self
-        )
+        self.tiers = TierChain(backend, memory, fleet, index=self._index, commit_lock=self._commit_lock)
         self._fleet_writer = (
             FleetWriteBehind(self.tiers, fleet, fleet_queue_bytes) if fleet is not None else None
         )
@@ -287,7 +287,8 @@ class Store:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            self._load_index(backend)
+            for meta in backend.scan():
+                self._index.add(*meta.key, meta.parent_hash, meta.size, meta.created_at, len(meta.layers))
         finally:
             if collecting:
                 gc.enable()
@@ -297,16 +298,21 @@ class Store:
         self._writer = WriteBehind(self.tiers) if memory is not None else None
         self._after_load(backend)
 
-    def _load_index(self, backend: Backend) -> None:
-        for meta in backend.scan():
-            self._index.add(
-                meta.namespace,
-                meta.block_hash,
-                meta.parent_hash,
-                meta.size,
-                meta.created_at,
-                len(meta.layers),
-            )
+    def _recover_memory(self, memory: MemoryTier) -> None:
+        """Take back the blocks a previous daemon committed to the arena: those the
+        persistent tier has are resident copies; the others wait for write-behind."""
+        recovered = memory.recover(memory.index.scan())
+        queued = 0
+        for placed in recovered:
+            m = placed.meta
+            persisted = self._index.get(*m.key) is not None
+            if not persisted:
+                self._index.add(*m.key, m.parent_hash, m.size, m.created_at, len(m.layers))
+            memory.place([placed], m.created_at, dirty=not persisted)
+            queued += not persisted
+        if recovered:
+            log.info("memory tier: recovered %d committed blocks from %s (%d not yet written behind)",
+                     len(recovered), memory.file.path, queued)  # fmt: skip
 
     def _after_load(self, backend: Backend) -> None:
         """Evict down to the capacity, and let the backend move what lies beyond it."""
@@ -350,12 +356,11 @@ class Store:
     def tiers_of(self, namespace: bytes, hashes: Sequence[bytes], n: int) -> bytes:
         """Where each of the first `n` blocks of `hashes` (a prefix lookup found) is read
         from: a byte per block, kvstore.wire.TIER_* (blocks the local index lacks: the fleet)."""
-        memory = self.memory
+        resident = self.memory.resident if self.memory is not None else {}
         out = bytearray(n)
         with self._lock:
             for i, block_hash in enumerate(hashes[:n]):
-                key = (namespace, block_hash)
-                if memory is not None and key in memory.resident:
+                if (namespace, block_hash) in resident:
                     out[i] = wire.TIER_MEMORY
                 elif self._index.get(namespace, block_hash) is not None:
                     out[i] = wire.TIER_PERSISTENT
@@ -365,8 +370,9 @@ class Store:
 
     def _from_fleet(self, namespace: bytes, hashes: Sequence[bytes]) -> None:
         """Bring the blocks after the local prefix of `hashes` that the fleet holds into the
-        persistent tier (verified, like a put), so a read or pin serves them like any
-        other. Nothing happens without a fleet, or when the local tiers have them all.
+        arena (or, without room there, the persistent tier), verified, like a save, so a
+        read or pin serves them like any other. Nothing happens without a fleet, or when
+        the local tiers have them all.
 
         In batches of about _FLEET_FETCH_BYTES: while one batch is stored, the next is
         fetched (on the fleet's fetch thread), so a request holds at most two batches
@@ -381,7 +387,7 @@ class Store:
         keys = [(namespace, h) for h in hashes[n : n + _FLEET_FIRST_BATCH]]
         got = fetch(keys)
         while got.blocks:
-            blocks, width = got.blocks, len(got.layers)
+            blocks = got.blocks
             n += len(blocks)
             ahead = None
             if len(blocks) == len(keys) and n < len(hashes):  # the fleet may hold more: fetch it meanwhile
@@ -389,17 +395,7 @@ class Store:
                 keys = [(namespace, h) for h in hashes[n : n + batch]]
                 ahead = self._fleet_fetcher.submit(fetch, keys) if self._fleet_fetcher is not None else None
             try:
-                result = self._fleet_into_arena(namespace, got) if self.memory is not None else None
-                if result is None:  # no arena, or no room in it: a put to the persistent tier
-                    result = self.put(
-                        namespace,
-                        blocks[0].meta.parent_hash,
-                        [b.meta.block_hash for b in blocks],
-                        got.layers,
-                        [[b.layers[k] for b in blocks] for k in range(width)],
-                        [[b.meta.checksums[k] for b in blocks] for k in range(width)],
-                        to_fleet=False,
-                    )
+                result = self._fleet_hit(namespace, got)
             except (StoreError, StorageError) as exc:
                 log.info("%d blocks found in the fleet are not stored here: %s", len(blocks), exc)
                 if ahead is not None:
@@ -411,25 +407,29 @@ class Store:
                 return  # the fleet's part of the prefix ended in this batch
             got = ahead.result()
 
-    def _fleet_into_arena(self, namespace: bytes, got: BlockPrefix) -> PutResult | None:
-        """Blocks fetched from the fleet (verified as they were decoded) straight into the
-        arena, committed like a save: the load that asked for them finds them in memory,
-        and write-behind persists them afterwards, off the request path. None when the arena
-        has no room (or the blocks mix checksum kinds): the caller puts them instead."""
-        memory = self.memory
-        blocks = got.blocks
+    def _fleet_hit(self, namespace: bytes, got: BlockPrefix) -> PutResult:
+        """Blocks fetched from the fleet (verified as they were decoded) stored like a save:
+        straight into the arena, so the load that asked for them finds them in memory and
+        write-behind persists them off the request path; a put to the persistent tier when
+        the arena has no room (or the blocks mix checksum kinds). Never back to the fleet."""
+        blocks, width = got.blocks, len(got.layers)
         kinds = {b.meta.checksum_kind for b in blocks}
-        if memory is None or len(kinds) != 1:
-            return None
-        result = self._into_arena(
-            memory, namespace, got.layers, [b.meta.block_hash for b in blocks],
-            [b.meta.parent_hash for b in blocks], lambda i, k: blocks[i].layers[k],
-            [c for b in blocks for c in b.meta.checksums], kinds.pop(), to_fleet=False,
+        if self.memory is not None and len(kinds) == 1:
+            hashes = [b.meta.block_hash for b in blocks]
+            parents = [b.meta.parent_hash for b in blocks]
+            into = self._into_arena(
+                namespace, got.layers, hashes, parents, lambda i, k: blocks[i].layers[k],
+                [b.meta.checksums for b in blocks], kinds.pop(), to_fleet=False,
+            )  # fmt: skip
+            if into is not None:
+                return into
+        return self.put(
+            namespace, blocks[0].meta.parent_hash, [b.meta.block_hash for b in blocks], got.layers,
+            [[b.layers[k] for b in blocks] for k in range(width)],
+            [[b.meta.checksums[k] for b in blocks] for k in range(width)], to_fleet=False,
         )  # fmt: skip
-        if result is not None and self._writer is not None:
-            self._writer.wake()
-        return result
 
+    # ---- the way in
     def put(
         self,
         namespace: bytes,
@@ -444,7 +444,7 @@ class Store:
         token_ids: Sequence[int] = (),
         subset: tuple[int, ...] | None = None,
     ) -> PutResult:
-        """Store blocks; data[layer][block] is one block's bytes of one layer.
+        """Store blocks in the persistent tier; data[layer][block] is one block's bytes of one layer.
 
         `checksums[layer][block]` may come precomputed (the servicer sums each
         chunk as it arrives, outside the commit lock); else they are computed here.
@@ -458,71 +458,145 @@ class Store:
                 namespace, parent_hash, hashes, layers, subset, lambda k, i: data[k][i], token_ids=token_ids,
                 sums=None if checksums is None else lambda k, i: checksums[k][i],
             )  # fmt: skip
-        block_bytes = sum(layer.nbytes for layer in layers)
-        chain = {(namespace, h) for h in hashes}
-        if parent_hash:
-            chain.add((namespace, parent_hash))
-        with self._commit_lock:
-            with self._lock:
-                if self._closed:
-                    raise ShuttingDown("the store is closed")
-                fresh = [i for i, h in enumerate(hashes) if self._index.get(namespace, h) is None]
-                if fresh and parent_hash:
-                    self._check_acyclic(namespace, parent_hash, hashes)
-                incoming = block_bytes * len(fresh)
-                if incoming > self.capacity_bytes:
-                    raise CapacityError(
-                        f"put of {incoming} bytes exceeds the store's capacity of {self.capacity_bytes} bytes"
-                    )
-                victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
-                self._emit_removed(victims)
-                self.counters.evictions += len(victims)
-                fits = self._index.bytes_used + incoming <= self.capacity_bytes
-            if not fits:
-                self.tiers.delete(victims)
-                raise CapacityError("not enough evictable data to make room for this put")
-            now = time.time()
+        spec = tuple(layers)
+        parents = _chained(parent_hash, hashes)
+        tokens = _block_tokens(token_ids, len(hashes), range(len(hashes)))
+
+        def place(
+            fresh: list[int], victims: list[BlockKey], protect: set[BlockKey], now: float
+        ) -> tuple[str, list[BlockKey]]:
             writes = [
                 BlockWrite(
                     BlockMeta(
-                        namespace=namespace,
-                        block_hash=hashes[i],
-                        parent_hash=hashes[i - 1] if i else parent_hash,
-                        layers=tuple(layers),
-                        checksums=tuple(
+                        namespace,
+                        hashes[i],
+                        parents[i],
+                        spec,
+                        tuple(
                             checksums[k][i] if checksums is not None else checksum(data[k][i])
-                            for k in range(len(layers))
+                            for k in range(len(spec))
                         ),
-                        created_at=now,
-                    ),
-                    [data[k][i] for k in range(len(layers))],
+                        now,
+                    ),  # fmt: skip
+                    [data[k][i] for k in range(len(spec))],
                     joined[i] if joined is not None else None,
                 )
                 for i in fresh
             ]
-            extra = self._write(writes, victims, chain)
-            with self._lock:
-                for w in writes:
-                    m = w.meta
-                    self._index.add(namespace, m.block_hash, m.parent_hash, block_bytes, now, len(layers))
-                self.counters.puts += 1
-                self.counters.blocks_written += len(writes)
-                self.counters.bytes_written += incoming
-                if writes and to_fleet and self._fleet_writer is not None:
-                    self._fleet_writer.add([w.meta.key for w in writes], block_bytes)
-                if writes:
-                    tokens = _block_tokens(token_ids, len(hashes), fresh)
-                    for listener in self._listeners:
-                        listener(
-                            "stored",
-                            namespace,
-                            [w.meta.block_hash for w in writes],
-                            [w.meta.parent_hash for w in writes],
-                            tokens,
-                            PERSISTENT,
-                        )
-                self._changed.notify_all()
-        return PutResult(len(writes), len(hashes) - len(writes), incoming, len(victims) + len(extra))
+            return PERSISTENT, self._write(writes, victims, protect)
+
+        admission = Admission("put", namespace, parent_hash, hashes, parents, spec, tokens, to_fleet=to_fleet)
+        with self._commit_lock:
+            return self._admit(admission, place)
+
+    def _admit(self, blocks: Admission, place: Place) -> PutResult:
+        """The one way into the store (caller holds the commit lock): refuse a closed
+        store, a cycle, what exceeds the capacity; make room by evicting (chain tails
+        first, never the blocks' own chain); `place` the blocks the index lacks in their
+        tier; index and announce them."""
+        ns, hashes, spec = blocks.namespace, blocks.hashes, blocks.layers
+        block_bytes = sum(layer.nbytes for layer in spec)
+        chain = {(ns, h) for h in hashes} | ({(ns, blocks.parent_hash)} if blocks.parent_hash else set())
+        self._drop_evicted()
+        with self._lock:
+            if self._closed:
+                raise ShuttingDown("the store is closed")
+            fresh = [i for i, h in enumerate(hashes) if self._index.get(ns, h) is None]
+            if fresh and blocks.parent_hash:
+                self._check_acyclic(ns, blocks.parent_hash, hashes)
+            incoming = block_bytes * len(fresh)
+            if incoming > self.capacity_bytes:
+                raise CapacityError(f"{blocks.what} of {incoming} bytes exceeds the store's capacity "
+                                    f"of {self.capacity_bytes} bytes")  # fmt: skip
+            victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
+            self._emit_removed(victims)
+            self.counters.evictions += len(victims)
+            fits = self._index.bytes_used + incoming <= self.capacity_bytes
+        if not fits:
+            self.tiers.delete(victims)
+            raise CapacityError(f"not enough evictable data to make room for this {blocks.what}")
+        now = time.time()
+        tier, extra = place(fresh, victims, chain, now)
+        with self._lock:
+            for i in fresh:
+                self._index.add(ns, hashes[i], blocks.parents[i], block_bytes, now, len(spec))
+            self.counters.puts += 1
+            self.counters.blocks_written += len(fresh)
+            self.counters.bytes_written += incoming
+            if fresh:
+                if blocks.to_fleet and self._fleet_writer is not None:
+                    self._fleet_writer.add([(ns, hashes[i]) for i in fresh], block_bytes)
+                tokens = [blocks.tokens[i] for i in fresh] if blocks.tokens else None
+                for listener in self._listeners:
+                    listener("stored", ns, [hashes[i] for i in fresh], [blocks.parents[i] for i in fresh],
+                             tokens, tier)  # fmt: skip
+            self._changed.notify_all()
+        return PutResult(
+            len(fresh), blocks.skipped + len(hashes) - len(fresh), incoming, len(victims) + len(extra)
+        )
+
+    def _admit_in_place(
+        self,
+        blocks: Admission,
+        extent: int,
+        extent_blocks: int,
+        positions: Sequence[int],
+        checksums: Sequence[Sequence[int]],
+        kind: str,
+        res: Reservation | None = None,
+    ) -> PutResult:
+        """_admit blocks whose bytes lie in an arena extent the caller holds (a reservation's,
+        or a part group's), block i at positions[i], into the memory tier (committed there:
+        resident, queued for write-behind). Caller holds the commit lock."""
+        memory = self._tier()
+
+        def place(
+            fresh: list[int], victims: list[BlockKey], _: set[BlockKey], now: float
+        ) -> tuple[str, list[BlockKey]]:
+            self.tiers.delete(victims)
+            metas = [(positions[i], BlockMeta(blocks.namespace, blocks.hashes[i], blocks.parents[i],
+                      blocks.layers, tuple(checksums[i]), now, kind), b"") for i in fresh]  # fmt: skip
+            memory.commit_blocks(extent, extent_blocks, metas, now, res)
+            return MEMORY, []
+
+        return self._admit(blocks, place)
+
+    def _into_arena(
+        self,
+        namespace: bytes,
+        layers: tuple[LayerSpec, ...],
+        hashes: list[bytes],
+        parents: list[bytes],
+        data: Callable[[int, int], memoryview | bytes],
+        checksums: Sequence[Sequence[int]],
+        kind: str,
+        tokens: list[list[int]] | None = None,
+        *,
+        to_fleet: bool = True,
+    ) -> PutResult | None:
+        """Blocks whose bytes the daemon holds (`data(block, layer)`) copied into a fresh
+        extent and committed like a reservation. None when the arena has no room for them
+        (nothing changed)."""
+        memory = self._tier()
+        with self._commit_lock:
+            try:
+                res = memory.reserve(prefix=b"", namespace=namespace, parent_hash=parents[0],
+                                     hashes=hashes, parents=parents, layers=layers, token_ids=tokens,
+                                     lease=False)  # fmt: skip
+            except NoRoom as exc:
+                log.debug("blocks go to the persistent tier: %s", exc)
+                return None
+            finally:
+                self._drop_evicted()
+            with memory.committing(res):
+                memory.fill(res, data)
+                admission = Admission("commit", namespace, parents[0], hashes, parents, layers, tokens,
+                                      to_fleet=to_fleet)  # fmt: skip
+                result = self._admit_in_place(admission, res.extent, len(hashes), range(len(hashes)),
+                                              checksums, kind, res)  # fmt: skip
+        if self._writer is not None:
+            self._writer.wake()
+        return result
 
     def put_part(
         self,
@@ -540,12 +614,12 @@ class Store:
         """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k];
         `sums(k, i)`: its xxh3, when the caller has it). `parents`: each block's parent,
         where they are not a chain from `parent_hash`.
-        Blocks already stored are skipped; the others wait in `parts` until puts have
-        covered all their layers, then are stored (_store_whole: in the arena when it has
-        room, else as a put's blocks; the result counts those this part completed).
+        Blocks already stored are skipped; the others wait in `parts` (in place in the
+        arena when it has room) until puts have covered all their layers, then are stored
+        (the result counts those this part completed).
         Raises InvalidPart, or CapacityError when the parts held would exceed the bound."""
         if parents is None:
-            parents = [hashes[i - 1] if i else parent_hash for i in range(len(hashes))]
+            parents = _chained(parent_hash, hashes)
         with self._lock:
             if self._closed:
                 raise ShuttingDown("the store is closed")
@@ -561,85 +635,57 @@ class Store:
                 raise InvalidPart(str(exc)) from exc
             except PartsFull as exc:
                 raise CapacityError(str(exc)) from exc
-        written = skipped = nbytes = evicted = 0
-        for run in _runs(whole):
-            result = self._store_whole(namespace, run)
-            written += result.blocks_written
-            skipped += result.blocks_skipped
-            nbytes += result.bytes_written
-            evicted += result.blocks_evicted
-        return PutResult(written, len(hashes) - len(fresh) + skipped, nbytes, evicted)
+        results = [self._store_whole(namespace, run) for run in _runs(whole)]
+        return _sum(results, len(hashes) - len(fresh))
 
     def _store_whole(self, namespace: bytes, run: list[Whole]) -> PutResult:
-        """Store a chain of blocks that parts made whole: in the arena when there is one and
-        it has room (so the next Pin finds them there; write-behind persists them as any
-        commit's), else as a put to the persistent tier."""
-        layers = run[0].layers
-        memory = self.memory
-        if memory is not None:
-            placed = self._whole_into_arena(memory, namespace, run)
-            if placed is not None:
+        """Store a chain of blocks that parts made whole: committed where they lie when that
+        is the arena, else copied into the arena when it has room (so the next Pin finds
+        them there; write-behind persists them as any commit's), else put to the
+        persistent tier."""
+        first = run[0]
+        hashes, parents = [w.block_hash for w in run], [w.parent for w in run]
+        tokens = [w.tokens or [] for w in run] if all(w.tokens for w in run) else None
+        sums = [w.checksums for w in run]
+        if first.extent is not None:
+            admission = Admission("commit", namespace, first.parent, hashes, parents, first.layers, tokens)
+            try:
+                with self._commit_lock:
+                    return self._admit_in_place(admission, first.extent, first.extent_blocks,
+                                                [w.position for w in run], sums, XXH3)  # fmt: skip
+            finally:
+                for _ in run:
+                    self._let_go(first.extent)
                 if self._writer is not None:
                     self._writer.wake()
-                return placed
-        return self.put(
-            namespace,
-            run[0].parent,
-            [w.block_hash for w in run],
-            layers,
-            [[w.layer(k) for w in run] for k in range(len(layers))],
-            [[w.checksums[k] for w in run] for k in range(len(layers))],
-            token_ids=_run_tokens(run),
-        )
+        if self.memory is not None:
+            into = self._into_arena(namespace, first.layers, hashes, parents, lambda i, k: run[i].layer(k),
+                                    sums, XXH3, tokens)  # fmt: skip
+            if into is not None:
+                return into
+        width = len(first.layers)
+        return self.put(namespace, first.parent, hashes, first.layers,
+                        [[w.layer(k) for w in run] for k in range(width)],
+                        [[w.checksums[k] for w in run] for k in range(width)],
+                        token_ids=[t for block in tokens for t in block] if tokens else ())  # fmt: skip
 
-    def _whole_into_arena(self, memory: MemoryTier, namespace: bytes, run: list[Whole]) -> PutResult | None:
-        """`run` copied into a fresh extent and committed like a reservation; None when the
-        arena has no room for it (nothing changed)."""
-        tokens = [block.tokens or [] for block in run] if all(block.tokens for block in run) else None
-        return self._into_arena(
-            memory, namespace, run[0].layers, [block.block_hash for block in run],
-            [block.parent for block in run], lambda i, k: run[i].layer(k),
-            [c for block in run for c in block.checksums], XXH3, tokens,
-        )  # fmt: skip
-
-    def _into_arena(
-        self,
-        memory: MemoryTier,
-        namespace: bytes,
-        layers: tuple[LayerSpec, ...],
-        hashes: list[bytes],
-        parents: list[bytes],
-        data: Callable[[int, int], memoryview | bytes],
-        checksums: list[int],
-        kind: str,
-        tokens: list[list[int]] | None = None,
-        *,
-        to_fleet: bool = True,
-    ) -> PutResult | None:
-        """Blocks whose bytes the daemon holds (`data(block, layer)`) copied into a fresh
-        extent and committed like a reservation: resident, queued for write-behind,
-        announced. None when the arena has no room for them (nothing changed)."""
-        n = len(hashes)
-        sizes = [layer.nbytes for layer in layers]
-        nbytes = fmt.extent_bytes(sum(sizes), n)
-        if nbytes > memory.allocator.total:
-            return None
+    def _hold_parts(self, layers: tuple[LayerSpec, ...], blocks: int) -> int | None:
+        """An arena extent for `blocks` new blocks put in parts, held once per block (parts
+        ArenaRoom); None when the arena has no room: they wait in the heap."""
+        memory = self._tier()
         with self._commit_lock:
             try:
-                offset = self.tiers.allocate(nbytes, time.time())
+                return memory.hold_extent(fmt.extent_bytes(sum(s.nbytes for s in layers), blocks), blocks,
+                                          time.time(), holds=blocks)  # fmt: skip
             except NoRoom as exc:
-                log.debug("blocks go to the persistent tier: %s", exc)
+                log.debug("parts wait in the heap: %s", exc)
                 return None
-            view = memory.file.view
-            for i in range(n):
-                for k, (at, size) in enumerate(zip(fmt.block_offsets(sizes, n, i), sizes, strict=True)):
-                    view[offset + at : offset + at + size] = data(i, k)
-            res = Reservation(
-                id=0, prefix=b"", namespace=namespace, parent_hash=parents[0], hashes=hashes,
-                parents=parents, request_index=list(range(n)), skipped=0, layers=layers, extent=offset,
-                nbytes=nbytes, expires=0.0, token_ids=tokens,
-            )  # fmt: skip
-            return self._record_taken(memory, res, checksums, kind, to_fleet=to_fleet)
+            finally:
+                self._drop_evicted()
+
+    def _let_go(self, extent: int) -> None:
+        with self._lock:
+            self._tier().unpin_extents([extent])
 
     def _check_acyclic(self, namespace: bytes, parent_hash: bytes, hashes: Sequence[bytes]) -> None:
         # Within a put the chain is linear (hashes are unique); a cycle needs an
@@ -659,7 +705,8 @@ class Store:
     def _write(
         self, writes: list[BlockWrite], victims: list[BlockKey], protect: set[BlockKey]
     ) -> list[BlockKey]:
-        """Write and delete `victims`; return what else had to be evicted.
+        """Write to the persistent tier and delete `victims` from every tier; return what
+        else had to be evicted.
 
         When the backend is full below the byte budget (the filesystem, or LMDB's
         map), eviction gets one chance: as many more bytes as the put brings (and
@@ -668,6 +715,8 @@ class Store:
         pins LMDB's pages): later full writes fail at once, without evicting, until
         a write succeeds. So a full disk never empties the store for puts that fail.
         """
+        if self.memory is not None:
+            self.memory.delete(victims)
         try:
             self.backend.write(writes, victims)
             self._eviction_helps = True
@@ -701,6 +750,8 @@ class Store:
         log.warning("%s; evicted %d more blocks to make room for a put", full, len(extra))
         try:
             self.backend.write(writes, victims + extra)
+            if self.memory is not None:
+                self.memory.delete(extra)
             return extra
         except StorageFullError as exc:
             self._eviction_helps = False
@@ -711,6 +762,7 @@ class Store:
             self.tiers.delete(victims + extra)
             raise
 
+    # ---- reads
     @contextmanager
     def read(
         self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[int] = ()
@@ -829,46 +881,31 @@ class Store:
 
     def _remove_corrupt(self, key: BlockKey) -> None:
         with self._commit_lock:
-            self._remove_corrupt_locked(key)
-
-    def _remove_corrupt_locked(self, key: BlockKey) -> None:
-        with self._lock:
-            if self._index.remove(*key) is not None:
-                self._emit_removed([key])
-        # deleting inside a read snapshot is safe: the snapshot keeps its pages (and an
-        # arena extent being read is pinned)
-        self.tiers.delete([key])
+            with self._lock:
+                if self._index.remove(*key) is not None:
+                    self._emit_removed([key])
+            # deleting inside a read snapshot is safe: the snapshot keeps its pages (and an
+            # arena extent being read is held)
+            self.tiers.delete([key])
 
     def _count_read(self, result: ReadResult) -> None:
         with self._lock:
             used = sum(result.layers[k].nbytes for k in result.used) if result.layers else 0
             self.counters.bytes_read += used * result.num_blocks
 
-    # ---- the memory tier: recovery, reservations, pins (promotion, write-behind: tiers.chain)
-    def _recover_memory(self, memory: MemoryTier) -> None:
-        """Take back the blocks a previous daemon committed to the arena: those the
-        persistent tier has are resident copies; the others wait for write-behind."""
-        recovered = memory.recover(memory.index.scan())
-        queued = 0
-        for placed in recovered:
-            m = placed.meta
-            persisted = self._index.get(*m.key) is not None
-            if not persisted:
-                self._index.add(m.namespace, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
-            memory.place([placed], m.created_at, dirty=not persisted)
-            queued += not persisted
-        if recovered:
-            log.info(
-                "memory tier: recovered %d committed blocks from %s (%d not yet written behind)",
-                len(recovered),
-                memory.file.path,
-                queued,
-            )
-
+    # ---- the memory tier's leases: reserve -> the client writes -> commit or abort
     def _tier(self) -> MemoryTier:
         if self.memory is None:
             raise NoMemoryTier("this daemon runs without a memory tier (--memory 0)")
         return self.memory
+
+    def _drop_evicted(self) -> None:
+        """Drop what the memory tier evicted for room (memory-only blocks: they left the
+        store). Called after every allocation in the arena, and before every admission
+        (under the commit lock: a block evicted and put again is dropped before it is put)."""
+        if self.memory is not None:
+            with self._lock:
+                self._drop(self.memory.take_evicted())
 
     def reserve(
         self,
@@ -886,10 +923,8 @@ class Store:
         partial save of these layers of `layers` (the extent holds only them; see put_part)."""
         memory = self._tier()
         full = tuple(layers)
-        if subset is not None:
-            layers = [full[k] for k in subset]
-        block_bytes = sum(layer.nbytes for layer in layers)
-        now = time.time()
+        carried = full if subset is None else tuple(full[k] for k in subset)
+        block_bytes = sum(layer.nbytes for layer in carried)
         with self._lock:
             if self._closed:
                 raise ShuttingDown("the store is closed")
@@ -898,229 +933,97 @@ class Store:
         if not todo:
             return None
         if block_bytes * len(todo) > self.capacity_bytes:
-            raise CapacityError(
-                f"save of {block_bytes * len(todo)} bytes exceeds the store's capacity of "
-                f"{self.capacity_bytes} bytes"
-            )
+            raise CapacityError(f"save of {block_bytes * len(todo)} bytes exceeds the store's capacity of "
+                                f"{self.capacity_bytes} bytes")  # fmt: skip
         nbytes = fmt.extent_bytes(block_bytes, len(todo))
         if nbytes > memory.allocator.total:
             raise CapacityError(
                 f"a save of {nbytes} bytes does not fit the memory tier ({memory.allocator.total} bytes)"
             )
+        parents = _chained(parent_hash, hashes)
         with self._commit_lock:
             try:
-                offset = self.tiers.allocate(nbytes, now)
+                return memory.reserve(
+                    prefix=prefix, namespace=namespace, parent_hash=parent_hash,
+                    hashes=[hashes[i] for i in todo], parents=[parents[i] for i in todo], layers=carried,
+                    request_index=todo, skipped=len(hashes) - len(todo),
+                    token_ids=_block_tokens(token_ids, len(hashes), todo), subset=subset, full_layers=full,
+                )  # fmt: skip
             except NoRoom as exc:
                 raise CapacityError(str(exc)) from exc
-            with self._lock:
-                res = Reservation(
-                    id=memory.new_id(),
-                    prefix=prefix,
-                    namespace=namespace,
-                    parent_hash=parent_hash,
-                    hashes=[hashes[i] for i in todo],
-                    parents=[hashes[i - 1] if i else parent_hash for i in todo],
-                    request_index=todo,
-                    token_ids=_block_tokens(token_ids, len(hashes), todo),
-                    skipped=len(hashes) - len(todo),
-                    layers=tuple(layers),
-                    extent=offset,
-                    nbytes=nbytes,
-                    expires=time.monotonic() + memory.lease_seconds,
-                    subset=subset,
-                    full_layers=full,
-                )
-                memory.reservations[res.id] = res
-                memory.counters.reservations += 1
-        return res
+            finally:
+                self._drop_evicted()
 
     def commit(
         self, prefix: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
     ) -> PutResult:
         """Make a reservation's blocks visible, all or nothing; `checksums` block-major, of
-        `kind` (kvstore.blocks.CHECKSUMS)."""
+        `kind` (kvstore.blocks.CHECKSUMS). A partial save's layers go to its blocks' parts."""
         memory = self._tier()
         if kind not in CHECKSUMS:
             raise InvalidCommit(f"unknown checksum kind {kind!r}; known: {', '.join(CHECKSUMS)}")
         with self._lock:
-            part = memory.reservations.get(reservation_id)
-            if part is not None and part.prefix == prefix and part.subset is not None:
-                self._check_commit(part, checksums)
-                memory.take_reservation(reservation_id, prefix)
-                subset = part.subset
+            res = memory.reservation(reservation_id, prefix)
+            if res is None:
+                raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
+            n, width = len(res.hashes), len(res.layers)
+            if len(checksums) != n * width:
+                raise InvalidCommit(f"a commit of {n} blocks of {width} layers needs {n * width} checksums, "
+                                    f"not {len(checksums)}")  # fmt: skip
+            memory.take_reservation(reservation_id, prefix)
+        with memory.committing(res):
+            if res.subset is not None:
+                result = self._commit_part(memory, res, checksums, kind)
             else:
-                part = subset = None
-        if part is not None and subset is not None:  # its blocks are put (taking the commit lock) when whole
-            return self._commit_part(memory, part, subset, checksums, kind)
-        with self._commit_lock:
-            with self._lock:
-                res = memory.reservations.get(reservation_id)
-                if res is None or res.prefix != prefix:
-                    raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
-                self._check_commit(res, checksums)
-                memory.take_reservation(reservation_id, prefix)
-            result = self._record_taken(memory, res, checksums, kind)
-            with self._lock:
-                memory.counters.commits += 1
+                sums = [checksums[i * width : (i + 1) * width] for i in range(n)]
+                admission = Admission("commit", res.namespace, res.parent_hash, res.hashes, res.parents,
+                                      res.layers, res.token_ids, res.skipped)  # fmt: skip
+                with self._commit_lock:
+                    result = self._admit_in_place(admission, res.extent, n, range(n), sums, kind, res)
+        with self._lock:
+            memory.counters.commits += 1
         if self._writer is not None:
             self._writer.wake()
         return result
 
-    def _record_taken(
-        self,
-        memory: MemoryTier,
-        res: Reservation,
-        checksums: Sequence[int],
-        kind: str,
-        *,
-        to_fleet: bool = True,
-    ) -> PutResult:
-        """Make a taken reservation's blocks visible (under the commit lock): recorded in
-        the arena's index, queued for write-behind, announced; its extent is freed when
-        nothing of it was placed or the records failed."""
-        recorded = False
-        try:
-            placed, victims, incoming = self._commit_records(memory, res, checksums, kind)
-            recorded = True
-        finally:
-            if not recorded:  # whatever failed, the reservation is gone: its space comes back
-                with self._lock:
-                    memory.allocator.free(res.extent, res.nbytes)
-        ns, n = res.namespace, len(res.hashes)
-        with self._lock:
-            if placed:
-                for p in placed:
-                    m = p.meta
-                    self._index.add(ns, m.block_hash, m.parent_hash, m.size, m.created_at, len(m.layers))
-                memory.place(placed, placed[0].meta.created_at, dirty=True)
-                if self._fleet_writer is not None and to_fleet:
-                    self._fleet_writer.add([p.meta.key for p in placed], placed[0].meta.size)
-                tokens = [res.token_ids[p.position] for p in placed] if res.token_ids else None
-                for listener in self._listeners:
-                    listener("stored", ns, [p.meta.block_hash for p in placed],
-                             [p.meta.parent_hash for p in placed], tokens, MEMORY)  # fmt: skip
-            else:
-                memory.allocator.free(res.extent, res.nbytes)
-            self.counters.puts += 1
-            self.counters.blocks_written += len(placed)
-            self.counters.bytes_written += incoming
-            self._changed.notify_all()
-        return PutResult(len(placed), res.skipped + n - len(placed), incoming, len(victims))
-
-    @staticmethod
-    def _check_commit(res: Reservation, checksums: Sequence[int]) -> None:
-        if len(checksums) != len(res.hashes) * len(res.layers):
-            raise InvalidCommit(
-                f"a commit of {len(res.hashes)} blocks of {len(res.layers)} layers needs "
-                f"{len(res.hashes) * len(res.layers)} checksums, not {len(checksums)}"
-            )
-
     def _commit_part(
-        self,
-        memory: MemoryTier,
-        res: Reservation,
-        subset: tuple[int, ...],
-        checksums: Sequence[int],
-        kind: str,
-    ) -> PutResult:
-        """A taken reservation of a partial save: its parts go to `parts` (copied out of the
-        extent, which is then freed), and the blocks they complete are stored."""
-        try:
-            sizes = [layer.nbytes for layer in res.layers]
-            n, width, view = len(res.hashes), len(res.layers), memory.file.view
-            starts = fmt.layer_starts(sizes)
-
-            def data(k: int, i: int) -> memoryview:
-                at = res.extent + n * starts[k] + i * sizes[k]
-                return view[at : at + sizes[k]]
-
-            if kind == XXH3:  # what the client summed is what the arena holds (a torn write fails)
-                for i in range(n):
-                    for k in range(width):
-                        if checksum(data(k, i)) != checksums[i * width + k]:
-                            raise InvalidCommit(
-                                f"block {res.hashes[i].hex()} layer {res.layers[k].name!r}: the bytes "
-                                "in the arena do not match the commit's checksum"
-                            )
-            tokens = [t for block in res.token_ids for t in block] if res.token_ids else ()
-            result = self.put_part(
-                res.namespace, res.parent_hash, res.hashes, res.full_layers, subset, data,
-                token_ids=tokens, parents=res.parents,
-                sums=(lambda k, i: checksums[i * width + k]) if kind == XXH3 else None,  # verified above
-            )  # fmt: skip
-        finally:  # whatever happened, the reservation is gone: its space comes back
-            with self._lock:
-                memory.allocator.free(res.extent, res.nbytes)
-        with self._lock:
-            memory.counters.commits += 1
-        return PutResult(result.blocks_written, res.skipped + result.blocks_skipped, result.bytes_written,
-                         result.blocks_evicted)  # fmt: skip
-
-    def _commit_records(
         self, memory: MemoryTier, res: Reservation, checksums: Sequence[int], kind: str
-    ) -> tuple[list[Placed], list[BlockKey], int]:
-        """A taken reservation's blocks the index lacks, made room for and recorded in the
-        arena's index: (their placements, the blocks evicted for them, their bytes). Raises
-        with nothing changed but the evictions."""
-        ns = res.namespace
-        with self._lock:
-            fresh = [i for i, h in enumerate(res.hashes) if self._index.get(ns, h) is None]
-            if fresh and res.parent_hash:
-                self._check_acyclic(ns, res.parent_hash, res.hashes)
-            incoming = sum(layer.nbytes for layer in res.layers) * len(fresh)
-            if incoming > self.capacity_bytes:  # (capacity is checked at reserve too)
-                raise CapacityError(
-                    f"commit of {incoming} bytes exceeds the store's capacity of {self.capacity_bytes} bytes"
-                )
-            chain = {(ns, h) for h in res.hashes} | ({(ns, res.parent_hash)} if res.parent_hash else set())
-            victims = eviction.make_room(self._index, incoming, self.capacity_bytes, chain)
-            self._emit_removed(victims)
-            self.counters.evictions += len(victims)
-            fits = self._index.bytes_used + incoming <= self.capacity_bytes
-        self.tiers.delete(victims)
-        if not fits:
-            raise CapacityError("not enough evictable data to make room for this commit")
-        now = time.time()
+    ) -> PutResult:
+        """A partial save's reservation: its layers are copied into their blocks' one extent
+        (parts, in place), and the blocks they complete are committed there."""
         n, width = len(res.hashes), len(res.layers)
-        packed = wire.pack_checksums(checksums)
-        placed = [
-            Placed(
-                BlockMeta(
-                    ns,
-                    res.hashes[i],
-                    res.parents[i],
-                    res.layers,
-                    tuple(checksums[i * width : (i + 1) * width]),
-                    now,
-                    kind,
-                ),  # fmt: skip
-                res.extent,
-                n,
-                i,
-                packed[8 * i * width : 8 * (i + 1) * width],
-            )
-            for i in fresh
-        ]
-        memory.index.put(placed)
-        return placed, victims, incoming
+        view = memory.views(res.extent, res.layers, n)
+        if kind == XXH3:  # what the client summed is what the arena holds (a torn write fails)
+            for i in range(n):
+                for k in range(width):
+                    if checksum(view(i, k)) != checksums[i * width + k]:
+                        raise InvalidCommit(
+                            f"block {res.hashes[i].hex()} layer {res.layers[k].name!r}: the bytes "
+                            "in the arena do not match the commit's checksum"
+                        )
+        tokens = [t for block in res.token_ids for t in block] if res.token_ids else ()
+        if res.subset is None:
+            raise ValueError("not a partial save's reservation")
+        result = self.put_part(
+            res.namespace, res.parent_hash, res.hashes, res.full_layers, res.subset, lambda k, i: view(i, k),
+            token_ids=tokens, parents=res.parents,
+            sums=(lambda k, i: checksums[i * width + k]) if kind == XXH3 else None,  # verified above
+        )  # fmt: skip
+        return _sum([result], res.skipped)
 
     def abort(self, prefix: bytes, reservation_id: int) -> None:
-        memory = self._tier()
-        with self._lock:
-            res = memory.take_reservation(reservation_id, prefix)
-            if res is None:
-                raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
-            memory.allocator.free(res.extent, res.nbytes)
-            memory.counters.aborts += 1
+        if not self._tier().abort(reservation_id, prefix):
+            raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
 
+    # ---- pins: pin -> the client reads -> release
     def pin(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
         """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
         persistent tier holds, and waiting for them) for the lease; a miss pins nothing
         (pin_id 0)."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
-        left_out = self.tiers.promote(keys, now) if cold else None
-        return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out, {})
+        started = self._started(self.tiers.promote(keys, now)) if cold else Started()
+        return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out, {})
 
     def pin_stream(
         self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]
@@ -1133,13 +1036,13 @@ class Store:
         when the iteration ends or is closed."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
-        started = self.tiers.promote_start(keys, now) if cold else None
-        promotion = started if isinstance(started, Promotion) else None
-        left_out = started if isinstance(started, tuple) else None
+        started = self._started(self.tiers.promote_start(keys, now)) if cold else Started()
+        promotion = started.promotion
         finished = False
         try:
             pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
-            result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out, pending)
+            result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out,
+                                  pending)  # fmt: skip
             if promotion is None or not any(k in pending for k in keys[: result.num_blocks]):
                 yield result  # every pinned block is in place
                 return
@@ -1158,6 +1061,11 @@ class Store:
         finally:
             if promotion is not None and not finished:
                 promotion.finish()
+
+    def _started(self, started: Started) -> Started:
+        """Drop what a promotion's room took out of the store."""
+        self._drop_evicted()
+        return started
 
     def _pin_prefix(
         self, memory: MemoryTier, namespace: bytes, hashes: Sequence[bytes]
@@ -1186,85 +1094,46 @@ class Store:
         left_out: tuple[BlockKey, str] | None,
         pending: dict[BlockKey, Placed],
     ) -> PinResult:
-        """Pin the leading `keys` that are resident (or `pending`: a promotion's, still
-        being read) with one layer set, for the lease."""
+        """Pin the leading `keys` that are still stored and resident (or `pending`: a
+        promotion's, still being read) with one layer set, for the lease."""
         with self._lock:
-            # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
-            spans: list[list[int]] = []
-            sums: list[bytes] = []  # each block's, packed (Placed.sums)
-            kinds: list[str] = []
-            layers: tuple[LayerSpec, ...] = ()
-            resident = memory.resident
-            for key in keys:
-                placed = resident.get(key) or pending.get(key)
-                if placed is None or self._index.get(*key) is None:
-                    if left_out is not None and left_out[0] == key:  # the promotion left it out
-                        stop = left_out[1]
-                    else:  # gone since the prefix was found, or not brought into memory
-                        stop = STOP_EVICTED if self._index.get(*key) is None else STOP_NO_ROOM
-                    break
-                meta = placed.meta
-                if layers is not meta.layers:  # layouts are interned: one tuple per layout
-                    if layers and meta.layers != layers:
-                        stop = STOP_LAYER_SET_DIFFERS
-                        break
-                    layers = meta.layers
-                last = spans[-1] if spans else None
-                if last is not None and last[0] == placed.extent and last[2] + last[3] == placed.position:
-                    last[3] += 1
-                else:
-                    spans.append([placed.extent, placed.extent_blocks, placed.position, 1])
-                sums.append(placed.sums)
-                kinds.append(meta.checksum_kind)
-            runs = [Run(*span) for span in spans]
-            if not runs:
-                _log_short("pin", namespace, hashes, 0, stop)
-                return PinResult(0, (), [], b"", 0, memory.lease_seconds, stop=stop)
-            extents = list(dict.fromkeys(run.extent for run in runs))
-            memory.pin_extents(extents, now)
-            pin_id = memory.new_id()
-            memory.pins[pin_id] = Pin(
-                pin_id, prefix, namespace, extents, time.monotonic() + memory.lease_seconds
-            )
-            memory.counters.pins += 1
-            got = sum(run.count for run in runs)
-            promoted = len(set(cold).intersection(keys[:got]))
-            memory.counters.memory_hit_blocks += got - promoted
-            memory.counters.persistent_hit_blocks += promoted
-            self.counters.bytes_read += got * sum(layer.nbytes for layer in layers)
+            stored = 0
+            while stored < len(keys) and self._index.get(*keys[stored]) is not None:
+                stored += 1
+            pinned = memory.pin(prefix, namespace, keys[:stored], pending, now)
+            got = pinned.num_blocks
+            if got < len(keys):
+                key = keys[got]
+                if pinned.layout_differs:
+                    stop = STOP_LAYER_SET_DIFFERS
+                elif left_out is not None and left_out[0] == key:  # the promotion left it out
+                    stop = left_out[1]
+                else:  # gone since the prefix was found, or not brought into memory
+                    stop = STOP_EVICTED if self._index.get(*key) is None else STOP_NO_ROOM
+            if got:
+                promoted = len(set(cold).intersection(keys[:got]))
+                memory.counters.memory_hit_blocks += got - promoted
+                memory.counters.persistent_hit_blocks += promoted
+                self.counters.bytes_read += got * sum(layer.nbytes for layer in pinned.layers)
         _log_short("pin", namespace, hashes, got, stop)
-        return PinResult(pin_id, layers, runs, b"".join(sums), got, memory.lease_seconds, kinds, stop)
+        return PinResult(pinned.pin_id, pinned.layers, pinned.runs, pinned.sums, got, memory.lease_seconds,
+                         pinned.kinds, stop)  # fmt: skip
 
     def release(self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = ()) -> bool:
         """End a pin; `corrupt`: blocks the client found failing their checksum (verified
         here again, and removed if so). False: the pin had already expired."""
         memory = self._tier()
-        with self._lock:
-            pin = memory.pins.get(pin_id)
-            if pin is None or pin.prefix != prefix:
-                found, namespace = False, b""
-            else:
-                found, namespace = True, pin.namespace
-        if found and corrupt:
-            self._check_reported(memory, namespace, corrupt)
-        with self._lock:
-            memory.release_pin(pin_id, prefix)
-        return found
-
-    def _check_reported(self, memory: MemoryTier, namespace: bytes, hashes: Sequence[bytes]) -> None:
-        for block_hash in hashes:
-            key = (namespace, block_hash)
-            with self._lock:
-                placed = memory.resident.get(key)
-                if placed is None:
-                    continue
-                bad = memory.block(placed).corrupt_layer() is not None
-            if bad:
+        namespace = memory.pin_owner(pin_id, prefix)
+        if namespace is not None and corrupt:
+            for key in memory.corrupt([(namespace, h) for h in corrupt]):
                 log.error("block %s fails its checksum in the memory tier (reported by a client): removed",
-                          block_hash.hex())  # fmt: skip
+                          key[1].hex())  # fmt: skip
                 with self._lock:
                     self.counters.checksum_failures += 1
                 self._remove_corrupt(key)
+        with self._lock:
+            memory.release_pin(pin_id, prefix)
+        return namespace is not None
 
     # ---- operators
     def evict(self, select: Callable[[PrefixIndex], list[BlockKey]]) -> tuple[int, int]:
@@ -1375,6 +1244,12 @@ class Store:
         with self._lock:
             self._listeners.append(listener)
 
+    def _drop(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks a tier evicted: out of the index, announced (caller holds the lock)."""
+        gone = [key for key in keys if self._index.remove(*key) is not None]
+        self._emit_removed(gone)
+        self.counters.evictions += len(gone)
+
     def _emit_removed(self, keys: Sequence[BlockKey]) -> None:
         if self._taken:  # a block gone no longer needs its partial takes remembered
             for key in keys:
@@ -1407,19 +1282,3 @@ class Store:
             with self._lock:
                 self._closed = True
             self.tiers.close()
-
-    # ---- what the chain of tiers asks of the index (tiers.chain.Owner)
-    def indexed(self, key: BlockKey) -> bool:
-        return self._index.get(*key) is not None
-
-    def drop_evicted(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            self._index.remove(*key)
-        self._emit_removed(keys)
-        self.counters.evictions += len(keys)
-
-    def remove_corrupt(self, key: BlockKey) -> None:
-        self._remove_corrupt_locked(key)
-
-    def count_checksum_failures(self, n: int) -> None:
-        self.counters.checksum_failures += n

@@ -24,6 +24,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
+from kvstore_server.errors import CapacityError, NoFleet, NoMemoryTier, ShuttingDown
 from kvstore_server.events import STORED, Event, EventLog
 from kvstore_server.idle import IdleReclaim
 from kvstore_server.kv_events import KVEventsPublisher
@@ -39,15 +40,7 @@ from kvstore_server.rpc.validation import (
     check_namespace,
     check_record_size,
 )
-from kvstore_server.store import (
-    CapacityError,
-    NoFleet,
-    NoMemoryTier,
-    PinResult,
-    ReadResult,
-    ShuttingDown,
-    Store,
-)
+from kvstore_server.store import PinResult, ReadResult, Store
 from kvstore_server.tiers import LayerSpec
 from kvstore_server.tiers.arena import MemoryTier
 

@@ -32,9 +32,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvstore import wire
-from kvstore_server.events import EventsOutOfRange
-from kvstore_server.putbuffer import MalformedPut
-from kvstore_server.store import (
+from kvstore_server.errors import (
     CapacityError,
     FleetUnavailable,
     InvalidChain,
@@ -47,6 +45,8 @@ from kvstore_server.store import (
     ShuttingDown,
     WaitTimeout,
 )
+from kvstore_server.events import EventsOutOfRange
+from kvstore_server.putbuffer import MalformedPut
 from kvstore_server.tiers import StorageError
 
 if TYPE_CHECKING:

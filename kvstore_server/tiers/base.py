@@ -1,24 +1,34 @@
-"""The storage interface: what a backend stores and the five things it does.
+"""The storage interface: the `Tier` every tier implements, and the persistent `Backend`.
 
-A backend persists whole blocks: one byte string per layer plus a small
-metadata record (namespace, hash, parent, layer specs, per-layer checksums,
-creation time). It knows nothing about prefixes, capacity or eviction policy;
-`kvstore_server.store.Store` owns those; it and the chain of tiers
-(tiers.chain.TierChain) call the backend from gRPC worker threads and the
-write-behind thread, never from an event loop.
+A tier stores whole blocks: one byte string per layer plus a small metadata record
+(namespace, hash, parent, layer specs, per-layer checksums, creation time). It
+knows nothing about prefixes, capacity or eviction policy: `kvstore_server.store.
+Store` owns those. The chain of tiers (tiers.chain.TierChain) and the store call
+tiers from gRPC worker threads, the write-behind threads and the I/O pools, never
+from an event loop. Three kinds implement `Tier`: the memory tier (tiers.arena.
+MemoryTier), the persistent tier (a `Backend`: tiers.lmdb, tiers.disk) and the fleet
+(tiers.fleet.FleetTier).
 
+`Tier`, in the order a block meets it:
+    stored_prefix(keys)  how many leading keys the tier holds, without reading them; called
+                      per lookup (the fleet's within its short deadline), side-effect free
+    read(keys)        the read lease: a context manager yielding each block (None: missing
+                      or unreadable) whose layer views stay valid inside it; per Get,
+                      DropSelect, Describe, fleet copy and fetch
+    write(puts, dels) delete `dels`, then store `puts`; durable against a process kill on
+                      return (the fleet: once Redis answered); per admission, write-behind
+                      batch, fleet copy. Raises StorageFullError when out of room
+    delete(keys)      remove blocks the store dropped; unknown keys are ignored; never
+                      called on the fleet for local removals (other hosts use it)
+    close()           release files and connections; called exactly once, last
+
+A `Backend` (the persistent tier) also:
     scan()            once at start: every stored block's metadata, to rebuild the index
-    write(puts, dels) atomically (per backend's promise) delete `dels` and store `puts`;
-                      durable against a process kill on return
-    read(keys)        context manager yielding the blocks' metadata and layer views
     locate(keys)      context manager yielding a handle per block (its `.meta`; None where
-                      missing) for read_into, valid inside the context
-    read_into(h, views)  read a located block's layers into `views` (a future; on the
-                      backend's I/O threads where it has them)
-    stored_prefix(keys)  how many leading keys are stored (same-host lookups)
-    delete(keys)      remove blocks; unknown keys are ignored
+                      missing) for read_into, valid inside the context (promotions)
+    read_into(h, t)   read a located block's layers into `t` (a future; on the backend's
+                      I/O threads where it has them); read_batch(reads): several as one task
     release_memory()  drop what is held only as a cache (when idle; optional)
-    close()           release files; called exactly once
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ __all__ = [
     "StorageError",
     "StorageFullError",
     "StoredBlock",
+    "Tier",
     "checksum",
 ]
 
@@ -99,8 +110,38 @@ class BlockWrite:
         return self.pieces.views()
 
 
+class Tier(Protocol):
+    """One tier of the chain (see the module docstring for when each method is called).
+    Thread-safe: called from many threads at once."""
+
+    name: str
+
+    def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading `keys` the tier holds, without reading their data."""
+        ...
+
+    def read(self, keys: Sequence[BlockKey]) -> AbstractContextManager[list[StoredBlock | None]]:
+        """The read lease: blocks in `keys` order, None for a missing or unreadable one;
+        their views are valid until the context exits."""
+        ...
+
+    def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        """Delete `deletes`, then store `puts`. Raises StorageFullError when out of room,
+        StorageError when the tier fails."""
+        ...
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """Remove blocks; unknown keys are ignored."""
+        ...
+
+    def close(self) -> None:
+        """Release the tier; called exactly once, after the last other call."""
+        ...
+
+
 class Backend(ABC):
-    """One storage engine. Thread-safe: the store calls it from many threads."""
+    """The persistent tier: a `Tier` that rebuilds the store's index at start (scan) and
+    reads straight into the memory tier (locate, read_into, read_batch). Thread-safe."""
 
     name: str
 

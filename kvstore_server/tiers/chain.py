@@ -7,14 +7,18 @@ A block is read from the first tier that holds it (`read`); a load through the
 arena copies what only the persistent tier holds into a new extent (`promote`);
 blocks committed to the arena reach the persistent tier through `write_behind_once`
 (called by tiers.writeback's thread); `delete` removes blocks from every tier; the
-arena makes room by evicting its least recently used extents (`allocate`).
+memory tier makes room by evicting its least recently used extents.
 
-The chain knows which tier has a block, never whether a block is in the store:
-the store's prefix index says that (`Owner`). The store's two locks are shared:
-`lock` guards the memory tier's state (and the owner's index), held only for
-in-memory work; `commit_lock` serialises everything that changes a tier's
-contents, so the index and the tiers change together. Methods say which lock the
-caller must hold; the others take what they need.
+The chain knows which tier has a block; whether a block is in the store, the
+store's prefix index says (`index`: read here, never changed). What the chain
+finds it returns (`Started`, `verified_prefix`: the block that failed its checksum);
+memory-only blocks the memory tier evicts for room the store takes from it
+(MemoryTier.take_evicted); the store drops both from its index and announces them.
+The locks are the store's:
+the memory tier's `lock` guards its state and the index, held only for in-memory
+work; `commit_lock` serialises everything that changes a tier's contents, so the
+index and the tiers change together. Methods say which lock the caller must hold;
+the others take what they need.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import (
@@ -36,8 +39,9 @@ from kvstore.blocks import (
     BlockPrefix,
     leading_blocks,
 )
+from kvstore_server.index import PrefixIndex
 from kvstore_server.rates import Rate
-from kvstore_server.tiers.arena import ArenaError, Extent, MemoryTier, Placed
+from kvstore_server.tiers.arena import ArenaError, MemoryTier, NoRoom, Placed
 from kvstore_server.tiers.base import (
     Backend,
     BlockKey,
@@ -54,27 +58,15 @@ from kvstore_server.tiers.fleet import FleetTier
 log = logging.getLogger(__name__)
 
 
-class NoRoom(Exception):
-    """The memory tier cannot make room: the rest is pinned, reserved or waiting to be
-    written behind."""
+@dataclass(frozen=True, slots=True)
+class Started:
+    """What TierChain.promote_start did: the promotion under way (its `finish` must be
+    called), and the first block left out and why (kvstore.blocks.STOP_*; None: none).
+    The memory-only blocks its room evicted the store takes from the memory tier
+    (MemoryTier.take_evicted)."""
 
-
-class Owner(Protocol):
-    """What the chain asks of the store that owns the prefix index."""
-
-    def indexed(self, key: BlockKey) -> bool:
-        """Whether the store holds `key` (caller holds the lock)."""
-
-    def drop_evicted(self, keys: Sequence[BlockKey]) -> None:
-        """The memory tier evicted these memory-only blocks: they leave the store (caller
-        holds the lock)."""
-
-    def remove_corrupt(self, key: BlockKey) -> None:
-        """A block failed its checksum: out of the index and every tier (caller holds the
-        commit lock)."""
-
-    def count_checksum_failures(self, n: int) -> None:
-        """Caller holds the lock."""
+    promotion: Promotion | None = None
+    left_out: tuple[BlockKey, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +155,7 @@ class Promotion:
         memory: MemoryTier,
         cold: list[BlockKey],
         located: list[Located],
-        extent: Extent,
+        extent: int,
         stopped: tuple[BlockKey, str] | None,
         window: ExitStack,
         now: float,
@@ -175,18 +167,17 @@ class Promotion:
         self._now = now
         self._stopped = stopped
         self._finished = False
-        self.extent = extent.offset
+        self.extent = extent
         layers = located[0].meta.layers
         n = len(located)
         self.placed = [
-            Placed(h.meta, extent.offset, n, position, getattr(h, "sums", b""))
-            for position, h in enumerate(located)
+            Placed(h.meta, extent, n, position, getattr(h, "sums", b"")) for position, h in enumerate(located)
         ]
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers], n)
         self.block_bytes = sum(layer.nbytes for layer in layers)
         self._started = time.perf_counter()
-        rows = memory.extent_rows(layers, extent.offset, n)  # [block, layer, (address, length)]
+        rows = memory.extent_rows(layers, extent, n)  # [block, layer, (address, length)]
         # per group, the blocks in chunks: a task each, a few per I/O thread
         tasks = max(1, _TASKS_PER_THREAD * getattr(chain.persistent, "io_threads", 1))
         size = -(-n // tasks)
@@ -253,15 +244,15 @@ class Promotion:
             except ArenaError as exc:
                 log.error("%s; promotion skipped", exc)
                 placed, stopped = [], (self._cold[0], STOP_NO_ROOM)
-            with chain._lock:
-                live = [p for p in placed if chain._owner.indexed(p.meta.key)]
+            with memory.lock:
+                live = [p for p in placed if chain.index.get(*p.meta.key) is not None]
                 memory.place(live, self._now, dirty=False)
                 memory.unpin_extents([self.extent])  # frees it when nothing was placed
                 memory.counters.promotions += 1
                 memory.counters.promoted_blocks += len(live)
         if len(live) < len(placed):
             kept = {p.meta.key for p in live}
-            chain.forget_records([p.meta.key for p in placed if p.meta.key not in kept])
+            memory.forget([p.meta.key for p in placed if p.meta.key not in kept])
         return stopped
 
 
@@ -272,9 +263,8 @@ class TierChain:
         memory: MemoryTier | None,
         fleet: FleetTier | None = None,
         *,
-        lock: threading.Lock,
+        index: PrefixIndex,
         commit_lock: threading.Lock,
-        owner: Owner,
     ) -> None:
         self.persistent = persistent
         self.memory = memory
@@ -282,35 +272,28 @@ class TierChain:
         self.read_rate = Rate()  # promotions: persistent tier -> memory
         self.write_rate = Rate()  # write-behind: memory -> persistent tier
         self.fleet_rate = Rate()  # fetches from the fleet
-        self._lock = lock
+        self.index = index  # the store's: read under the lock, never changed here
+        self._lock = memory.lock if memory is not None else threading.Lock()
         self._commit_lock = commit_lock
-        self._owner = owner
 
     # ---- reads
     @contextmanager
     def read(self, keys: list[BlockKey]) -> Iterator[list[StoredBlock | None]]:
         """Each block from the first tier that has it (None where none has); arena extents
-        stay pinned meanwhile."""
+        stay held meanwhile."""
         memory = self.memory
         if memory is None:
             with self.persistent.read(keys) as blocks:
                 yield blocks
             return
-        with self._lock:
-            placements = [memory.resident.get(key) for key in keys]
-            extents = list(dict.fromkeys(p.extent for p in placements if p is not None))
-            memory.pin_extents(extents, time.time())
-            hot = len(keys) - placements.count(None)
-            memory.counters.memory_hit_blocks += hot
-            memory.counters.persistent_hit_blocks += len(keys) - hot
-        try:
-            cold = [key for key, p in zip(keys, placements, strict=True) if p is None]
+        with memory.read(keys) as hot:
+            cold = [key for key, block in zip(keys, hot, strict=True) if block is None]
+            with self._lock:
+                memory.counters.memory_hit_blocks += len(keys) - len(cold)
+                memory.counters.persistent_hit_blocks += len(cold)
             with self.persistent.read(cold) if cold else nullcontext([]) as cold_blocks:
                 rest = iter(cold_blocks)
-                yield [memory.block(p) if p is not None else next(rest) for p in placements]
-        finally:
-            with self._lock:
-                memory.unpin_extents(extents)
+                yield [block if block is not None else next(rest) for block in hot]
 
     # ---- the fleet (read through; never deleted from by local removals: other hosts use it)
     def fleet_prefix(self, keys: Sequence[BlockKey]) -> int:
@@ -323,7 +306,8 @@ class TierChain:
         if self.fleet is None:
             return BlockPrefix([])
         started = time.perf_counter()
-        prefix = leading_blocks(self.fleet.read(keys), verify=False)
+        with self.fleet.read(keys) as blocks:  # (the fleet's blocks are the daemon's own bytes)
+            prefix = leading_blocks(blocks, verify=False)
         self.fleet_rate.add(sum(b.meta.size for b in prefix.blocks), time.perf_counter() - started)
         return prefix
 
@@ -338,69 +322,34 @@ class TierChain:
 
     # ---- removal
     def delete(self, keys: list[BlockKey]) -> None:
-        """Delete from every tier blocks the index already dropped. A tier that cannot (a
-        failing disk) is logged: the blocks are not served, and return at restart."""
+        """Delete from every tier blocks the index already dropped (the fleet excepted: other
+        hosts use it). A tier that cannot (a failing disk) is logged: the blocks are not
+        served, and return at restart."""
         if not keys:
             return
         if self.memory is not None:
-            with self._lock:
-                gone = self.memory.unplace(keys)
-            self.forget_records(gone)
+            self.memory.delete(keys)
         try:
             self.persistent.delete(keys)
         except StorageError as exc:
             log.error("could not delete %d evicted blocks; they return at restart: %s", len(keys), exc)
 
-    def forget_records(self, keys: Sequence[BlockKey]) -> None:
-        """Drop the arena index's records of blocks that left the arena."""
-        if self.memory is None or not keys:
-            return
-        try:
-            self.memory.index.delete(keys)
-        except ArenaError as exc:
-            log.error("%s; %d blocks may come back from the memory tier at restart", exc, len(keys))
-
-    # ---- the memory tier's room
-    def allocate(self, nbytes: int, now: float) -> int:
-        """An arena extent of `nbytes`, evicting least recently used extents for it: their
-        blocks stay stored in the persistent tier, memory-only ones leave the store. Caller
-        holds the commit lock. Raises NoRoom."""
-        memory = self._memory()
-        while True:
-            with self._lock:
-                offset = memory.allocate(nbytes)
-                if offset is not None:
-                    return offset
-                extent = memory.evictable_extent(now)
-                if extent is None:
-                    raise NoRoom(
-                        f"no room for {nbytes} bytes in the memory tier: the rest is pinned, "
-                        "reserved or waiting to be written behind"
-                    )
-                keys = list(extent.live)
-                self._owner.drop_evicted([k for k in keys if k in memory.memory_only])
-                memory.counters.memory_evictions += len(keys)
-                gone = memory.unplace(keys)
-            self.forget_records(gone)
-
     # ---- promotion: persistent -> memory
-    def promote(self, keys: list[BlockKey], now: float) -> tuple[BlockKey, str] | None:
-        """Bring the blocks of `keys` that only the persistent tier holds into memory and
-        wait for them (see promote_start). Returns the first block it left out and why
-        (kvstore.blocks.STOP_*), or None when it left none out."""
+    def promote(self, keys: list[BlockKey], now: float) -> Started:
+        """promote_start, then wait for the promotion: its `left_out` is the first block it
+        left out and why (kvstore.blocks.STOP_*), or None."""
         started = self.promote_start(keys, now)
-        if isinstance(started, Promotion):
-            return started.finish()
-        return started
+        if started.promotion is None:
+            return started
+        return Started(None, started.promotion.finish())
 
-    def promote_start(self, keys: list[BlockKey], now: float) -> Promotion | tuple[BlockKey, str] | None:
+    def promote_start(self, keys: list[BlockKey], now: float) -> Started:
         """Start reading the blocks of `keys` that only the persistent tier holds into one
         new extent: the reads run on the persistent tier's I/O threads, straight into the
         extent, outside the commit lock (taken only to allocate and to place), group of
         layers by group so that a loader can start on the first layers while the rest is
         read (Promotion.progress). The request's blocks already in memory stay pinned
-        meanwhile. Returns the Promotion (whose `finish` must be called), or, when nothing
-        needed promoting or nothing could be, None or (the first block left out, why).
+        meanwhile.
 
         NOTE: the bytes are not verified here: every reader of the arena verifies the
         checksums of what it uses (a client on its device, the daemon before it sends
@@ -410,18 +359,14 @@ class TierChain:
         with self._lock:
             hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
             memory.pin_extents(hot, now)
-            cold = [k for k in keys if k not in memory.resident and self._owner.indexed(k)]
+            cold = [k for k in keys if k not in memory.resident and self.index.get(*k) is not None]
         try:
-            if not cold:
-                return None
-            return self._start(memory, cold, now)
+            return self._start(memory, cold, now) if cold else Started()
         finally:
             with self._lock:
                 memory.unpin_extents(hot)
 
-    def _start(
-        self, memory: MemoryTier, cold: list[BlockKey], now: float
-    ) -> Promotion | tuple[BlockKey, str] | None:
+    def _start(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> Started:
         window = ExitStack()
         try:
             found = window.enter_context(self.persistent.locate(cold))
@@ -438,22 +383,16 @@ class TierChain:
             n = len(located)
             if not n:
                 window.close()
-                return stopped
-            sizes = [layer.nbytes for layer in located[0].meta.layers]
-            nbytes = fmt.extent_bytes(sum(sizes), n)
-            if nbytes > memory.allocator.total:
-                window.close()
-                return cold[0], STOP_NO_ROOM  # the load is served from what is in memory
+                return Started(None, stopped)
+            nbytes = fmt.extent_bytes(located[0].meta.size, n)
             with self._commit_lock:
-                try:
-                    offset = self.allocate(nbytes, now)
-                except NoRoom as exc:
+                try:  # held by the promotion itself until it is placed
+                    offset = memory.hold_extent(nbytes, n, now)
+                except NoRoom as exc:  # the load is served from what is in memory
                     log.info("no promotion of %d blocks: %s", n, exc)
                     window.close()
-                    return cold[0], STOP_NO_ROOM
-                with self._lock:  # held by the promotion itself until it is placed
-                    extent = memory.extents[offset] = Extent(offset, nbytes, n, pins=1, last_use=now)
-            return Promotion(self, memory, cold, located, extent, stopped, window, now)
+                    return Started(None, (cold[0], STOP_NO_ROOM))
+            return Started(Promotion(self, memory, cold, located, offset, stopped, window, now), stopped)
         except BaseException:
             window.close()
             raise
@@ -504,7 +443,7 @@ class TierChain:
         wrote = {p.meta.key: p for p in batch}
         with self._commit_lock:
             with self._lock:
-                stale = [key for key in keys if not self._owner.indexed(key)]
+                stale = [key for key in keys if self.index.get(*key) is None]
                 # NOTE: only where the block is still the one written: a block removed and
                 # put again meanwhile has a new placement, still waiting to be written behind
                 # (its write replaces what this one wrote)

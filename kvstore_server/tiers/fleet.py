@@ -29,7 +29,8 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,9 @@ class FleetCounters:
 
 
 class FleetTier:
-    """The fleet, behind the chain's tier interface (stored_prefix, read, write, close; no
-    per-block delete: local removals never touch it, other hosts use it; delete_matching
-    is evict --fleet's). Thread-safe: redis-py's clients pool connections."""
+    """The fleet, a tiers.base.Tier (stored_prefix, read, write, delete, close; local
+    removals never call delete: other hosts use the fleet; delete_matching is evict
+    --fleet's). Thread-safe: redis-py's clients pool connections."""
 
     name = "fleet"
 
@@ -242,9 +243,14 @@ class FleetTier:
             return None
         return [bool(a) and not isinstance(a, Exception) for a in answers]
 
-    def read(self, keys: Sequence[BlockKey]) -> list[StoredBlock | None]:
+    @contextmanager
+    def read(self, keys: Sequence[BlockKey]) -> Iterator[list[StoredBlock | None]]:
         """The blocks of `keys`, verified; None for one that is missing, corrupt or
-        unreadable (all None when the fleet does not answer)."""
+        unreadable (all None when the fleet does not answer). Their bytes are the daemon's
+        own copy: they stay valid after the context, which only shapes the call as a Tier's."""
+        yield self._fetch(keys)
+
+    def _fetch(self, keys: Sequence[BlockKey]) -> list[StoredBlock | None]:
         if not keys:
             return []
         answers = self._run("data", "get", [(self._name(k),) for k in keys])
@@ -272,20 +278,30 @@ class FleetTier:
             self.counters.fleet_corrupt += corrupt
         return out
 
-    def write(self, writes: Sequence[BlockWrite]) -> bool:
-        """Store blocks (one SET each, pipelined); False when the fleet refused or did not
-        answer (the blocks are then not in the fleet: callers count a drop)."""
+    def write(self, writes: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
+        """Delete `deletes`, then store blocks (one SET each, pipelined). Raises StorageError
+        when the fleet refused or did not answer (the blocks are then not in the fleet:
+        callers count a drop)."""
+        self.delete(deletes)
         if not writes:
-            return True
+            return
         values = [(self._name(w.meta.key), encode(w)) for w in writes]
         nbytes = sum(len(value) for _, value in values)
         answers = self._run("data", "set", values)
-        if answers is None or any(isinstance(a, Exception) for a in answers):
-            return False
+        if answers is None:
+            raise StorageError("the fleet did not answer")
+        refused = [a for a in answers if isinstance(a, Exception)]
+        if refused:
+            raise StorageError(f"the fleet refused {len(refused)} of {len(values)} blocks: {refused[0]}")
         with self._lock:
             self.counters.fleet_blocks_written += len(writes)
             self.counters.fleet_bytes_written += nbytes
-        return True
+
+    def delete(self, keys: Sequence[BlockKey]) -> None:
+        """UNLINK the objects of `keys` (an operator's; local removals never call it: other
+        hosts use the fleet). Raises StorageError when the fleet does not answer."""
+        if keys and self._run("data", "unlink", [(self._name(k),) for k in keys]) is None:
+            raise StorageError("the fleet did not answer")
 
     def delete_matching(self, namespace: bytes, *, exact: bool = True) -> int:
         """Remove every object of `namespace` (exact=False: of every namespace starting with

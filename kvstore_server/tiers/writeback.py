@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.blocks import XXH3, BlockKey, StoredBlock, checksum
+from kvstore.blocks import XXH3, BlockKey, StorageError, StoredBlock, checksum
 from kvstore_server.tiers.base import BlockWrite
 
 if TYPE_CHECKING:
@@ -162,7 +162,10 @@ class FleetWriteBehind:
             return
         with self._tiers.read(todo) as blocks:
             writes = [_fleet_write(block) for block in blocks if block is not None]
-            if writes and not self._fleet.write(writes):
+            try:
+                self._fleet.write(writes)
+            except StorageError as exc:
+                log.debug("fleet write-behind of %d blocks dropped: %s", len(writes), exc)
                 with self._cond:
                     self.dropped += len(writes)
 
