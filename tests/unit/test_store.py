@@ -24,14 +24,8 @@ from kvunit import (
 )
 
 from kvstore_server import eviction
-from kvstore_server.store import (
-    CapacityError,
-    InvalidChain,
-    NotFoundError,
-    ShuttingDown,
-    Store,
-    WaitTimeout,
-)
+from kvstore_server.errors import CapacityError, InvalidChain, NotFoundError, ShuttingDown, WaitTimeout
+from kvstore_server.store import Store
 from kvstore_server.tiers import LayerSpec, StorageFullError
 from kvstore_server.tiers import lmdb as lmdb_backend
 
