@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvstore import arenas
 from kvstore.layouts import BACKEND_DIRS, STORE_ID_FILE
-from kvstore_server.tiers import NO_SPACE
+from kvstore_server.tiers.base import NO_SPACE
 
 log = logging.getLogger(__name__)
 
