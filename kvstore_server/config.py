@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore_server.tiers import BACKENDS
+from kvstore_server.tiers.arena.tier import PERSIST_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -79,6 +80,7 @@ _TOML_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "memory_clients": ((bool,), "true or false"),
     "lease_seconds": ((int, float), "a number"),
     "write_behind_bytes": _SIZE,
+    "persist": _STR,
     "fleet": _STR,
     "fleet_prefix": _STR,
     "fleet_user": _STR,
@@ -276,6 +278,12 @@ class ServerConfig:
     write_behind_bytes: int | None = None
     """Bytes of committed blocks waiting to be written behind to the backend; beyond it, new
     commits stay in memory only (counted as write_behind_dropped). Not set: half of memory."""
+    persist: str = "every"
+    """Which blocks saved through the memory tier are written behind to the backend:
+    "every" block, or only those "reused": loaded again while still in memory (a prefix
+    used once then costs the disk nothing, as Dynamo's frequency filter spares SSDs; one
+    evicted from memory before its first reuse leaves the store). Blocks put over gRPC
+    without the memory tier always go to the backend."""
 
     fleet: str | None = None
     """The fleet tier, shared by every host's daemon: redis://HOST:PORT[/DB] or
@@ -334,6 +342,8 @@ class ServerConfig:
         self.max_partial_bytes = parse_size(self.max_partial_bytes, "max_partial_bytes")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {self.backend!r}")
+        if self.persist not in PERSIST_POLICIES:
+            raise ValueError(f"persist must be one of {', '.join(PERSIST_POLICIES)}, not {self.persist!r}")
         if self.capacity <= 0:
             raise ValueError("capacity must be positive")
         host, sep, port = self.listen.rpartition(":")

@@ -152,7 +152,10 @@ class Loading(Admitting):
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
             self._index.touch(namespace, hashes[:n])
-        keys = [(namespace, h) for h in hashes[:n]]
+            keys = [(namespace, h) for h in hashes[:n]]
+            queued = self.memory.reused(keys) if self.memory is not None else 0
+        if queued and self._writer is not None:
+            self._writer.wake()
         with self.tiers.read(keys) as blocks:
             result = self._verified_prefix(blocks, keys, selected=_selection(blocks, layers))
             if result.stop == STOP_NONE and n < len(hashes):
@@ -350,6 +353,7 @@ class Loading(Admitting):
                 stored += 1
             pinned = memory.pin(prefix, namespace, keys[:stored], pending, now)
             got = pinned.num_blocks
+            queued = memory.reused(keys[:got])
             if got < len(keys):
                 key = keys[got]
                 if pinned.layout_differs:
@@ -363,6 +367,8 @@ class Loading(Admitting):
                 memory.counters.memory_hit_blocks += got - promoted
                 memory.counters.persistent_hit_blocks += promoted
                 self.counters.bytes_read += got * sum(layer.nbytes for layer in pinned.layers)
+        if queued and self._writer is not None:
+            self._writer.wake()
         _log_short("pin", namespace, hashes, got, stop)
         return PinResult(pinned.pin_id, pinned.layers, pinned.runs, pinned.sums, got, memory.lease_seconds,
                          pinned.kinds, stop)  # fmt: skip

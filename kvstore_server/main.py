@@ -210,6 +210,7 @@ def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
                 "",
                 lease_seconds=config.lease_seconds,
                 write_behind_bytes=config.write_behind_bytes or size // 2,
+                persist=config.persist,
                 group=_group_id(config.memory_group),
             )
         except (StorageError, OSError, KeyError) as exc:
@@ -331,6 +332,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lease-seconds", dest="lease_seconds", type=float, help="reservation/pin lease (30)")
     p.add_argument("--write-behind-bytes", dest="write_behind_bytes", help="write-behind queue bound")
+    p.add_argument(
+        "--persist",
+        choices=("every", "reused"),
+        help="blocks written behind to the persistent tier: every one (default) or those loaded again",
+    )
     p.add_argument("--fleet", help="fleet tier: redis://HOST:PORT or redis+cluster://H1:P1,H2:P2,...")
     p.add_argument("--fleet-prefix", dest="fleet_prefix", help="prefix of every fleet key (deployments)")
     p.add_argument("--fleet-user", dest="fleet_user", help="Redis ACL user for the fleet")

@@ -194,6 +194,11 @@ class StoreCollector(Collector):
             yield gauge(
                 "kvstore_memory_only_blocks", "Blocks the persistent tier will not get.", "memory_only_blocks"
             )
+            yield gauge("kvstore_unused_blocks", "Blocks in memory not loaded since their save "
+                        "(persist = reused: written behind at their first load).",
+                        "unused_blocks")  # fmt: skip
+            yield counter("kvstore_persisted_on_reuse_blocks", "Blocks queued for write-behind at their "
+                          "first load (persist = reused).", "persisted_on_reuse")  # fmt: skip
             yield counter("kvstore_written_behind_blocks", "Blocks written behind to the persistent tier.",
                           "written_behind")  # fmt: skip
             yield counter("kvstore_write_behind_dropped_blocks", "Commits kept in memory only.",

@@ -199,6 +199,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     ("overrides", "message"),
     [
         ({"backend": "rocksdb"}, "backend must be one of lmdb, disk, not 'rocksdb'"),
+        ({"persist": "twice"}, "persist must be one of every, reused, not 'twice'"),
         ({"listen": "localhost"}, "listen must be HOST:PORT"),
         ({"listen": ":50051"}, "listen must be HOST:PORT"),
         ({"listen": "localhost:"}, "listen must be HOST:PORT"),

@@ -4,7 +4,7 @@ write_behind_once over a real memory tier and a real LMDB persistent tier."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,13 +16,25 @@ from kvstore_server.tiers.arena import open_memory_tier
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    memory = open_memory_tier(tmp_path / "shm", tmp_path / "arena", 64 << 20, "run", lease_seconds=30.0,
-                              write_behind_bytes=32 << 20)  # fmt: skip
-    store = Store(new_backend("lmdb", tmp_path, capacity_bytes=64 << 20), 64 << 20, memory=memory)
-    store._writer.close()  # this test drives write_behind_once itself
-    yield store
-    store.close()
+def make_store(tmp_path: Path) -> Iterator[Callable[..., Store]]:
+    opened: list[Store] = []
+
+    def make(persist: str = "every") -> Store:
+        memory = open_memory_tier(tmp_path / "shm", tmp_path / "arena", 64 << 20, "run", lease_seconds=30.0,
+                                  write_behind_bytes=32 << 20, persist=persist)  # fmt: skip
+        store = Store(new_backend("lmdb", tmp_path, capacity_bytes=64 << 20), 64 << 20, memory=memory)
+        store._writer.close()  # these tests drive write_behind_once themselves
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+@pytest.fixture
+def store(make_store: Callable[..., Store]) -> Store:
+    return make_store()
 
 
 def save(store: Store, hashes: list[bytes]) -> None:
@@ -63,3 +75,37 @@ def test_a_second_batch_takes_other_blocks_while_the_first_is_being_written(stor
         for x, block in zip(first + second + third, blocks, strict=True):
             assert block is not None
             assert [bytes(v) for v in block.layers] == [layer_bytes(x, layer) for layer in LAYERS]
+
+
+def in_backend(store: Store, hashes: list[bytes]) -> list[bool]:
+    with store.tiers.persistent.read([(NS, x) for x in hashes]) as blocks:
+        return [block is not None for block in blocks]
+
+
+def test_persist_reused_writes_behind_only_blocks_loaded_again(make_store: Callable[..., Store]) -> None:
+    store = make_store("reused")
+    read_once, pinned_once, never = chain("read", 3), chain("pinned", 3), chain("never", 3)
+    for hashes in (read_once, pinned_once, never):
+        save(store, hashes)
+    assert not store.tiers.write_behind_once(1 << 30)  # nothing queued: none was used again
+    assert store.stats()["unused_blocks"] == 9
+    with store.read(NS, read_once) as result:  # a Get / Select hit
+        assert result.num_blocks == 3
+    pin = store.pin(b"", NS, pinned_once[:2])  # a same-host load of the first two
+    store.release(b"", pin.pin_id)
+    while store.tiers.write_behind_once(1 << 30):
+        pass
+    assert in_backend(store, read_once) == [True] * 3
+    assert in_backend(store, pinned_once) == [True, True, False]
+    assert in_backend(store, never) == [False] * 3
+    stats = store.stats()
+    assert (stats["unused_blocks"], stats["persisted_on_reuse"], stats["written_behind"]) == (4, 5, 5)
+
+
+def test_persist_every_writes_behind_every_committed_block(store: Store) -> None:
+    hashes = chain("every", 3)
+    save(store, hashes)
+    while store.tiers.write_behind_once(1 << 30):
+        pass
+    assert in_backend(store, hashes) == [True] * 3
+    assert store.stats()["unused_blocks"] == 0

@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +48,13 @@ from kvstore_server.tiers.base import (
 
 log = logging.getLogger(__name__)
 
+# What the memory tier writes behind to the persistent tier (config.persist): every
+# committed block, or only those loaded again while still in memory (a prefix used once
+# costs the disk nothing: Dynamo's frequency filter, to spare SSDs)
+PERSIST_EVERY = "every"
+PERSIST_REUSED = "reused"
+PERSIST_POLICIES = (PERSIST_EVERY, PERSIST_REUSED)
+
 __all__ = ["ArenaCounters", "MemoryTier", "NoRoom", "open_memory_tier"]
 
 
@@ -69,6 +76,7 @@ class ArenaCounters:
     persistent_hit_blocks: int = 0
     written_behind: int = 0
     write_behind_dropped: int = 0
+    persisted_on_reuse: int = 0  # blocks queued for write-behind at their first reuse (persist="reused")
     memory_evictions: int = 0
 
 
@@ -84,8 +92,15 @@ class MemoryTier:
     name = "memory"
 
     def __init__(
-        self, file: ArenaFile, index: ArenaIndex, lease_seconds: float, write_behind_bytes: int
+        self,
+        file: ArenaFile,
+        index: ArenaIndex,
+        lease_seconds: float,
+        write_behind_bytes: int,
+        persist: str = PERSIST_EVERY,
     ) -> None:
+        if persist not in PERSIST_POLICIES:
+            raise ValueError(f"persist must be one of {', '.join(PERSIST_POLICIES)}, not {persist!r}")
         self.lock = threading.Lock()
         self.file = file
         self.index = index
@@ -100,6 +115,10 @@ class MemoryTier:
         self.dirty: OrderedDict[BlockKey, int] = OrderedDict()  # key -> bytes, commit order
         self.dirty_bytes = 0
         self.memory_only: set[BlockKey] = set()  # not written behind (queue full or tier full)
+        # persist="reused": committed blocks not loaded since (memory-only until their first
+        # hit queues them for write-behind; evicted before it, they leave the store)
+        self.on_reuse = persist == PERSIST_REUSED
+        self.unused: set[BlockKey] = set()
         self.counters = ArenaCounters()
         self._evicted: list[BlockKey] = []  # memory-only blocks evicted for room, not yet taken
         self._layout_rows: dict[tuple[int, int], tuple[tuple[LayerSpec, ...], Any, Any]] = {}
@@ -278,7 +297,10 @@ class MemoryTier:
             extent.live.add(key)
             self.resident[key] = placed
             self.resident_bytes += placed.meta.size
-            if dirty:
+            if dirty and self.on_reuse:
+                self.memory_only.add(key)
+                self.unused.add(key)
+            elif dirty:
                 if self.dirty_bytes + placed.meta.size > self.write_behind_limit:
                     self.memory_only.add(key)
                     self.counters.write_behind_dropped += 1
@@ -308,6 +330,7 @@ class MemoryTier:
                 continue
             gone.append(key)
             self.memory_only.discard(key)
+            self.unused.discard(key)
             self._undirty(key)
             del self.resident[key]
             self.resident_bytes -= placed.meta.size
@@ -321,6 +344,32 @@ class MemoryTier:
         if not extent.live and not extent.pins:
             del self.extents[extent.offset]
             self.allocator.free(extent.offset, extent.nbytes)
+
+    def reused(self, keys: Iterable[BlockKey]) -> int:
+        """A hit on `keys` (caller holds the lock): under persist="reused", those committed
+        and not loaded since join the write-behind queue (or stay memory-only past its
+        bound). Returns how many joined it."""
+        unused = self.unused
+        if not unused:
+            return 0
+        queued = 0
+        for key in keys:
+            if key not in unused:
+                continue
+            unused.discard(key)
+            size = self.resident[key].meta.size
+            if self.dirty_bytes + size > self.write_behind_limit:
+                self.counters.write_behind_dropped += 1
+                continue
+            self.memory_only.discard(key)
+            self.dirty[key] = size
+            self.dirty_bytes += size
+            extent = self.extents.get(self.resident[key].extent)
+            if extent is not None:
+                extent.waiting += 1
+            self.counters.persisted_on_reuse += 1
+            queued += 1
+        return queued
 
     def written_behind(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
@@ -626,6 +675,7 @@ class MemoryTier:
             "write_behind_blocks": len(self.dirty),
             "write_behind_bytes": self.dirty_bytes,
             "memory_only_blocks": len(self.memory_only),
+            "unused_blocks": len(self.unused),
             **vars(self.counters),
         }
 
@@ -639,6 +689,7 @@ def open_memory_tier(
     lease_seconds: float,
     write_behind_bytes: int,
     group: int | None = None,
+    persist: str = PERSIST_EVERY,
 ) -> MemoryTier:
     """The data directory's arena under `memory_dir`, recovered if it outlived a daemon,
     locked while it is open and claimed by `data_dir` (see kvstore.arenas)."""
@@ -650,4 +701,4 @@ def open_memory_tier(
         file.close()
         raise
     claim_arena(data_dir, path, file.header.arena_id)
-    return MemoryTier(file, index, lease_seconds, write_behind_bytes)
+    return MemoryTier(file, index, lease_seconds, write_behind_bytes, persist)
