@@ -194,6 +194,8 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
             ("written behind", s["written_behind"]),
             ("write-behind dropped", s["write_behind_dropped"]),
             ("memory only", s["memory_only_blocks"]),
+            ("not loaded since saved", s["unused_blocks"]),
+            ("written behind on reuse", s["persisted_on_reuse"]),
             ("commits", s["commits"]),
             ("expired leases", s["leases_expired"]),
         ]
