@@ -407,15 +407,28 @@ class Pinned:
         # place for every block (all, for a plain Pin)
         self._progress = progress[0] if progress is not None else None
         self.ready_layers = progress[1].ready_layers if progress is not None else len(self.layers)
+        """Layers [0, ready_layers) of every pinned block are in place."""
+        self.ready_blocks = progress[1].ready_blocks if progress is not None else self.num_blocks
+        """Every layer of blocks [0, ready_blocks) is in place."""
         if self.ready_layers >= len(self.layers):
             self._progress = None
+            self.ready_blocks = self.num_blocks
 
     def wait_layers(self, count: int) -> None:
         """Return once layers [0, count) of every pinned block are in place (at once for a
         plain Pin or blocks that were all in memory); within the pin call's deadline.
         Raises LoadIncomplete when the daemon could not read them (then release the pin
         and recompute), StoreTimeout or StoreUnavailable when the stream broke."""
-        while self.ready_layers < min(count, len(self.layers)):
+        self._wait(lambda: self.ready_layers >= min(count, len(self.layers)))
+
+    def wait_blocks(self, count: int) -> None:
+        """Return once every layer of blocks [0, count) is in place: a loader may copy the
+        first blocks of a cold load while the daemon reads the rest (blocks it reads
+        whole, in one request each, are reported block by block). Raises as wait_layers."""
+        self._wait(lambda: self.ready_blocks >= min(count, self.num_blocks))
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        while not done():
             if self._progress is None:
                 raise errors.LoadIncomplete("the pin's progress stream is gone")
             try:
@@ -435,7 +448,9 @@ class Pinned:
                     f"({wire.stop_reason_name(message.stop_reason)})"
                 )
             self.ready_layers = max(self.ready_layers, message.ready_layers)
+            self.ready_blocks = max(self.ready_blocks, message.ready_blocks)
         if self.ready_layers >= len(self.layers):
+            self.ready_blocks = self.num_blocks
             self._end_progress()
 
     def _end_progress(self) -> None:

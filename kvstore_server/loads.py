@@ -33,7 +33,7 @@ from kvstore_server.errors import InvalidPart, ShuttingDown, StoreError, WaitTim
 from kvstore_server.parts import PartError, check_subset
 from kvstore_server.tiers import BlockKey, LayerSpec, StorageError, StoredBlock
 from kvstore_server.tiers.arena import MemoryTier, Placed, Run
-from kvstore_server.tiers.chain import ReadResult, Started, verified_prefix
+from kvstore_server.tiers.chain import ReadResult, Ready, Started, verified_prefix
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class PinResult:
     kinds: list[str] = field(default_factory=list)  # each block's checksum kind
     stop: str = STOP_NONE  # why num_blocks is short of the request (kvstore.blocks.STOP_*)
     ready_layers: int = -1  # leading layers in place for every block (-1: all of them)
+    ready_blocks: int = -1  # leading blocks with every layer in place (-1: all of them)
 
 
 def _selection(blocks: Sequence[StoredBlock | None], layers: Sequence[int]) -> tuple[int, ...] | None:
@@ -278,13 +279,14 @@ class Loading(Admitting):
 
     def pin_stream(
         self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]
-    ) -> Generator[PinResult | int | str, None, None]:
+    ) -> Generator[PinResult | Ready | str, None, None]:
         """Pin without waiting for the promotion: yields the PinResult at once (its
-        ready_layers: -1 when every block is in place; else 0), then the count of leading
-        layers in place for every pinned block as the persistent tier's reads land (the
-        last is the layer count), or, when a read failed, its STOP_* reason last (the rest
-        never comes). The promotion is finished (its blocks placed)
-        when the iteration ends or is closed."""
+        ready_layers: -1 when every block is in place; else 0, and its ready_blocks the
+        leading pinned blocks in memory already), then a Ready (layers [0, layers) of every
+        pinned block, and every layer of pinned blocks [0, blocks), are in place) as the
+        persistent tier's reads land (the last is (layer count, block count)), or, when a
+        read failed, its STOP_* reason last (the rest never comes). The promotion is
+        finished (its blocks placed) when the iteration ends or is closed."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
         started = self._started(self.tiers.promote_start(keys, now)) if cold else Started()
@@ -297,16 +299,27 @@ class Loading(Admitting):
             if promotion is None or not any(k in pending for k in keys[: result.num_blocks]):
                 yield result  # every pinned block is in place
                 return
-            yield dataclasses.replace(result, ready_layers=0)
+            # each pinned block's position in the promotion (-1: it was in memory)
+            position = {p.meta.key: i for i, p in enumerate(promotion.placed)}
+            order = [position.get(key, -1) for key in keys[: result.num_blocks]]
+
+            def pinned_whole(promoted: int) -> int:
+                """Leading pinned blocks in place once the promotion's first `promoted` are."""
+                n = 0
+                while n < len(order) and order[n] < promoted:
+                    n += 1
+                return n
+
+            yield dataclasses.replace(result, ready_layers=0, ready_blocks=pinned_whole(0))
             width = len(result.layers)
             for ready in promotion.progress():
-                if ready >= width:
+                if ready.layers >= width:
                     # NOTE: placed before the client hears that the last layers are in: its
                     # load may report a corrupt block at once, and Release verifies what is
                     # resident
                     finished = True
                     promotion.finish()
-                yield ready
+                yield Ready(ready.layers, pinned_whole(ready.blocks))
             if promotion.failed:
                 yield STOP_EVICTED
         finally:

@@ -553,14 +553,16 @@ class PinResponse(_message.Message):
     def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
 
 class PinProgress(_message.Message):
-    __slots__ = ("pin", "ready_layers", "stop_reason")
+    __slots__ = ("pin", "ready_layers", "stop_reason", "ready_blocks")
     PIN_FIELD_NUMBER: _ClassVar[int]
     READY_LAYERS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pin: PinResponse
     ready_layers: int
     stop_reason: StopReason
-    def __init__(self, pin: _Optional[_Union[PinResponse, _Mapping]] = ..., ready_layers: _Optional[int] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
+    ready_blocks: int
+    def __init__(self, pin: _Optional[_Union[PinResponse, _Mapping]] = ..., ready_layers: _Optional[int] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., ready_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("pin_id", "corrupt_block_hashes")

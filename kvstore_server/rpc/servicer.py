@@ -43,6 +43,7 @@ from kvstore_server.rpc.validation import (
 from kvstore_server.store import PinResult, ReadResult, Store
 from kvstore_server.tiers import LayerSpec
 from kvstore_server.tiers.arena import MemoryTier
+from kvstore_server.tiers.chain import Ready
 
 log = logging.getLogger(__name__)
 
@@ -439,9 +440,10 @@ class Servicer:
                 for item in progress:
                     if isinstance(item, PinResult):
                         ready = len(item.layers) if item.ready_layers < 0 else item.ready_layers
-                        yield pb.PinProgress(pin=_pin_message(item), ready_layers=ready)
-                    elif isinstance(item, int):
-                        yield pb.PinProgress(ready_layers=item)
+                        whole = item.num_blocks if item.ready_blocks < 0 else item.ready_blocks
+                        yield pb.PinProgress(pin=_pin_message(item), ready_layers=ready, ready_blocks=whole)
+                    elif isinstance(item, Ready):
+                        yield pb.PinProgress(ready_layers=item.layers, ready_blocks=item.blocks)
                     else:
                         yield pb.PinProgress(stop_reason=wire.STOP_REASONS[item])
             finally:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import (
@@ -145,6 +146,14 @@ def layer_groups(sizes: Sequence[int]) -> list[range]:
     return [g for g in groups if len(g)]
 
 
+class Ready(NamedTuple):
+    """A promotion's progress: layers [0, layers) of every block are in place, and every
+    layer of blocks [0, blocks)."""
+
+    layers: int
+    blocks: int
+
+
 class Promotion:
     """Blocks being read from the persistent tier into one new extent (TierChain.
     promote_start). The extent is allocated and held by the promotion (pinned, so it
@@ -197,10 +206,15 @@ class Promotion:
         ]
         self._failed_at = n  # the first block a read failed for
 
-    def progress(self) -> Iterator[int]:
-        """The count of leading layers in place for every block, as it grows (the last is
-        the layer count); stops early when a read failed (then `failed` is True)."""
-        for group, futures in zip(self.groups, self._futures, strict=True):
+    def progress(self) -> Iterator[Ready]:
+        """What is in place, as it grows: layers [0, layers) of every block, and every layer
+        of blocks [0, blocks) (each chunk of the last group read completes its blocks, in
+        order: a loader may start on the first blocks of a promotion read in one group);
+        the last is (layer count, block count). Stops early when a read failed (then
+        `failed` is True)."""
+        n, last = len(self.placed), len(self.groups) - 1
+        layers = 0
+        for g, (group, futures) in enumerate(zip(self.groups, self._futures, strict=True)):
             for chunk, future in zip(self._chunks, futures, strict=True):
                 failure = future.exception()
                 if failure is not None and chunk.start < self._failed_at:
@@ -210,9 +224,12 @@ class Promotion:
                         failure,
                     )
                     self._failed_at = chunk.start  # (a block of the chunk: the first, to be sure)
-            if self._failed_at < len(self.placed):
+                if g == last and chunk.stop < n and self._failed_at == n:
+                    yield Ready(layers, chunk.stop)
+            if self._failed_at < n:
                 return
-            yield group.stop
+            layers = group.stop
+            yield Ready(layers, n if g == last else 0)
 
     @property
     def failed(self) -> bool:

@@ -287,6 +287,38 @@ def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_the
         assert stats["persistent_read_rate"] > 0
 
 
+@both_backends
+def test_a_cold_pin_reports_blocks_read_whole_as_they_land(make_daemon) -> None:
+    """Blocks under 4 MiB are read whole, one request each: PinStream reports them block by
+    block (ready_blocks), in order, after the blocks that were in memory, so a loader
+    copies the first blocks while the daemon reads the rest; a ready block's every layer
+    is final while the last layers of the others are not in yet (ready_layers 0)."""
+    d = make_daemon()
+    # 16 layers of 64 KiB: 1 MiB a block, one group; 6 blocks
+    hashes, layers = chain("blocks", 6), make_layers(6, num_layers=16, shape=(256, 128), dtype=torch.float16)
+    _only_in_the_persistent_tier(d, hashes, layers)
+    with KVStoreClient(d.address, arena=True) as kv:
+        kv.pin(NS, hashes[:2]).release()  # the first two promoted: in memory now
+        pinned = kv.pin(NS, hashes, stream=True)
+        assert pinned is not None and pinned.num_blocks == 6
+        assert (pinned.ready_layers, pinned.ready_blocks) == (0, 2)
+        seen = []
+        for count in range(1, 7):
+            pinned.wait_blocks(count)
+            seen.append((pinned.ready_layers, pinned.ready_blocks))
+            for i, name in enumerate(layers):  # the ready blocks' bytes are final
+                got = torch.cat([view for _, view in pinned.pieces(i)])[: pinned.ready_blocks]
+                want = layers[name][: pinned.ready_blocks]
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bits: NaNs too
+        # in order, in chunks of the read (one block or a few, by backend), and no layer of
+        # every block in place until the last block is
+        blocks = [b for _, b in seen]
+        assert blocks == sorted(blocks) and all(b >= count for count, b in enumerate(blocks, 1))
+        assert any(2 < b < 6 for b in blocks) and seen[-1] == (16, 6)
+        assert all(layer == (16 if b == 6 else 0) for layer, b in seen)
+        pinned.release()
+
+
 def test_a_cold_pin_whose_read_fails_ends_incomplete_and_never_serves_the_bytes(make_daemon) -> None:
     """A segment cut short under a record: the stream ends before the layers are reported
     ready (LoadIncomplete); a plain load of the prefix then stops before the bad block."""
