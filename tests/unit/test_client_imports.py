@@ -1,4 +1,4 @@
-"""The client's import rules (ARCHITECTURE.md): it never imports the daemon's package, and
+"""The client's import rules (docs/architecture.md): it never imports the daemon's package, and
 only kvstore_client/_rpc.py imports grpc. Read from the source with ast: nothing is run."""
 
 from __future__ import annotations
