@@ -33,13 +33,14 @@ from typing import Any
 
 import grpc
 
+from kvstore.service import SERVICE_PREFIX
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
 ROLES = ("reader", "writer", "admin")
-SERVICE_PREFIX = "/kvstore.v1.KVStore/"
 # Tenant names: letters, digits, '.', '_', '-'; never NUL, which ends the tenant in
 # a stored namespace (see tenant_prefix).
 TENANT_PATTERN = "[A-Za-z0-9._-]{1,64}"

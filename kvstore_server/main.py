@@ -35,14 +35,15 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import wire
 from kvstore.memory import limit_arenas, tune_malloc
-from kvstore.v1 import kvstore_pb2
+from kvstore.service import SERVICE_NAME
+from kvstore.sizes import attach_values, format_size, parse_size
 from kvstore_server import __version__
 from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
-from kvstore_server.config import SIZE_SETTINGS, ServerConfig, attach_values, format_size, parse_size
+from kvstore_server.config import SIZE_SETTINGS, ServerConfig
 from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
-from kvstore_server.rpc import SERVICE_NAME, Servicer, generic_handler
+from kvstore_server.rpc import Servicer, generic_handler
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier, sweep_memory_dir
@@ -160,7 +161,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
-            kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
+            SERVICE_NAME,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
         ),

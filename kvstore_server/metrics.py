@@ -49,6 +49,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from kvstore import wire
+from kvstore.service import SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__
 
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "/kvstore.v1.KVStore/"
 # Lookups take well under a millisecond; a Put of a long prompt or a waiting DropSelect, seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -299,13 +299,13 @@ class _Interceptor(grpc.ServerInterceptor):
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
         full_name = handler_call_details.method
-        if handler is None or not full_name.startswith(_PREFIX):
+        if handler is None or not full_name.startswith(SERVICE_PREFIX):
             return handler
         # The generic handler hands out the same handler object per method: wrap it once.
         cached = self._wrapped.get(full_name)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrap(full_name[len(_PREFIX) :], handler)
+        wrapped = self._wrap(full_name[len(SERVICE_PREFIX) :], handler)
         with self._lock:
             self._wrapped[full_name] = (handler, wrapped)
         return wrapped

@@ -20,6 +20,7 @@ from kvstore.blocks import per_layout
 from kvstore.host import pid_namespace
 from kvstore.kv_events_media import MEMORY, PERSISTENT
 from kvstore.memory import trim_heap
+from kvstore.service import SERVICE_NAME, WATCH_START_SEQUENCE_KEY, WATCH_STORE_ID_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.auth import Scope
@@ -46,12 +47,8 @@ from kvstore_server.tiers.arena import MemoryTier
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "kvstore.v1.KVStore"
 DEFAULT_LIST_LIMIT = 1000
 MAX_LIST_LIMIT = 10000
-# A Watch stream's initial metadata: sent once the subscription is in place.
-WATCH_STORE_ID_KEY = "kvstore-store-id"
-WATCH_START_SEQUENCE_KEY = "kvstore-start-sequence"
 # How often a waiting watcher rechecks its call (cancellation also wakes it at once).
 WATCH_POLL_SECONDS = 1.0
 
