@@ -38,12 +38,14 @@ from kvstore.memory import limit_arenas, tune_malloc
 from kvstore.service import SERVICE_NAME
 from kvstore.sizes import attach_values, format_size, parse_size
 from kvstore_server import __version__
-from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
+from kvstore_server.auth import TokenTable
 from kvstore_server.config import SIZE_SETTINGS, ServerConfig
 from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.rpc import Servicer, generic_handler
+from kvstore_server.rpc.auth import AuthInterceptor, Scope
+from kvstore_server.rpc.metrics import MetricsInterceptor
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier, sweep_memory_dir
@@ -128,7 +130,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         tokens = TokenTable.load(config.token_file)
     interceptors: list[grpc.ServerInterceptor] = []
     if metrics is not None:
-        interceptors.append(metrics.interceptor)  # first: refused calls are counted too
+        interceptors.append(MetricsInterceptor(metrics))  # first: refused calls are counted too
     if tokens is not None:
         interceptors.append(AuthInterceptor(tokens))
     server = grpc.server(

@@ -23,13 +23,13 @@ from kvstore.memory import trim_heap
 from kvstore.service import SERVICE_NAME, WATCH_START_SEQUENCE_KEY, WATCH_STORE_ID_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
-from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
 from kvstore_server.errors import CapacityError, NoFleet, NoMemoryTier, ShuttingDown
 from kvstore_server.events import STORED, Event, EventLog
 from kvstore_server.idle import IdleReclaim
 from kvstore_server.kv_events import KVEventsPublisher
 from kvstore_server.putbuffer import PutBudget, PutBuffer
+from kvstore_server.rpc.auth import Scope
 from kvstore_server.rpc.status import InvalidRequest, LocalReadsOff, _decoded, _decoder, translated
 from kvstore_server.rpc.validation import (
     _chunk_size,
