@@ -235,7 +235,7 @@ class StoreCollector(Collector):
             yield CounterMetricFamily(
                 "kvstore_events", "Events recorded for Watch since start.", value=events.next_sequence - 1
             )
-            labels["store_id"] = events.store_id
+            labels["store_id"] = self.servicer.run_id
         info.add_metric([], labels)
         yield info
 
