@@ -26,15 +26,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore_server.errors import EventsOutOfRange
+
 STORED = "stored"
 REMOVED = "removed"
 # Largest number of blocks in one event: a bigger change (evicting everything)
 # is split, so no event outgrows a gRPC message (8192 * 2 * 32 bytes = 512 KiB).
 MAX_EVENT_BLOCKS = 8192
-
-
-class EventsOutOfRange(Exception):
-    """A watcher asked for (or fell behind to) a sequence the log no longer holds."""
 
 
 @dataclass(frozen=True, slots=True)

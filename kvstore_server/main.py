@@ -45,7 +45,8 @@ from kvstore_server import __version__
 from kvstore_server.auth import TokenTable
 from kvstore_server.config import SIZE_SETTINGS, ServerConfig
 from kvstore_server.daemon import RunParts
-from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
+from kvstore_server.datadir import DataDir, publish_store_id
+from kvstore_server.errors import DataDirInUse, ListenError
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.rpc import Servicer, generic_handler
@@ -94,10 +95,6 @@ class Running:
     def close(self) -> None:
         """The run's threads and sockets (idle reclaim, KV events); the store is the caller's."""
         self.parts.close()
-
-
-class ListenError(OSError):
-    """The listen address cannot be bound; the message says why and names --listen."""
 
 
 # Why a bind fails, by errno, as the daemon says it.

@@ -23,11 +23,18 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
 from kvstore_server.config import ServerConfig
 from kvstore_server.daemon import RunParts
-from kvstore_server.errors import CapacityError, NoFleet, NoMemoryTier, ShuttingDown
+from kvstore_server.errors import (
+    CapacityError,
+    InvalidRequest,
+    LocalReadsOff,
+    NoFleet,
+    NoMemoryTier,
+    ShuttingDown,
+)
 from kvstore_server.events import STORED, Event
 from kvstore_server.putbuffer import PutBuffer
 from kvstore_server.rpc.auth import Scope
-from kvstore_server.rpc.status import InvalidRequest, LocalReadsOff, _decoded, _decoder, translated
+from kvstore_server.rpc.status import _decoded, _decoder, translated
 from kvstore_server.rpc.validation import (
     _chunk_size,
     check_block_tokens,
