@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from support.redis_cluster import Cluster  # noqa: E402
 
+from kvstore.sizes import parse_size  # noqa: E402
+
 
 def best(repeat: int, run: Callable[[], object]) -> float:
     times = []
@@ -94,12 +96,6 @@ def bench_glide(
     out = {"set": best(repeat, put), "get": best(repeat, get)}
     client.close()
     return out
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20}
-    text = text.strip().upper()
-    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def sweep(sizes: list[int], total: int, repeat: int) -> int:

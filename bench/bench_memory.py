@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from daemon import Daemon  # noqa: E402
 from integration.helpers import NS, chain, make_layers  # noqa: E402
 
+from kvstore.sizes import parse_size  # noqa: E402
 from kvstore_client import KVStoreClient, errors  # noqa: E402
-from kvstore_server.config import parse_size  # noqa: E402
 
 MiB = 1 << 20
 

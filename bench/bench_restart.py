@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.blocks import checksum  # noqa: E402
 from kvstore.layouts import backend_dir  # noqa: E402
-from kvstore_server.config import format_size, parse_size  # noqa: E402
+from kvstore.sizes import format_size, parse_size  # noqa: E402
 from kvstore_server.store import Store  # noqa: E402
 from kvstore_server.tiers import BlockMeta, BlockWrite, LayerSpec  # noqa: E402
 from kvstore_server.tiers.lmdb import LmdbBackend  # noqa: E402

@@ -81,7 +81,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from daemon import Daemon  # noqa: E402  (tests/daemon.py: the same start-up as the tests use)
 
-from kvstore_server.config import format_size, parse_size  # noqa: E402
+from kvstore.sizes import format_size, parse_size  # noqa: E402
 
 TARGETS = {"store": 0.8, "load": 1.5, "lookup_p50_ms": 1.0}
 GB = 1e9

@@ -72,7 +72,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from bench_store import _machine_busy, _proc_cpu, layer_shape  # noqa: E402
 from daemon import Daemon  # noqa: E402  (tests/daemon.py: the same start-up as the tests use)
 
-from kvstore_server.config import format_size, parse_size  # noqa: E402
+from kvstore.sizes import format_size, parse_size  # noqa: E402
 
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 NAMESPACE = "trace"

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from kvstore import arenas
+from kvstore.sizes import format_size
 from kvstore_cli.formatting import format_table
-from kvstore_server.config import format_size
 
 DEFAULT_MEMORY_DIR = Path("/dev/shm")
 HEADERS = ("ARENA", "SIZE", "STATE", "OWNER", "WHY")

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
+from kvstore.sizes import attach_values, format_size, parse_size
 from kvstore_cli import arenas as arenas_command
 from kvstore_cli.formatting import (
     HASH_HEX_DIGITS,
@@ -78,7 +79,6 @@ from kvstore_client import Event, KVStoreClient
 from kvstore_client.address import with_default_port
 from kvstore_client.errors import KVStoreError, StoreUnavailable
 from kvstore_client.hashing import block_hashes, connector_block_size, connector_hash_root
-from kvstore_server.config import attach_values, format_size, parse_size
 
 PROG = "kvstore-cli"
 DEFAULT_ADDRESS = "127.0.0.1:50051"

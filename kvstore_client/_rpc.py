@@ -18,13 +18,9 @@ from typing import Any
 import grpc
 
 from kvstore import wire
+from kvstore.service import SERVICE_NAME, SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
-
-_SERVICE = "/kvstore.v1.KVStore/"
-# Initial metadata of a Watch stream (see WatchRequest in the proto).
-WATCH_STORE_ID = "kvstore-store-id"
-WATCH_START_SEQUENCE = "kvstore-start-sequence"
 
 
 def _pem(value: str | Path | bytes | None) -> bytes | None:
@@ -192,38 +188,44 @@ class Channel:
         self._channel = grpc.intercept_channel(raw, _Bearer(token)) if token else raw
         unary = self._channel.unary_unary
         self.lookup = unary(
-            _SERVICE + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+            SERVICE_PREFIX + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
         )
         self._put = self._channel.stream_unary(
-            _SERVICE + "Put", wire.encode_put_request, pb.PutResponse.FromString
+            SERVICE_PREFIX + "Put", wire.encode_put_request, pb.PutResponse.FromString
         )
         self._get = self._channel.unary_stream(
-            _SERVICE + "Get", pb.GetRequest.SerializeToString, wire.decode_get_response
+            SERVICE_PREFIX + "Get", pb.GetRequest.SerializeToString, wire.decode_get_response
         )
         self._drop_select = self._channel.unary_stream(
-            _SERVICE + "DropSelect", pb.DropSelectRequest.SerializeToString, wire.decode_get_response
+            SERVICE_PREFIX + "DropSelect", pb.DropSelectRequest.SerializeToString, wire.decode_get_response
         )
-        self.evict = unary(_SERVICE + "Evict", pb.EvictRequest.SerializeToString, pb.EvictResponse.FromString)
-        self.stats = unary(_SERVICE + "Stats", pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString)
-        self.list = unary(_SERVICE + "List", pb.ListRequest.SerializeToString, pb.ListResponse.FromString)
+        self.evict = unary(
+            SERVICE_PREFIX + "Evict", pb.EvictRequest.SerializeToString, pb.EvictResponse.FromString
+        )
+        self.stats = unary(
+            SERVICE_PREFIX + "Stats", pb.StatsRequest.SerializeToString, pb.StatsResponse.FromString
+        )
+        self.list = unary(
+            SERVICE_PREFIX + "List", pb.ListRequest.SerializeToString, pb.ListResponse.FromString
+        )
         self.describe = unary(
-            _SERVICE + "Describe", pb.DescribeRequest.SerializeToString, pb.DescribeResponse.FromString
+            SERVICE_PREFIX + "Describe", pb.DescribeRequest.SerializeToString, pb.DescribeResponse.FromString
         )
         self._watch = self._channel.unary_stream(
-            _SERVICE + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
+            SERVICE_PREFIX + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
         )
         self._pin_stream = self._channel.unary_stream(
-            _SERVICE + "PinStream", pb.PinRequest.SerializeToString, pb.PinProgress.FromString
+            SERVICE_PREFIX + "PinStream", pb.PinRequest.SerializeToString, pb.PinProgress.FromString
         )
         self.local_access = unary(
-            _SERVICE + "LocalAccess",
+            SERVICE_PREFIX + "LocalAccess",
             pb.LocalAccessRequest.SerializeToString,
             pb.LocalAccessResponse.FromString,
         )
 
         # the memory tier's control plane (kvstore_client.arena), by method name
         self.arena = {
-            name: unary(_SERVICE + name, request.SerializeToString, response.FromString)
+            name: unary(SERVICE_PREFIX + name, request.SerializeToString, response.FromString)
             for name, request, response in (
                 ("ArenaAccess", pb.ArenaAccessRequest, pb.ArenaAccessResponse),
                 ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
@@ -263,7 +265,7 @@ class Channel:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         stub = health_pb2_grpc.HealthStub(self._channel)
-        request = health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore")
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
         resp = self.unary(stub.Check, request, timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)  # type: ignore[no-any-return]
 

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore import wire
 from kvstore.blocks import STOP_UNKNOWN
+from kvstore.service import WATCH_START_SEQUENCE_KEY, WATCH_STORE_ID_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
-from kvstore_client._rpc import WATCH_START_SEQUENCE, WATCH_STORE_ID, PutCall, ServerStream
+from kvstore_client._rpc import PutCall, ServerStream
 from kvstore_client.tensors import byte_view, dtype_name, torch_dtype, writable_view
 from kvstore_client.types import EVENT_REMOVED, EVENT_STORED, Event, LayerSpec, PutResult
 
@@ -383,10 +384,10 @@ class WatchStream:
 
     def __init__(self, stream: ServerStream) -> None:
         self._stream = stream
-        metadata = stream.initial_metadata(WATCH_STORE_ID, "Watch")  # waits until subscribed
-        self.store_id: str = metadata[WATCH_STORE_ID]
+        metadata = stream.initial_metadata(WATCH_STORE_ID_KEY, "Watch")  # waits until subscribed
+        self.store_id: str = metadata[WATCH_STORE_ID_KEY]
         """The daemon's id for this run."""
-        self.start_sequence: int = int(metadata.get(WATCH_START_SEQUENCE, 0))
+        self.start_sequence: int = int(metadata.get(WATCH_START_SEQUENCE_KEY, 0))
         """The first sequence this stream can deliver (events of other namespaces are skipped)."""
 
     def __iter__(self) -> Iterator[Event]:

@@ -18,6 +18,9 @@ Health checks and server reflection stay open (load balancers need them).
 
 Clients send `authorization: Bearer <token>`. Tokens are compared in constant
 time, against every entry, by their SHA-256 digests.
+
+This module imports no grpc: the gRPC side (AuthInterceptor, which refuses calls, and
+Scope, which maps a caller's namespaces) is kvstore_server.rpc.auth.
 """
 
 from __future__ import annotations
@@ -26,12 +29,9 @@ import hashlib
 import hmac
 import re
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import grpc
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,7 +39,6 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROLES = ("reader", "writer", "admin")
-SERVICE_PREFIX = "/kvstore.v1.KVStore/"
 # Tenant names: letters, digits, '.', '_', '-'; never NUL, which ends the tenant in
 # a stored namespace (see tenant_prefix).
 TENANT_PATTERN = "[A-Za-z0-9._-]{1,64}"
@@ -65,8 +64,6 @@ METHOD_ROLES = {
     "DropSelect": "writer",
     "Evict": "admin",
 }
-_STREAMING_REQUESTS = {"Put"}
-_STREAMING_RESPONSES = {"Get", "DropSelect", "Watch"}
 
 
 @dataclass(frozen=True)
@@ -140,47 +137,6 @@ def bearer_token(metadata: Any) -> str | None:
     return None
 
 
-def _refusal(method: str, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-
-    if method in _STREAMING_REQUESTS:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if method in _STREAMING_RESPONSES:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED without a valid token, PERMISSION_DENIED beyond the token's role."""
-
-    def __init__(self, tokens: TokenTable) -> None:
-        self.tokens = tokens
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        if not details.method.startswith(SERVICE_PREFIX):
-            return continuation(details)  # health, reflection
-        method = details.method[len(SERVICE_PREFIX) :]
-        needed = METHOD_ROLES.get(method)
-        if needed is None:
-            return continuation(details)  # unknown method: gRPC answers UNIMPLEMENTED
-        token = bearer_token(details.invocation_metadata)
-        principal = self.tokens.resolve(token) if token is not None else None
-        if principal is None:
-            return _refusal(method, grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
-        if not principal.may(needed):
-            return _refusal(
-                method,
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"role {principal.role!r} may not call {method} (needs {needed})",
-            )
-        return continuation(details)
-
-
 def tenant_prefix(tenant: str) -> bytes:
     """What the server puts before every namespace of `tenant`: `0x00 || T || 0x00`.
 
@@ -189,24 +145,3 @@ def tenant_prefix(tenant: str) -> bytes:
     pair stores as another's, whatever bytes the namespaces hold.
     """
     return b"\x00" + tenant.encode() + b"\x00"
-
-
-class Scope:
-    """Maps client namespaces to stored ones and back, per caller.
-
-    Without auth it is the identity. With auth, tenant T's namespace N is stored
-    as `tenant_prefix(T) || N`: unreachable from any other tenant.
-    """
-
-    def __init__(self, tokens: TokenTable | None) -> None:
-        self.tokens = tokens
-
-    def prefix(self, context: grpc.ServicerContext) -> bytes:
-        if self.tokens is None:
-            return b""
-        token = bearer_token(context.invocation_metadata())
-        principal = self.tokens.resolve(token) if token is not None else None
-        if principal is None:  # the interceptor let it through: cannot happen
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
-            raise RuntimeError("context.abort returned")  # it raises; this keeps type checkers honest
-        return tenant_prefix(principal.tenant)

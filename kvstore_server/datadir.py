@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvstore import arenas
 from kvstore.layouts import BACKEND_DIRS, STORE_ID_FILE
+from kvstore_server.errors import DataDirInUse
 from kvstore_server.tiers.base import NO_SPACE
 
 log = logging.getLogger(__name__)
@@ -103,10 +104,6 @@ def withdraw_arena_claim(data_dir: Path) -> None:
         (data_dir / arenas.CLAIM_FILE).unlink(missing_ok=True)
     except OSError as exc:
         log.warning("cannot withdraw the memory tier's claim in %s: %s", data_dir, exc)
-
-
-class DataDirInUse(RuntimeError):
-    """Another kvstore-server holds this data directory."""
 
 
 def _boot_id() -> str:

@@ -1,16 +1,16 @@
 """The event log behind Watch: blocks stored and removed, numbered in commit order.
 
-    log = EventLog(window=100_000)
+    log = EventLog(window=100_000, store_id=run_id)
     store.add_listener(log.record)          # called under the store's lock, in commit order
     cursor = log.subscribe(from_sequence)   # raises EventsOutOfRange for a sequence not held
     batch = log.read(cursor, timeout=1.0)   # events for this cursor, waiting for new ones
     log.close()                             # at shutdown: every read returns at once, closed
 
-Sequences are 1, 2, 3, ... per daemon run; `store_id` is random per run, so a
-watcher that reconnects to a restarted daemon sees that its sequence numbers
-mean nothing there. The log keeps the last `window` events in a ring buffer
-(O(1) to append and to find a sequence); a watcher that asks for an older one,
-or falls that far behind, must resynchronise from List.
+Sequences are 1, 2, 3, ... per daemon run; `store_id` is the run's id (random per
+run, minted by kvstore_server.daemon), so a watcher that reconnects to a restarted
+daemon sees that its sequence numbers mean nothing there. The log keeps the last
+`window` events in a ring buffer (O(1) to append and to find a sequence); a watcher
+that asks for an older one, or falls that far behind, must resynchronise from List.
 
 `record` runs inside the store's commit, so it does constant work per event
 (plus one copy of the hashes), never blocks on a watcher and never raises.
@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from kvstore_server.errors import EventsOutOfRange
 
 STORED = "stored"
 REMOVED = "removed"
 # Largest number of blocks in one event: a bigger change (evicting everything)
 # is split, so no event outgrows a gRPC message (8192 * 2 * 32 bytes = 512 KiB).
 MAX_EVENT_BLOCKS = 8192
-
-
-class EventsOutOfRange(Exception):
-    """A watcher asked for (or fell behind to) a sequence the log no longer holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +105,12 @@ class EventLog:
     """A bounded window of recent events, appended by the store, read by watchers."""
 
     def __init__(
-        self, window: int = 100_000, *, store_id: str | None = None, clock: Callable[[], float] = time.time
+        self, window: int = 100_000, *, store_id: str = "", clock: Callable[[], float] = time.time
     ) -> None:
         if window < 1:
             raise ValueError("the event window must hold at least one event")
         self.window = window
-        self.store_id = store_id or uuid.uuid4().hex
+        self.store_id = store_id  # the daemon run these sequences belong to
         self._clock = clock
         self._ring: list[Event | None] = [None] * window
         self._next = 1  # the sequence of the next event

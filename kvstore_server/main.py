@@ -6,7 +6,10 @@
                    [--config FILE] [--print-config]
 
 `create_server(config, store)` builds a server bound to its port without
-starting signal handling, so tests can run one in-process on port 0.
+starting signal handling, so tests can run one in-process on port 0: the run's parts
+(kvstore_server.daemon.RunParts: the run id, the event log, the KV events publisher,
+the idle reclaim) are made there and handed to the Servicer. `main()` closes all it
+opened with one ExitStack.
 
 Stdout carries exactly one line, once the daemon serves:
     kvstore-server ready on HOST:PORT (backend=..., data_dir=..., capacity=...[, metrics=URL])
@@ -25,6 +28,7 @@ import signal
 import socket
 import sys
 from concurrent import futures
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +39,19 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore import wire
 from kvstore.memory import limit_arenas, tune_malloc
-from kvstore.v1 import kvstore_pb2
+from kvstore.service import SERVICE_NAME
+from kvstore.sizes import attach_values, format_size, parse_size
 from kvstore_server import __version__
-from kvstore_server.auth import AuthInterceptor, Scope, TokenTable
-from kvstore_server.config import SIZE_SETTINGS, ServerConfig, attach_values, format_size, parse_size
-from kvstore_server.datadir import DataDir, DataDirInUse, publish_store_id
+from kvstore_server.auth import TokenTable
+from kvstore_server.config import SIZE_SETTINGS, ServerConfig
+from kvstore_server.daemon import RunParts
+from kvstore_server.datadir import DataDir, publish_store_id
+from kvstore_server.errors import DataDirInUse, ListenError
 from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
-from kvstore_server.rpc import SERVICE_NAME, Servicer, generic_handler
+from kvstore_server.rpc import Servicer, generic_handler
+from kvstore_server.rpc.auth import AuthInterceptor, Scope
+from kvstore_server.rpc.metrics import MetricsInterceptor
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
 from kvstore_server.tiers.arena import discard_memory_tier, open_memory_tier, sweep_memory_dir
@@ -59,18 +68,33 @@ _MALLOC_KEEP_FREE = 64 << 20
 
 @dataclass
 class Running:
+    """A server made by create_server: bound, not yet started. `stop` then `close` end it;
+    `close` alone, one never started."""
+
     server: grpc.Server
     port: int
     health: health.HealthServicer
     store: Store
-    events: EventLog | None = None
+    parts: RunParts  # the run id, the event log, the KV events publisher, the idle reclaim
+    servicer: Servicer
     # None unless config.metrics_port is set; serving them over HTTP is main()'s job
     metrics: Metrics | None = None
-    servicer: Servicer | None = None
 
+    @property
+    def events(self) -> EventLog:
+        return self.parts.events
 
-class ListenError(OSError):
-    """The listen address cannot be bound; the message says why and names --listen."""
+    def stop(self, grace: float) -> None:
+        """The daemon's shutdown: NOT_SERVING, DropSelect waiters and Watch streams released,
+        then the server stopped once in-flight calls finish (at most `grace` seconds)."""
+        self.health.enter_graceful_shutdown()
+        self.store.begin_shutdown()
+        self.parts.events.close()  # Watch streams end now (UNAVAILABLE), not at the grace deadline
+        self.server.stop(grace).wait()
+
+    def close(self) -> None:
+        """The run's threads and sockets (idle reclaim, KV events); the store is the caller's."""
+        self.parts.close()
 
 
 # Why a bind fails, by errno, as the daemon says it.
@@ -117,7 +141,8 @@ def listen_problem(listen: str) -> str | None:
 
 
 def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None = None) -> Running:
-    """A bound, not yet started server for `store`; port 0 binds a free port.
+    """A bound, not yet started server for `store`, with its run's parts (RunParts);
+    port 0 binds a free port.
 
     `tokens` (else loaded from config.token_file) turns on bearer-token auth and tenants.
     Raises ListenError when the address cannot be bound.
@@ -127,7 +152,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         tokens = TokenTable.load(config.token_file)
     interceptors: list[grpc.ServerInterceptor] = []
     if metrics is not None:
-        interceptors.append(metrics.interceptor)  # first: refused calls are counted too
+        interceptors.append(MetricsInterceptor(metrics))  # first: refused calls are counted too
     if tokens is not None:
         interceptors.append(AuthInterceptor(tokens))
     server = grpc.server(
@@ -149,46 +174,51 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
             *wire.SERVER_KEEPALIVE,
         ],
     )
-    servicer = Servicer(store, config, Scope(tokens))
-    publish_store_id(config.data_dir, servicer.events.store_id if config.offers_local_reads() else None)
-    if store.memory is not None:
-        store.memory.file.publish(servicer.events.store_id)
-    if metrics is not None:
-        metrics.watch(store, servicer)
-    server.add_generic_rpc_handlers((generic_handler(servicer),))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    credentials = None
-    if config.tls_cert is not None and config.tls_key is not None:
-        credentials = grpc.ssl_server_credentials(
-            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-            root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
-            require_client_auth=config.tls_client_ca is not None,
+    parts = RunParts.create(config, store)
+    with ExitStack() as undo:
+        # a server that cannot bind leaves no thread or socket of its run behind
+        undo.callback(parts.close)
+        servicer = Servicer(store, config, parts, Scope(tokens))
+        publish_store_id(config.data_dir, parts.run_id if config.offers_local_reads() else None)
+        if store.memory is not None:
+            store.memory.file.publish(parts.run_id)
+        if metrics is not None:
+            metrics.watch(store, servicer)
+        server.add_generic_rpc_handlers((generic_handler(servicer),))
+        health_servicer = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
         )
-    try:
-        if credentials is not None:
-            port = server.add_secure_port(config.listen, credentials)
-        else:
-            port = server.add_insecure_port(config.listen)
-    except RuntimeError as exc:  # "Failed to bind to address ...": find out why
-        raise ListenError(
-            listen_problem(config.listen) or f"cannot listen on {config.listen}: {exc}; check --listen"
-        ) from exc
-    if port == 0:
-        raise ListenError(
-            listen_problem(config.listen) or f"cannot listen on {config.listen}: gRPC bound no address"
-        )
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return Running(server, port, health_servicer, store, servicer.events, metrics, servicer)
+        credentials = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+                root_certificates=config.tls_client_ca.read_bytes() if config.tls_client_ca else None,
+                require_client_auth=config.tls_client_ca is not None,
+            )
+        try:
+            if credentials is not None:
+                port = server.add_secure_port(config.listen, credentials)
+            else:
+                port = server.add_insecure_port(config.listen)
+        except RuntimeError as exc:  # "Failed to bind to address ...": find out why
+            raise ListenError(
+                listen_problem(config.listen) or f"cannot listen on {config.listen}: {exc}; check --listen"
+            ) from exc
+        if port == 0:
+            raise ListenError(
+                listen_problem(config.listen) or f"cannot listen on {config.listen}: gRPC bound no address"
+            )
+        for service in ("", SERVICE_NAME):
+            health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        undo.pop_all()
+    return Running(server, port, health_servicer, store, parts, servicer, metrics)
 
 
 def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:
@@ -399,57 +429,108 @@ def main(argv: list[str] | None = None) -> int:
     # Before gRPC starts its threads: one arena per allocating thread would keep each
     # thread's freed buffers out of the others' reach (see kvstore.memory).
     limit_arenas(_MALLOC_ARENAS)
+    return _serve(config, tokens)
+
+
+class _StopSignals:
+    """SIGTERM and SIGINT blocked in every thread while the daemon runs; `wait` takes one.
+
+    NOTE: blocked before any thread starts (the store's write-behind, gRPC's), so they
+    all inherit the mask and the main thread alone takes the signals, in sigwait; a
+    Python handler never runs if a C thread received the signal. Unblocked again on the
+    way out only if none was taken (a start-up failure, and main() may run in a test's
+    process); after one was, a second that arrives during the shutdown stays pending
+    instead of killing the process before it records its clean stop."""
+
+    def __enter__(self) -> _StopSignals:
+        self._previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        self._taken = False
+        return self
+
+    def wait(self) -> int:
+        signum = signal.sigwait(_STOP_SIGNALS)
+        self._taken = True
+        return signum
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._taken:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._previous)
+
+
+def _serve(config: ServerConfig, tokens: TokenTable | None) -> int:
+    """Run the daemon until SIGTERM or SIGINT: 0 once stopped cleanly, 1 when it cannot
+    start. What it opens is closed by one ExitStack, in reverse order, on every way out."""
     # before the data directory's lock and the store: a taken port fails at once, in one line
     bind_problem = listen_problem(config.listen)
     if bind_problem is not None:
         log.error("%s", bind_problem)
         return 1
-    try:
-        datadir = DataDir(config.data_dir, sync=config.sync)
-    except DataDirInUse as exc:
-        log.error("%s", exc)
-        return 1
-    except OSError as exc:
-        log.error("cannot use the data directory %s: %s", config.data_dir, exc)
-        return 1
-    # NOTE: block the stop signals before any thread starts (the store's write-behind,
-    # gRPC's), so they all inherit the mask and the main thread alone takes the signals,
-    # in sigwait below; a Python handler never runs if a C thread received the signal.
-    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
-        store = open_store(config, rebooted=datadir.rebooted)
-    except (OSError, StorageError) as exc:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-        log.error("cannot open the %s backend in %s: %s", config.backend, config.data_dir, exc)
-        datadir.close(sync=config.sync, clean=False)
-        return 1
-    # The index of a large store is millions of long-lived objects: out of the cyclic
-    # collector's reach from now on, so a full collection does not pause on them.
-    gc.freeze()
-    try:
-        running = create_server(config, store, tokens)
-    except (OSError, RuntimeError) as exc:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-        if isinstance(exc, ListenError):  # its message names the address and --listen
-            log.error("%s", exc)
-        else:
-            log.error("cannot listen on %s: %s", config.listen, exc)
-        store.close()
-        datadir.close(sync=config.sync)
-        return 1
-    metrics_http = None
-    if running.metrics is not None and config.metrics_port is not None:
+    with ExitStack() as cleanup:
         try:
-            metrics_http = MetricsServer.start(
-                running.metrics.registry, config.metrics_host, config.metrics_port
-            )
-        except OSError as exc:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
-            log.error("cannot serve metrics on %s:%d: %s", config.metrics_host, config.metrics_port, exc)
-            store.close()
-            datadir.close(sync=config.sync)
+            datadir = DataDir(config.data_dir, sync=config.sync)
+        except DataDirInUse as exc:
+            log.error("%s", exc)
             return 1
-        log.info("serving Prometheus metrics on %s", metrics_http.url)
+        except OSError as exc:
+            log.error("cannot use the data directory %s: %s", config.data_dir, exc)
+            return 1
+        store: Store | None = None
+        # runs last: a clean stop once the store opened (and closed, before this), else not
+        cleanup.callback(lambda: datadir.close(sync=config.sync, clean=store is not None))
+        signals = cleanup.enter_context(_StopSignals())
+        try:
+            store = open_store(config, rebooted=datadir.rebooted)
+        except (OSError, StorageError) as exc:
+            log.error("cannot open the %s backend in %s: %s", config.backend, config.data_dir, exc)
+            return 1
+        cleanup.callback(store.close)
+        # The index of a large store is millions of long-lived objects: out of the cyclic
+        # collector's reach from now on, so a full collection does not pause on them.
+        gc.freeze()
+        try:
+            running = create_server(config, store, tokens)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, ListenError):  # its message names the address and --listen
+                log.error("%s", exc)
+            else:
+                log.error("cannot listen on %s: %s", config.listen, exc)
+            return 1
+        cleanup.callback(running.close)
+        metrics_http = None
+        if running.metrics is not None and config.metrics_port is not None:
+            try:
+                metrics_http = MetricsServer.start(
+                    running.metrics.registry, config.metrics_host, config.metrics_port
+                )
+            except OSError as exc:
+                log.error("cannot serve metrics on %s:%d: %s", config.metrics_host, config.metrics_port, exc)
+                return 1
+            cleanup.callback(metrics_http.close)
+            log.info("serving Prometheus metrics on %s", metrics_http.url)
+        _warn_of_settings(config, store)
+        running.server.start()
+        host = config.listen.rpartition(":")[0]
+        metrics_note = f", metrics={metrics_http.url}" if metrics_http is not None else ""
+        print(
+            f"kvstore-server ready on {host}:{running.port} (backend={config.backend}, "
+            f"data_dir={config.data_dir}, capacity={format_size(config.capacity)}, "
+            f"memory={format_size(store.memory.file.size) if store.memory is not None else 'off'}"
+            f"{metrics_note})",
+            flush=True,
+        )
+        signum = signals.wait()
+        log.info(
+            "%s: NOT_SERVING, finishing in-flight calls (grace %.1fs)",
+            signal.Signals(signum).name,
+            config.grace_seconds,
+        )
+        running.stop(config.grace_seconds)
+    log.info("stopped cleanly")
+    return 0
+
+
+def _warn_of_settings(config: ServerConfig, store: Store) -> None:
+    """What the log should say of the settings before the daemon serves."""
     if config.max_watchers + config.max_waiting_drop_selects >= config.workers:
         log.warning(
             "max_watchers (%d) + max_waiting_drop_selects (%d) leave no worker thread of %d for other calls",
@@ -469,34 +550,6 @@ def main(argv: list[str] | None = None) -> int:
             format_size(store.memory.file.size),
             config.memory_dir,
         )
-    running.server.start()
-    host = config.listen.rpartition(":")[0]
-    metrics_note = f", metrics={metrics_http.url}" if metrics_http is not None else ""
-    print(
-        f"kvstore-server ready on {host}:{running.port} (backend={config.backend}, "
-        f"data_dir={config.data_dir}, capacity={format_size(config.capacity)}, "
-        f"memory={format_size(store.memory.file.size) if store.memory is not None else 'off'}{metrics_note})",
-        flush=True,
-    )
-    signum = signal.sigwait(_STOP_SIGNALS)
-    log.info(
-        "%s: NOT_SERVING, finishing in-flight calls (grace %.1fs)",
-        signal.Signals(signum).name,
-        config.grace_seconds,
-    )
-    running.health.enter_graceful_shutdown()
-    store.begin_shutdown()
-    if running.events is not None:
-        running.events.close()  # Watch streams end now (UNAVAILABLE), not at the grace deadline
-    running.server.stop(config.grace_seconds).wait()
-    if running.servicer is not None:
-        running.servicer.close()
-    if metrics_http is not None:
-        metrics_http.close()
-    store.close()
-    datadir.close(sync=config.sync)
-    log.info("stopped cleanly")
-    return 0
 
 
 if __name__ == "__main__":

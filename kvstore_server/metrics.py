@@ -1,7 +1,7 @@
 """Prometheus metrics of the daemon, served as text on `--metrics-port`.
 
     metrics = Metrics()                                    # a registry of its own
-    grpc.server(..., interceptors=[metrics.interceptor])   # per-RPC calls, errors, latency
+    interceptor = MetricsInterceptor(metrics)              # per-RPC calls, errors, latency
     metrics.watch(store, servicer)                         # store state, read at scrape time
     http = MetricsServer.start(metrics.registry, "127.0.0.1", 0)   # port 0: a free one
     http.address; http.close()
@@ -31,7 +31,8 @@ servicer at scrape time, so there is no second set of books to drift:
     kvstore_start_time_seconds                  unix time the daemon started
     kvstore_info{version,backend,store_id}      always 1
 
-Calls refused by gRPC itself before reaching a handler (beyond
+The interceptor that records each call is kvstore_server.rpc.metrics (this module
+imports no grpc). Calls refused by gRPC itself before reaching a handler (beyond
 max_concurrent_rpcs) are not seen here.
 """
 
@@ -39,17 +40,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvstore import wire
-from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__
 
 if TYPE_CHECKING:
@@ -58,7 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_PREFIX = "/kvstore.v1.KVStore/"
 # Lookups take well under a millisecond; a Put of a long prompt or a waiting DropSelect, seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -129,17 +125,16 @@ class Metrics:
             "KV payload bytes received in Put streams, as they arrive.",
             registry=self.registry,
         )
-        self.interceptor = _Interceptor(self)
 
     def watch(self, store: Store, servicer: Servicer | None = None) -> None:
         """Export `store`'s (and `servicer`'s) state, read at each scrape. Call once."""
         self.registry.register(StoreCollector(store, servicer))
 
-    def record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        name = code.name
-        self.calls.labels(method, name).inc()
-        if code is not grpc.StatusCode.OK:
-            self.errors.labels(method, name).inc()
+    def record(self, method: str, code: str, seconds: float) -> None:
+        """A finished call of `method`, by its status code's name ("OK", "CANCELLED", ...)."""
+        self.calls.labels(method, code).inc()
+        if code != "OK":
+            self.errors.labels(method, code).inc()
         self.latency.labels(method).observe(seconds)
 
 
@@ -240,143 +235,9 @@ class StoreCollector(Collector):
             yield CounterMetricFamily(
                 "kvstore_events", "Events recorded for Watch since start.", value=events.next_sequence - 1
             )
-            labels["store_id"] = events.store_id
+            labels["store_id"] = self.servicer.run_id
         info.add_metric([], labels)
         yield info
-
-
-class _Call:
-    """One instrumented call, recorded exactly once.
-
-    When the handler returns or raises (before gRPC sends the status, so a
-    client that has its answer finds it counted), or, if the client went away
-    first, from gRPC's termination callback as CANCELLED / DEADLINE_EXCEEDED.
-    """
-
-    __slots__ = ("metrics", "method", "context", "started", "recorded", "lock")
-
-    def __init__(self, metrics: Metrics, method: str, context: grpc.ServicerContext) -> None:
-        self.metrics = metrics
-        self.method = method
-        self.context = context
-        self.started = time.perf_counter()
-        self.recorded = False
-        self.lock = threading.Lock()
-        if not context.add_callback(self.ended):
-            self.ended()  # already over: the client went away before the handler ran
-
-    def finish(self, code: grpc.StatusCode) -> None:
-        """The handler returned or raised, with this status."""
-        self._record(code)
-
-    def ended(self) -> None:
-        # gRPC's termination callback: runs after `finish` for a call that completed,
-        # or first when the client cancelled (then possibly while the handler still runs).
-        remaining = self.context.time_remaining()
-        expired = remaining is not None and remaining <= 0
-        self._record(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED)
-
-    def _record(self, code: grpc.StatusCode) -> None:
-        with self.lock:
-            if self.recorded:
-                return
-            self.recorded = True
-        self.metrics.record(self.method, code, time.perf_counter() - self.started)
-
-
-class _Interceptor(grpc.ServerInterceptor):
-    """Wraps each KVStore method handler to time it and record its status code."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
-        self._lock = threading.Lock()
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
-        full_name = handler_call_details.method
-        if handler is None or not full_name.startswith(_PREFIX):
-            return handler
-        # The generic handler hands out the same handler object per method: wrap it once.
-        cached = self._wrapped.get(full_name)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(full_name[len(_PREFIX) :], handler)
-        with self._lock:
-            self._wrapped[full_name] = (handler, wrapped)
-        return wrapped
-
-    def _wrap(self, method: str, handler: Any) -> grpc.RpcMethodHandler:
-        if handler.request_streaming and handler.response_streaming:
-            return handler._replace(stream_stream=self._streaming(method, handler.stream_stream))  # type: ignore[no-any-return]
-        if handler.request_streaming:
-            behavior = handler.stream_unary
-            if method == "Put":
-                behavior = self._counting_put(behavior)
-            return handler._replace(stream_unary=self._unary(method, behavior))  # type: ignore[no-any-return]
-        if handler.response_streaming:
-            return handler._replace(unary_stream=self._streaming(method, handler.unary_stream))  # type: ignore[no-any-return]
-        return handler._replace(unary_unary=self._unary(method, handler.unary_unary))  # type: ignore[no-any-return]
-
-    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        metrics = self.metrics
-
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
-            call = _Call(metrics, method, context)
-            try:
-                response = behavior(request, context)
-            except BaseException:
-                call.finish(context.code() or grpc.StatusCode.UNKNOWN)
-                raise
-            call.finish(context.code() or grpc.StatusCode.OK)
-            return response
-
-        return unary
-
-    def _streaming(self, method: str, behavior: Callable[..., Iterator[Any]]) -> Callable[..., Iterator[Any]]:
-        metrics = self.metrics
-
-        def observed(call: _Call, responses: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-            try:
-                yield from responses
-            except GeneratorExit:
-                raise  # gRPC dropped the stream: the client went away; `ended` records it
-            except BaseException:
-                call.finish(context.code() or grpc.StatusCode.UNKNOWN)
-                raise
-            call.finish(context.code() or grpc.StatusCode.OK)
-
-        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            # not a generator itself: the call is registered even if the stream is never read
-            call = _Call(metrics, method, context)
-            try:
-                responses = behavior(request, context)
-            except BaseException:
-                call.finish(context.code() or grpc.StatusCode.UNKNOWN)
-                raise
-            return observed(call, responses, context)
-
-        return streaming
-
-    def _counting_put(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
-        received = self.metrics.received_bytes
-
-        def count(requests: Iterator[Any]) -> Iterator[Any]:
-            for msg in requests:
-                if isinstance(msg, wire.Chunk):
-                    received.inc(len(msg.data))
-                elif isinstance(msg, pb.PutRequest) and msg.WhichOneof("msg") == "chunk":
-                    received.inc(len(msg.chunk.data))
-                yield msg
-
-        def put(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return behavior(count(requests), context)
-
-        return put
 
 
 class MetricsServer:

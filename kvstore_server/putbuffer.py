@@ -31,16 +31,13 @@ import threading
 from collections.abc import Sequence
 
 from kvstore import wire
+from kvstore_server.errors import MalformedPut
 from kvstore_server.tiers import LayerSpec, checksum
 
 log = logging.getLogger(__name__)
 
 # Pre-fault the mapping in one call: cheaper than one fault per 4 KiB page as it fills.
 _FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-
-
-class MalformedPut(ValueError):
-    """A chunk that does not fit the Put's header (the servicer answers INVALID_ARGUMENT)."""
 
 
 class PutBuffer:

@@ -18,18 +18,23 @@ import grpc
 from kvstore import wire
 from kvstore.blocks import per_layout
 from kvstore.host import pid_namespace
-from kvstore.kv_events_media import MEMORY, PERSISTENT
-from kvstore.memory import trim_heap
+from kvstore.service import SERVICE_NAME, WATCH_START_SEQUENCE_KEY, WATCH_STORE_ID_KEY
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server import __version__, eviction
-from kvstore_server.auth import Scope
 from kvstore_server.config import ServerConfig
-from kvstore_server.errors import CapacityError, NoFleet, NoMemoryTier, ShuttingDown
-from kvstore_server.events import STORED, Event, EventLog
-from kvstore_server.idle import IdleReclaim
-from kvstore_server.kv_events import KVEventsPublisher
-from kvstore_server.putbuffer import PutBudget, PutBuffer
-from kvstore_server.rpc.status import InvalidRequest, LocalReadsOff, _decoded, _decoder, translated
+from kvstore_server.daemon import RunParts
+from kvstore_server.errors import (
+    CapacityError,
+    InvalidRequest,
+    LocalReadsOff,
+    NoFleet,
+    NoMemoryTier,
+    ShuttingDown,
+)
+from kvstore_server.events import STORED, Event
+from kvstore_server.putbuffer import PutBuffer
+from kvstore_server.rpc.auth import Scope
+from kvstore_server.rpc.status import _decoded, _decoder, translated
 from kvstore_server.rpc.validation import (
     _chunk_size,
     check_block_tokens,
@@ -47,48 +52,32 @@ from kvstore_server.tiers.chain import Ready
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "kvstore.v1.KVStore"
 DEFAULT_LIST_LIMIT = 1000
 MAX_LIST_LIMIT = 10000
-# A Watch stream's initial metadata: sent once the subscription is in place.
-WATCH_STORE_ID_KEY = "kvstore-store-id"
-WATCH_START_SEQUENCE_KEY = "kvstore-start-sequence"
 # How often a waiting watcher rechecks its call (cancellation also wakes it at once).
 WATCH_POLL_SECONDS = 1.0
 
 
 class Servicer:
-    """Implements kvstore.v1.KVStore on a Store. One instance per server."""
+    """Implements kvstore.v1.KVStore on a Store. One instance per server.
 
-    def __init__(self, store: Store, config: ServerConfig, scope: Scope | None = None) -> None:
+    It makes none of the run's parts: the run id, the event log, the KV events publisher,
+    the Put budget and the idle reclaim come from kvstore_server.daemon.RunParts, which
+    the caller closes."""
+
+    def __init__(
+        self, store: Store, config: ServerConfig, parts: RunParts, scope: Scope | None = None
+    ) -> None:
         self.store = store
         self.config = config
         self.scope = scope or Scope(None)
-        self._puts = PutBudget(config.max_inflight_put_bytes)
+        self.run_id = parts.run_id
+        self.events = parts.events
+        self.kv_events = parts.kv_events
+        self.reclaim = parts.reclaim
+        self._puts = parts.puts
         self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
-        self.events = EventLog(config.event_window)
-        store.add_listener(self.events.record)
-        self.kv_events: KVEventsPublisher | None = None
-        if config.kv_events_endpoint is not None:
-            tiers = (MEMORY, PERSISTENT) if store.memory is not None else (PERSISTENT,)
-            self.kv_events = KVEventsPublisher(
-                config.kv_events_endpoint, config.kv_events_replay_endpoint, topic=config.kv_events_topic,
-                tiers=tiers,
-            )  # fmt: skip
-            store.add_listener(self.kv_events.listener)
-        self.reclaim = IdleReclaim(self._release_memory)
-
-    def _release_memory(self) -> None:
-        self._puts.drain()
-        trim_heap()
-        self.store.backend.release_memory()
-
-    def close(self) -> None:
-        """Stop the idle-memory thread and the KV events publisher; after the server stopped."""
-        self.reclaim.close()
-        if self.kv_events is not None:
-            self.kv_events.close()
 
     @property
     def inflight_put_bytes(self) -> int:
@@ -334,7 +323,7 @@ class Servicer:
         return pb.LocalAccessResponse(
             backend=self.config.backend,
             data_dir=str(self.config.data_dir.resolve()),
-            store_id=self.events.store_id,
+            store_id=self.run_id,
             namespace_prefix=self.scope.prefix(context),
             pid_namespace=pid_namespace(),
             fleet=self.store.fleet is not None,
@@ -362,7 +351,7 @@ class Servicer:
         return pb.ArenaAccessResponse(
             path=str(memory.file.path.resolve()),
             size_bytes=memory.file.size,
-            store_id=self.events.store_id,
+            store_id=self.run_id,
             namespace_prefix=self.scope.prefix(context),
             lease_seconds=memory.lease_seconds,
         )
@@ -471,7 +460,7 @@ class Servicer:
                 try:
                     context.send_initial_metadata(
                         (
-                            (WATCH_STORE_ID_KEY, self.events.store_id),
+                            (WATCH_STORE_ID_KEY, self.run_id),
                             (WATCH_START_SEQUENCE_KEY, str(cursor.next_sequence)),
                         )
                     )
@@ -482,7 +471,7 @@ class Servicer:
                     if batch is None:
                         raise ShuttingDown("the daemon is shutting down; watch again once it is back")
                     for event in batch:
-                        yield _event_message(event, self.events.store_id, prefix)
+                        yield _event_message(event, self.run_id, prefix)
             finally:
                 self.events.unsubscribe(cursor)
         finally:

@@ -34,19 +34,21 @@ from google.protobuf.message import DecodeError, Message
 from kvstore import wire
 from kvstore_server.errors import (
     CapacityError,
+    EventsOutOfRange,
     FleetUnavailable,
     InvalidChain,
     InvalidCommit,
     InvalidPart,
+    InvalidRequest,
     LeaseNotFound,
+    LocalReadsOff,
+    MalformedPut,
     NoFleet,
     NoMemoryTier,
     NotFoundError,
     ShuttingDown,
     WaitTimeout,
 )
-from kvstore_server.events import EventsOutOfRange
-from kvstore_server.putbuffer import MalformedPut
 from kvstore_server.tiers import StorageError
 
 if TYPE_CHECKING:
@@ -55,14 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class InvalidRequest(Exception):
-    """A request failed validation; answered with INVALID_ARGUMENT."""
-
-
-class LocalReadsOff(Exception):
-    """LocalAccess on a daemon configured without local reads: FAILED_PRECONDITION."""
 
 
 _STATUS = (

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from kvstore import wire
 from kvstore.blocks import intern_layout
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_server.errors import InvalidRequest
 from kvstore_server.parts import PartError, check_subset
-from kvstore_server.rpc.status import InvalidRequest
 from kvstore_server.tiers import BlockMeta, LayerSpec
 
 

@@ -108,12 +108,19 @@ class InProcServer:
             raise
         try:
             running = create_server(config, store)
+        except BaseException:
+            store.close()
+            datadir.close(sync=config.sync)
+            self._release_log()
+            raise
+        try:
             if running.metrics is not None and config.metrics_port is not None:
                 self._metrics_http = MetricsServer.start(
                     running.metrics.registry, config.metrics_host, config.metrics_port
                 )
                 self.metrics_url = self._metrics_http.url
         except BaseException:
+            running.close()
             store.close()
             datadir.close(sync=config.sync)
             self._release_log()
@@ -135,13 +142,8 @@ class InProcServer:
             return
         self.running = None
         try:
-            running.health.enter_graceful_shutdown()
-            running.store.begin_shutdown()
-            if running.events is not None:
-                running.events.close()
-            running.server.stop(config.grace_seconds).wait()
-            if running.servicer is not None:
-                running.servicer.close()
+            running.stop(config.grace_seconds)
+            running.close()
             if self._metrics_http is not None:
                 self._metrics_http.close()
                 self._metrics_http = None

@@ -1,4 +1,5 @@
-"""kvstore_server.config: sizes, TOML, overrides, validation."""
+"""kvstore_server.config: sizes (kvstore.sizes, which it reads them with), TOML, overrides,
+validation."""
 
 from __future__ import annotations
 
@@ -8,16 +9,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from kvstore_server.config import (
-    SIZE_FORMS,
-    SIZE_SETTINGS,
-    ServerConfig,
-    attach_values,
-    auto_capacity,
-    auto_memory,
-    format_size,
-    parse_size,
-)
+from kvstore.sizes import SIZE_FORMS, attach_values, format_size, parse_size
+from kvstore_server.config import SIZE_SETTINGS, ServerConfig, auto_capacity, auto_memory
 
 
 @pytest.mark.parametrize(

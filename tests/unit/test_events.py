@@ -21,6 +21,7 @@ from kvunit import (
 )
 
 from kvstore_server import eviction
+from kvstore_server.daemon import new_run_id
 from kvstore_server.events import MAX_EVENT_BLOCKS, REMOVED, STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.store import Store
 
@@ -189,8 +190,9 @@ def test_watcher_count() -> None:
     assert log.watchers == 0
 
 
-def test_store_id_is_random_per_log() -> None:
-    assert EventLog(1).store_id != EventLog(1).store_id
+def test_store_id_is_the_runs_and_random_per_run() -> None:
+    assert new_run_id() != new_run_id()
+    assert len(new_run_id()) == 32  # publish_store_id overwrites in place
     assert EventLog(1, store_id="fixed").store_id == "fixed"
 
 

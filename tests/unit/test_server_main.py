@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore_server.config import SIZE_FORMS
+from kvstore.sizes import SIZE_FORMS
 from kvstore_server.main import listen_problem, main
 
 
