@@ -288,16 +288,16 @@ def arena_save(transport: Any, probe: Probe, d: Device, caches: dict, hashes: li
     d.sync()
     probe.reset()
     t0 = now()
-    save = transport.open(spec, timeout=30)
+    save = transport.open(spec)  # raises when the arena is off (the bench's transport has no fallback)
     if save is None:
-        raise RuntimeError("ArenaTransport.open returned None: the arena is off")
+        raise RuntimeError("ArenaTransport.open dropped the save")
     t1 = now()
     layout = LAYOUTS.get(id(transport))
     for name in NAMES:
         if layout is None:  # --layout layers: a store layer per attention layer
-            transport.save_layer(save, name, caches[name])
+            transport.save_layer([save], [name], None)
         else:  # the connector's: a store layer per KV head, a layer's heads in one copy
-            transport.save_heads(save, layout.by_layer[name], layout.heads[name])
+            transport.save_layer([save], layout.by_layer[name], layout.heads[name])
     t2 = now()
     save.wait()
     t3 = now()
@@ -370,10 +370,10 @@ def build_transport(args: argparse.Namespace, kv: Any, d: Device, caches: dict, 
         if codec is not None:
             raise SystemExit("--compression needs --layout heads")
         specs = [LayerSpec(n, "bfloat16", (KV_HEADS, bs, 2 * HEAD_DIM)) for n in NAMES]
-        return ArenaTransport(kv, namespace, specs, caches, mover)
+        return ArenaTransport(kv, namespace, specs, caches, mover, reserve_timeout=30)
     layout = StoreLayout.build(caches, num_kv_heads=KV_HEADS, tp_size=1, tp_rank=0, mla=False, codec=codec)
     transport = ArenaTransport(kv, namespace, layout.own_specs, layout.views, mover, stored=layout.specs,
-                               subset=layout.subset, heads=layout.head_targets)  # fmt: skip
+                               subset=layout.subset, heads=layout.head_targets, reserve_timeout=30)  # fmt: skip
     LAYOUTS[id(transport)] = layout
     return transport
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from kvstore import wire
 from kvstore.blocks import STOP_NONE, selected_layers
@@ -253,6 +253,34 @@ class KVStoreClient:
                 # a Lookup's answer came from the files: the daemon only missed a recency
                 # update; a Release's pin ends with its lease
                 log.debug("background %s failed: %s", request.DESCRIPTOR.name, exc.code)
+
+    @overload
+    def put_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+        arena: Literal[False],
+        token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
+    ) -> PutStream: ...
+
+    @overload
+    def put_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+        arena: bool = True,
+        token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
+    ) -> PutStream | ArenaPutStream: ...
 
     def put_stream(
         self,

@@ -293,7 +293,7 @@ def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[st
     worker.start_load(meta)
     for name in LAYERS:
         worker.wait_for_layer(name)
-        worker.save_layer(meta, name, caches[name])
+        worker.save_layer(meta, name)
     worker.finish_step_saves()
     return worker.block_ids_with_load_errors()
 
@@ -491,7 +491,7 @@ def test_a_forward_pass_longer_than_save_timeout_still_stores_every_block(
     started = time.monotonic()
     for name in LAYERS:
         time.sleep(0.6)  # this layer's compute: twice the save timeout, 4x over the pass
-        worker.save_layer(meta, name, caches[name])
+        worker.save_layer(meta, name)
     worker.finish_step_saves()
     worker.wait_for_commits()
     assert time.monotonic() - started > 4 * 0.3
