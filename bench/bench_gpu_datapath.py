@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for sub in ("", "connector"):
     sys.path.insert(0, str(ROOT / sub))
 
+from kvstore_connector.host_memory import prepare_arena  # noqa: E402
 from kvstore_connector.transfer import BlockMover  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -425,7 +426,7 @@ def hot_child(args: argparse.Namespace) -> None:
     if side is not None:
         kv = KVStoreClient(args.address, timeout=60)
         start = now()
-        if not kv.arena_available(cuda=d.cuda):
+        if not prepare_arena(kv, cuda=d.cuda):
             raise SystemExit("the daemon offers no arena to this process")
         print(
             f"  mapped the daemon's arena {kv.arena_path} and registered it with CUDA in {now() - start:.2f}s"
@@ -658,7 +659,7 @@ def cold_child(args: argparse.Namespace) -> None:
     d = Device(args.device)
     kv = KVStoreClient(args.address, timeout=120)
     start = now()
-    if not kv.arena_available(cuda=d.cuda):
+    if not prepare_arena(kv, cuda=d.cuda):
         raise SystemExit("the restarted daemon offers no arena to this process")
     print(f"  mapped the new arena and registered it with CUDA in {now() - start:.2f}s")
     probe = Probe()

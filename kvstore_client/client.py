@@ -44,6 +44,7 @@ from kvstore_client import errors
 from kvstore_client._rpc import Channel
 from kvstore_client.address import with_default_port
 from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Reservation
+from kvstore_client.arena import Mapping as ArenaMapping
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
 from kvstore_client.types import EvictResult, LayerSpec, PutResult, Selection, Where
@@ -597,21 +598,20 @@ class KVStoreClient:
         return self._unary(self._rpc.local_access, pb.LocalAccessRequest(), timeout)
 
     # ---- the memory tier (same-host data plane)
-    def arena_available(self, *, cuda: bool = False) -> bool:
-        """Whether saves and loads go through the daemon's arena now (mapping it if not yet).
-        `cuda`: also register the mapping with CUDA (once per process)."""
-        if self._arena is None:
-            return False
-        self._arena.cuda = self._arena.cuda or cuda
-        mapping = self._arena.mapping()
-        if mapping is not None and cuda:
-            mapping.register_cuda()
-        return mapping is not None
+    def arena_available(self) -> bool:
+        """Whether saves and loads go through the daemon's arena now (mapping it if not yet)."""
+        return self.arena_mapping() is not None
+
+    def arena_mapping(self) -> ArenaMapping | None:
+        """The daemon's arena as this process maps it (mapping it if not yet), or None while
+        this client uses gRPC. Its pages are the caller's to pre-fault or register with CUDA
+        (see kvstore_client.arena.Mapping.on_close)."""
+        return self._arena.mapping() if self._arena is not None else None
 
     @property
     def arena_path(self) -> Path | None:
         """The daemon's arena file this client maps, or None while it uses gRPC."""
-        mapping = self._arena.mapping() if self._arena is not None else None
+        mapping = self.arena_mapping()
         return mapping.path if mapping is not None else None
 
     def arena_access(self, *, timeout: float | None = None) -> pb.ArenaAccessResponse:

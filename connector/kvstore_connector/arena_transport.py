@@ -45,6 +45,7 @@ from kvstore_client import KVStoreClient, LayerSpec
 from kvstore_client.arena import Pinned, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
 from kvstore_client.tensors import torch_dtype
+from kvstore_connector.host_memory import prepare
 from kvstore_connector.outage import OUTAGES
 from kvstore_connector.transfer import Write, wsum32_blocks
 from kvstore_connector.transport import Committed, Done, Save, Transport
@@ -158,6 +159,7 @@ class ArenaTransport:
             if self.fallback is None:
                 raise KVStoreError("the arena is not available")
             return self.fallback.open(spec)
+        prepare(res.mapping, cuda=self.mover.cuda)  # a restarted daemon's new arena: once
         if not res.blocks:
             return ArenaSave(spec, res, None, time.perf_counter())
         ids = self.mover.index([spec.block_ids[i] for i in res.blocks])
@@ -271,6 +273,7 @@ class ArenaTransport:
         pinned = self.client.pin(self.namespace, spec.hashes, timeout=timeout, stream=True)
         if pinned is None:
             raise KVStoreError("the arena is not available")
+        prepare(pinned.mapping, cuda=self.mover.cuda)  # a restarted daemon's new arena: once
         try:
             n = pinned.num_blocks
             if not n:

@@ -73,4 +73,3 @@ class Transport(Protocol):
     def describe(self) -> str:
         """How KV moves, for the worker's log line."""
         ...
-

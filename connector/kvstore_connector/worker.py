@@ -28,6 +28,7 @@ from kvstore_connector.arena_transport import ArenaTransport
 from kvstore_connector.compression import make_codec, stored_kv_dtype_is_fp8
 from kvstore_connector.config import ConnectorConfig
 from kvstore_connector.grpc_transport import GrpcTransport, SaveBacklog
+from kvstore_connector.host_memory import prepare_arena
 from kvstore_connector.layout import StoreLayout
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.outage import StoreHealth
@@ -154,7 +155,7 @@ class WorkerSide:
         # the daemon's arena when this process can map it, with gRPC as its fallback (a
         # save the arena has no room for; consuming loads); else gRPC (with the same-host
         # file reads where offered)
-        if self.client.arena_available(cuda=first.device.type == "cuda"):
+        if prepare_arena(self.client, cuda=self._mover.cuda):
             self._transport = ArenaTransport(
                 self.client, self.namespace, self._specs, self._caches, self._mover,
                 stored=layout.specs, subset=layout.subset, heads=layout.head_targets, fallback=grpc,
