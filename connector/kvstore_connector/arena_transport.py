@@ -380,7 +380,8 @@ class ArenaTransport:
         self, pinned: Pinned, run: Run, layers: range, on_device: torch.Tensor, ids: torch.Tensor
     ) -> list[Write]:
         """The scatters of one staged span (`layers` of one run, layer-major): one per layer,
-        or one per attention layer for a rank's consecutive KV heads of it (save_heads' inverse)."""
+        or one per attention layer for a rank's consecutive KV heads of it (the inverse of
+        save_layer with their heads' view)."""
         writes: list[Write] = []
         at, k = 0, 0
         while k < len(layers):
