@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 for sub in ("", "connector"):
     sys.path.insert(0, str(ROOT / sub))
 
+from kvstore_connector.host_memory import prepare_arena  # noqa: E402
 from kvstore_connector.transfer import BlockMover  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -288,16 +289,16 @@ def arena_save(transport: Any, probe: Probe, d: Device, caches: dict, hashes: li
     d.sync()
     probe.reset()
     t0 = now()
-    save = transport.open(spec, timeout=30)
+    save = transport.open(spec)  # raises when the arena is off (the bench's transport has no fallback)
     if save is None:
-        raise RuntimeError("ArenaTransport.open returned None: the arena is off")
+        raise RuntimeError("ArenaTransport.open dropped the save")
     t1 = now()
     layout = LAYOUTS.get(id(transport))
     for name in NAMES:
         if layout is None:  # --layout layers: a store layer per attention layer
-            transport.save_layer(save, name, caches[name])
+            transport.save_layer([save], [name], None)
         else:  # the connector's: a store layer per KV head, a layer's heads in one copy
-            transport.save_heads(save, layout.by_layer[name], layout.heads[name])
+            transport.save_layer([save], layout.by_layer[name], layout.heads[name])
     t2 = now()
     save.wait()
     t3 = now()
@@ -370,10 +371,10 @@ def build_transport(args: argparse.Namespace, kv: Any, d: Device, caches: dict, 
         if codec is not None:
             raise SystemExit("--compression needs --layout heads")
         specs = [LayerSpec(n, "bfloat16", (KV_HEADS, bs, 2 * HEAD_DIM)) for n in NAMES]
-        return ArenaTransport(kv, namespace, specs, caches, mover)
+        return ArenaTransport(kv, namespace, specs, caches, mover, reserve_timeout=30)
     layout = StoreLayout.build(caches, num_kv_heads=KV_HEADS, tp_size=1, tp_rank=0, mla=False, codec=codec)
     transport = ArenaTransport(kv, namespace, layout.own_specs, layout.views, mover, stored=layout.specs,
-                               subset=layout.subset, heads=layout.head_targets)  # fmt: skip
+                               subset=layout.subset, heads=layout.head_targets, reserve_timeout=30)  # fmt: skip
     LAYOUTS[id(transport)] = layout
     return transport
 
@@ -425,7 +426,7 @@ def hot_child(args: argparse.Namespace) -> None:
     if side is not None:
         kv = KVStoreClient(args.address, timeout=60)
         start = now()
-        if not kv.arena_available(cuda=d.cuda):
+        if not prepare_arena(kv, cuda=d.cuda):
             raise SystemExit("the daemon offers no arena to this process")
         print(
             f"  mapped the daemon's arena {kv.arena_path} and registered it with CUDA in {now() - start:.2f}s"
@@ -658,7 +659,7 @@ def cold_child(args: argparse.Namespace) -> None:
     d = Device(args.device)
     kv = KVStoreClient(args.address, timeout=120)
     start = now()
-    if not kv.arena_available(cuda=d.cuda):
+    if not prepare_arena(kv, cuda=d.cuda):
         raise SystemExit("the restarted daemon offers no arena to this process")
     print(f"  mapped the new arena and registered it with CUDA in {now() - start:.2f}s")
     probe = Probe()

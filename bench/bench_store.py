@@ -78,8 +78,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "connector"))  # kvstore_connector.host_memory: the worker's pre-fault
 
 from daemon import Daemon  # noqa: E402  (tests/daemon.py: the same start-up as the tests use)
+from kvstore_connector.host_memory import prepare_arena  # noqa: E402
 
 from kvstore.sizes import format_size, parse_size  # noqa: E402
 
@@ -445,7 +447,7 @@ def bench_daemon(args: argparse.Namespace, w: Workload, root: Path) -> list[Path
             with KVStoreClient(daemon.address, timeout=120.0, arena=args.memory != "0") as ac:
                 if args.memory == "0":
                     print("    (--memory 0: no arena rows)", flush=True)
-                elif not ac.arena_available():
+                elif not prepare_arena(ac, cuda=False):  # mapped and pre-faulted, as a worker does
                     raise RuntimeError("the client could not map the daemon's arena")
 
                 def arena_store() -> None:
@@ -1051,12 +1053,12 @@ def raw_io_ceilings(directory: Path, res: IoResult) -> None:
 
 
 def map_arena(client) -> None:
-    """Map the daemon's arena in this process and wait for the client's background pre-fault
-    of the mapping to end (a worker maps it once, at start; on 2 cores it would compete
-    with the daemon during the timed pass)."""
+    """Map the daemon's arena in this process and wait for the background pre-fault of the
+    mapping to end (a worker maps it once, at start; on 2 cores it would compete with the
+    daemon during the timed pass)."""
     import threading
 
-    if not client.arena_available():
+    if not prepare_arena(client, cuda=False):
         raise RuntimeError("the client could not map the daemon's arena")
     for thread in threading.enumerate():
         if thread.name == "kvstore-arena-prefault":

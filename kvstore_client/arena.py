@@ -24,9 +24,9 @@ stray writes and torn reservations, not a malicious peer: give the arena only to
 processes you would give the KV itself (that is why `--token-file` turns it off
 for clients unless `memory_clients` says otherwise).
 
-With CUDA, the mapping is registered with the driver once per process
-(cudaHostRegister, in chunks: one registration of 512 GiB or more fails), so
-copies between the GPU and the arena run at pinned-memory speed.
+The client only maps the arena: pre-faulting its pages and registering them with
+CUDA are the caller's (the connector does both: kvstore_connector.host_memory), with
+`Mapping.on_close` to undo them when the mapping's last client lets go.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ import xxhash
 from kvstore import arena_format as fmt
 from kvstore import wire
 from kvstore.blocks import CHECKSUMS, STOP_NONE, XXH3, selected_layers
-from kvstore.memory import populate_mapping
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client.streams import LayerWrites
@@ -59,8 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _checksum = xxhash.xxh3_64_intdigest
-# cudaHostRegister of 512 GiB or more at once fails on current drivers.
-_CUDA_REGISTER_CHUNK = 256 << 30
 # xxhash releases the GIL only for inputs above 64 KiB (measured on an H200 host: 64 KiB
 # pieces hash at ~6 GB/s however many threads; 128 KiB pieces at 20 GB/s on 4 threads,
 # 27 on 8), and a task per piece costs more than hashing it: one task per thread, each
@@ -82,10 +79,10 @@ class ArenaUnavailable(Exception):
 class Mapping:
     """One arena file mapped into this process, shared by every client in it that uses
     this daemon run's arena (`_acquire`/`_release` count them). When the last one lets go
-    (closed, or moved on to a restarted daemon's arena), the mapping is unregistered from
-    CUDA and leaves the registry; it is unmapped once no view of it is left (a pinned
-    view handed to the caller keeps it). Until then, the pages of an arena file the
-    daemon already removed stay allocated (in /dev/shm: memory)."""
+    (closed, or moved on to a restarted daemon's arena), the mapping runs its `on_close`
+    callbacks and leaves the registry; it is unmapped once no view of it is left (a
+    pinned view handed to the caller keeps it). Until then, the pages of an arena file
+    the daemon already removed stay allocated (in /dev/shm: memory)."""
 
     def __init__(self, path: Path, size: int, store_id: str) -> None:
         try:
@@ -105,12 +102,9 @@ class Mapping:
         self.store_id = store_id
         self.view = memoryview(self._mmap)
         self._tensor: torch.Tensor | None = None
-        self._cuda = False
-        self._registered: list[tuple[int, int]] = []  # (address, size) registered with CUDA
-        self._prefaulter: threading.Thread | None = None
+        self._on_close: list[Callable[[], None]] = []
         self._closed = False
         self._lock = threading.Lock()
-        self._cuda_lock = threading.Lock()
         self.users = 0  # clients using it (under _MAPPINGS_LOCK)
         if not self.current():
             raise ArenaUnavailable(
@@ -134,64 +128,24 @@ class Mapping:
                 self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
             return self._tensor
 
-    def prefault(self) -> None:
-        """Fault the whole mapping into this process's page tables, on a background thread
-        (the daemon allocated the pages; each first touch here would still cost a fault:
-        a first copy into a fresh 64 MiB extent ran at a fifth of the speed of a second)."""
-
-        def run() -> None:
-            started = time.perf_counter()
-            if populate_mapping(self.tensor().data_ptr(), self.size, stop=lambda: self._closed):
-                log.debug("arena pre-faulted in %.2fs", time.perf_counter() - started)
-
+    def on_close(self, callback: Callable[[], None]) -> bool:
+        """Call `callback` when the mapping's last client lets go (to undo what the caller did
+        to the mapping: a CUDA registration, a pre-fault thread). False, and never called:
+        the mapping is closed already."""
         with self._lock:
-            if self._prefaulter is not None or self._closed:
-                return
-            self._prefaulter = threading.Thread(target=run, name="kvstore-arena-prefault", daemon=True)
-            self._prefaulter.start()
-
-    def register_cuda(self) -> None:
-        """Register the mapping with CUDA (once per process), so copies to and from the GPU
-        run at pinned-memory speed. A failure is logged; copies then still work, slower."""
-        import torch
-
-        with self._cuda_lock:  # not self._lock: tensor() stays free during the registration
-            if self._cuda or self._closed:
-                return
-            self._cuda = True
-            base = self.tensor().data_ptr()
-            cudart = torch.cuda.cudart()
-            started = time.perf_counter()
-            for offset in range(0, self.size, _CUDA_REGISTER_CHUNK):
-                size = min(_CUDA_REGISTER_CHUNK, self.size - offset)
-                err = cudart.cudaHostRegister(base + offset, size, 0)
-                if int(err) != 0:
-                    log.warning("cudaHostRegister of the arena failed (%s); copies will be slower", err)
-                    return
-                self._registered.append((base + offset, size))
-        log.info(
-            "registered the %d MiB arena with CUDA in %.2fs", self.size >> 20, time.perf_counter() - started
-        )
+            if self._closed:
+                return False
+            self._on_close.append(callback)
+            return True
 
     def close(self) -> None:
-        """Its last client let go: stop pre-faulting and unregister it from CUDA (copies
-        through views still alive then run at pageable speed). The pages are unmapped when
+        """Its last client let go: run the `on_close` callbacks. The pages are unmapped when
         the last view of them goes."""
         with self._lock:
             self._closed = True
-            prefaulter = self._prefaulter
-        if prefaulter is not None:
-            prefaulter.join()  # it stops after the chunk in progress
-        with self._cuda_lock:
-            registered, self._registered = self._registered, []
-            if registered:
-                import torch
-
-                cudart = torch.cuda.cudart()
-                for address, _size in registered:
-                    err = cudart.cudaHostUnregister(address)
-                    if int(err) != 0:
-                        log.warning("cudaHostUnregister of the arena failed (%s)", err)
+            callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
 
 
 _MAPPINGS: dict[tuple[str, str], Mapping] = {}
@@ -626,7 +580,6 @@ class Arena:
         self._next_try = 0.0
         self._reason: str | None = None
         self._closed = False
-        self.cuda = False  # register mappings with CUDA
 
     def mapping(self) -> Mapping | None:
         """The arena, mapped; None while it cannot be used (then use gRPC)."""
@@ -664,10 +617,6 @@ class Arena:
             _release(stale)
         if opened is not None:
             self._reason = None
-            if self.cuda:
-                opened.register_cuda()  # which faults every page in, too
-            else:
-                opened.prefault()
         return opened
 
     def _open(self) -> Mapping:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from kvstore import wire
 from kvstore.blocks import STOP_NONE, selected_layers
@@ -44,6 +44,7 @@ from kvstore_client import errors
 from kvstore_client._rpc import Channel
 from kvstore_client.address import with_default_port
 from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Reservation
+from kvstore_client.arena import Mapping as ArenaMapping
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
 from kvstore_client.types import EvictResult, LayerSpec, PutResult, Selection, Where
@@ -253,6 +254,34 @@ class KVStoreClient:
                 # a Lookup's answer came from the files: the daemon only missed a recency
                 # update; a Release's pin ends with its lease
                 log.debug("background %s failed: %s", request.DESCRIPTOR.name, exc.code)
+
+    @overload
+    def put_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+        arena: Literal[False],
+        token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
+    ) -> PutStream: ...
+
+    @overload
+    def put_stream(
+        self,
+        namespace: str | bytes,
+        block_hashes: Sequence[bytes],
+        layers: Sequence[LayerSpec],
+        *,
+        parent_hash: bytes = b"",
+        timeout: float | None = None,
+        arena: bool = True,
+        token_ids: Sequence[int] = (),
+        subset: Sequence[int] = (),
+    ) -> PutStream | ArenaPutStream: ...
 
     def put_stream(
         self,
@@ -569,21 +598,20 @@ class KVStoreClient:
         return self._unary(self._rpc.local_access, pb.LocalAccessRequest(), timeout)
 
     # ---- the memory tier (same-host data plane)
-    def arena_available(self, *, cuda: bool = False) -> bool:
-        """Whether saves and loads go through the daemon's arena now (mapping it if not yet).
-        `cuda`: also register the mapping with CUDA (once per process)."""
-        if self._arena is None:
-            return False
-        self._arena.cuda = self._arena.cuda or cuda
-        mapping = self._arena.mapping()
-        if mapping is not None and cuda:
-            mapping.register_cuda()
-        return mapping is not None
+    def arena_available(self) -> bool:
+        """Whether saves and loads go through the daemon's arena now (mapping it if not yet)."""
+        return self.arena_mapping() is not None
+
+    def arena_mapping(self) -> ArenaMapping | None:
+        """The daemon's arena as this process maps it (mapping it if not yet), or None while
+        this client uses gRPC. Its pages are the caller's to pre-fault or register with CUDA
+        (see kvstore_client.arena.Mapping.on_close)."""
+        return self._arena.mapping() if self._arena is not None else None
 
     @property
     def arena_path(self) -> Path | None:
         """The daemon's arena file this client maps, or None while it uses gRPC."""
-        mapping = self._arena.mapping() if self._arena is not None else None
+        mapping = self.arena_mapping()
         return mapping.path if mapping is not None else None
 
     def arena_access(self, *, timeout: float | None = None) -> pb.ArenaAccessResponse:

@@ -312,6 +312,13 @@ class PutStream:
             return 0.0
         return time.monotonic() - self._progress
 
+    def _store_turn(self) -> None:
+        """Work is about to be queued: if it was the writer's turn, the store's starts now.
+        Else the stamp from before the writer's pause would count against the store until
+        gRPC's sender woke up for the new work (a spurious timeout on a busy host)."""
+        if self._queue.empty():
+            self._progress = time.monotonic()
+
     def _check_progress(self) -> None:
         stalled = self._stalled_for()
         if stalled > self.timeout:
@@ -330,6 +337,7 @@ class PutStream:
         view = byte_view(tensor)
         per_block = spec.nbytes
         per_chunk = max(1, self._chunk_bytes // per_block)
+        self._store_turn()
         for first in range(0, self.num_blocks, per_chunk):
             end = min(self.num_blocks, first + per_chunk)
             self._queue.put((index, first, view[first * per_block : end * per_block]))
@@ -340,6 +348,7 @@ class PutStream:
         if missing:
             self.abort()
             raise ValueError(f"commit without layers {missing[:4]}")
+        self._store_turn()
         self._queue.put(pb.PutRequest(commit=pb.PutCommit()))
         self._queue.put(_END)
         while True:

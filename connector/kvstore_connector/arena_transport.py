@@ -1,6 +1,11 @@
 """The worker's arena transport: KV moves between the paged cache and the daemon's
 shared-memory arena directly; gRPC carries only Reserve/Commit and Pin/Release.
 
+What the arena cannot take goes to its `fallback` (the worker's GrpcTransport): a save
+the arena has no room for (or no arena at all any more: the daemon restarted without
+one), and loads that consume (DropSelect is gRPC only). Loads are not retried over gRPC:
+a load that fails here is recomputed.
+
 Saves (per step): one reservation per request, opened at the step's first saved
 layer. Each layer's blocks of a request are one contiguous run in its extent,
 so `save_layer` issues one indexed gather per request and layer straight into
@@ -40,7 +45,10 @@ from kvstore_client import KVStoreClient, LayerSpec
 from kvstore_client.arena import Pinned, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
 from kvstore_client.tensors import torch_dtype
+from kvstore_connector.host_memory import prepare
+from kvstore_connector.outage import OUTAGES
 from kvstore_connector.transfer import Write, wsum32_blocks
+from kvstore_connector.transport import Committed, Done, Save, Transport
 
 if TYPE_CHECKING:
     from kvstore_client.arena import Reservation
@@ -97,13 +105,24 @@ class ArenaTransport:
         stored: Sequence[LayerSpec] | None = None,
         subset: Sequence[int] = (),
         heads: dict[str, tuple[torch.Tensor, int]] | None = None,
+        fallback: Transport | None = None,
+        consume: bool = False,
+        reserve_timeout: float | None = None,
     ) -> None:
         """`specs`: the layers this rank moves, `caches` their paged views by name; `stored`
         (default: `specs`): a block's whole layout, of which `specs` are layers `subset`
         (empty: all; see kvstore_connector.layout). `heads`: by layer name, the paged view of
         its attention layer's heads ([num_blocks, heads, ...]) and its head's index there:
-        staged loads then scatter a layer's heads with one indexed copy."""
+        staged loads then scatter a layer's heads with one indexed copy. `fallback`: where
+        saves go that the arena cannot take (without one, they fail); `consume`: loads take
+        their blocks (through the fallback, which is then required). `reserve_timeout`: the
+        deadline of a Reserve (a control-plane call on the forward thread)."""
+        if consume and fallback is None:
+            raise ValueError("consuming loads need the gRPC fallback")
         self.client = client
+        self.fallback = fallback
+        self.consume = consume
+        self.reserve_timeout = reserve_timeout
         self.namespace = namespace
         self.specs = specs
         self.caches = caches
@@ -117,15 +136,30 @@ class ArenaTransport:
         if [self.stored[k] for k in self._own] != list(specs):
             raise ValueError("specs must be layers `subset` of `stored`")
 
+    def describe(self) -> str:
+        return f"through the daemon's arena {self.client.arena_path}"
+
     # ---- saves
-    def open(self, spec: SaveSpec, timeout: float) -> ArenaSave | None:
-        """A reservation for one request's blocks; None: save it over gRPC instead."""
-        res = self.client.reserve(
-            self.namespace, spec.hashes, self.stored, parent_hash=spec.parent_hash, timeout=timeout,
-            token_ids=spec.token_ids, subset=self.subset,
-        )  # fmt: skip
-        if res is None:
-            return None
+    def open(self, spec: SaveSpec) -> Save | None:
+        """A reservation for one request's blocks, or the fallback's save when the arena
+        cannot take it. An outage is raised, never retried over gRPC: that store is down."""
+        try:
+            res = self.client.reserve(
+                self.namespace, spec.hashes, self.stored, parent_hash=spec.parent_hash,
+                timeout=self.reserve_timeout, token_ids=spec.token_ids, subset=self.subset,
+            )  # fmt: skip
+        except OUTAGES:
+            raise
+        except KVStoreError as exc:  # e.g. the arena is full of pinned blocks: gRPC may fit
+            if self.fallback is None:
+                raise
+            log.debug("arena save not possible, saving over gRPC: %s", exc)
+            return self.fallback.open(spec)
+        if res is None:  # the daemon offers no arena (any more)
+            if self.fallback is None:
+                raise KVStoreError("the arena is not available")
+            return self.fallback.open(spec)
+        prepare(res.mapping, cuda=self.mover.cuda)  # a restarted daemon's new arena: once
         if not res.blocks:
             return ArenaSave(spec, res, None, time.perf_counter())
         ids = self.mover.index([spec.block_ids[i] for i in res.blocks])
@@ -140,18 +174,28 @@ class ArenaTransport:
             save.unsaved = [len(group) for group in save.groups]
         return save
 
-    def save_layer(self, save: ArenaSave, layer: str, kv: torch.Tensor) -> None:
-        """Layer `layer`'s blocks of the save, from its paged view `kv` ([num_blocks, *shape])."""
-        self._save(save, self._layer_index[layer], 1, kv, 0)
-
-    def save_heads(self, save: ArenaSave, layers: list[str], kv: torch.Tensor) -> None:
-        """Layers `layers` (consecutive ones: a rank's KV heads of one attention layer, see
-        kvstore_connector.layout) from the paged view of their heads ([num_blocks, heads,
-        *shape]): one indexed copy for all of them, into their back-to-back runs."""
-        first = self._layer_index[layers[0]]
-        if [self._layer_index[name] for name in layers] != list(range(first, first + len(layers))):
-            raise ValueError("save_heads takes consecutive layers")
-        self._save(save, first, len(layers), kv.transpose(0, 1), 1)
+    def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
+        """Per arena save: store layers `names` (consecutive ones: a rank's KV heads of one
+        attention layer, see kvstore_connector.layout) from `heads`, the paged view of those
+        heads ([num_blocks, heads, *shape]), in one indexed copy into their back-to-back
+        runs; without `heads`, each layer from its own paged view. The other saves are the
+        fallback's."""
+        first = self._layer_index[names[0]]
+        if [self._layer_index[name] for name in names] != list(range(first, first + len(names))):
+            raise ValueError("save_layer takes consecutive layers")
+        others = []
+        for save in saves:
+            if not isinstance(save, ArenaSave):
+                others.append(save)
+            elif heads is not None:
+                self._save(save, first, len(names), heads.transpose(0, 1), 1)
+            else:
+                for index, name in enumerate(names, first):
+                    self._save(save, index, 1, self.caches[name], 0)
+        if others:
+            if self.fallback is None:
+                raise TypeError("saves the arena transport did not open")
+            self.fallback.save_layer(others, names, heads)
 
     def _save(self, save: ArenaSave, first: int, count: int, kv: torch.Tensor, dim: int) -> None:
         """Copy layers first..first+count-1 of the save's blocks: `kv` indexes blocks at `dim`
@@ -182,8 +226,21 @@ class ArenaTransport:
                 if got is not None:
                     save.sums[group] = got.view(len(members), n)
 
-    def commit(self, save: ArenaSave) -> Any:
-        """Wait for the save's copies, then checksum and commit (the sender thread)."""
+    def commit(self, save: Save) -> Committed | None:
+        """Wait for the save's copies, then checksum and commit (the sender thread); a
+        failed one gives its extent back."""
+        if not isinstance(save, ArenaSave):
+            if self.fallback is None:
+                raise TypeError("a save the arena transport did not open")
+            return self.fallback.commit(save)
+        try:
+            result = self._commit(save)
+        except Exception:
+            save.reservation.abort()
+            raise
+        return None if result is None else Committed(result.blocks_written, save.reservation.num_blocks)
+
+    def _commit(self, save: ArenaSave) -> Any:
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None
@@ -205,15 +262,18 @@ class ArenaTransport:
         return save.reservation.commit(save.reservation.checksums(per_layer))
 
     # ---- loads
-    def load(self, spec: LoadSpec, pending: list[str], done: Any, timeout: float) -> int:
+    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
         """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
         `done(layer_name, event)` is called as each layer's copies are issued."""
+        if self.consume and self.fallback is not None:  # DropSelect: gRPC only
+            return self.fallback.load(spec, pending, done, timeout)
         # stream: the answer comes before blocks only the persistent tier held are read in;
         # each layer group waits for its layers (wait_layers), so the copies of the first
         # layers overlap the reads of the rest: a cold load costs about max(disk, H2D)
         pinned = self.client.pin(self.namespace, spec.hashes, timeout=timeout, stream=True)
         if pinned is None:
             raise KVStoreError("the arena is not available")
+        prepare(pinned.mapping, cuda=self.mover.cuda)  # a restarted daemon's new arena: once
         try:
             n = pinned.num_blocks
             if not n:
@@ -238,7 +298,7 @@ class ArenaTransport:
                 pinned.release()
 
     def _load_verified_in_arena(
-        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
+        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Done
     ) -> list[Any]:
         """Per layer: verify its checksums in the arena, then copy each pinned run into the
         paged blocks (see the NOTE above on what that trusts)."""
@@ -259,7 +319,7 @@ class ArenaTransport:
         return events
 
     def _load_staged(
-        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Any
+        self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Done
     ) -> list[Any]:
         """Blocks saved with device checksums (wsum32): in groups of layers (_GROUP_BYTES),
         each run goes host to device on the copy stream in one copy and is checksummed on the
@@ -320,7 +380,8 @@ class ArenaTransport:
         self, pinned: Pinned, run: Run, layers: range, on_device: torch.Tensor, ids: torch.Tensor
     ) -> list[Write]:
         """The scatters of one staged span (`layers` of one run, layer-major): one per layer,
-        or one per attention layer for a rank's consecutive KV heads of it (save_heads' inverse)."""
+        or one per attention layer for a rank's consecutive KV heads of it (the inverse of
+        save_layer with their heads' view)."""
         writes: list[Write] = []
         at, k = 0, 0
         while k < len(layers):

@@ -295,9 +295,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
+        # kv_layer is not read: the worker saves from the paged views it registered (a
+        # rank's KV heads of the layer, found once in register_kv_caches)
         meta = self._meta()
         if meta is not None and self._save:
-            self._work().save_layer(meta, layer_name, kv_layer)
+            self._work().save_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:
         if self._save:

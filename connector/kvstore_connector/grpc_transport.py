@@ -2,10 +2,12 @@
 DropSelect), or, for loads on the same host, from the daemon's files.
 
 Saves (per step): one PutStream per request, opened at the step's first saved
-layer. `save_layer` gathers the layer's blocks of every gRPC save of the step
-with one indexed copy (GrpcSaves) and hands each request its slice on the sender
-thread (one thread: a request's layers reach its stream in order); the commit
-runs on that thread after the request's layers.
+layer. `save_layer` gathers each store layer's blocks of every gRPC save of the
+step with one indexed copy and hands each request its slice on the sender thread
+(one thread: a request's layers reach its stream in order); the commit runs on
+that thread after the request's layers. Async saves hold their KV in host memory
+until the store has it: the worker's SaveBacklog bounds that, and a save it has no
+room for is dropped.
 
 Loads: two choices, each made once at construction and never mixed per load:
 - the source: consume → DropSelect (`take_stream`, the blocks are freed), else
@@ -19,42 +21,85 @@ Each layer is reported done (`done(layer_name, event)`) as it is placed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream, PutStream
-from kvstore_client.arena import ArenaPutStream
 from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import torch_dtype, writable_view
 from kvstore_connector.metadata import LoadSpec, SaveSpec
 from kvstore_connector.transfer import BlockMover, PendingCopy
+from kvstore_connector.transport import Committed, Done, Save
 
 log = logging.getLogger("vllm." + __name__)
 
-Done = Callable[..., None]  # done(layer_name, cuda_event=None): the layer is written
+
+class SaveBacklog:
+    """Bytes of KV that async saves hold in host memory until the store has them.
+
+    A slow store (alive, but taking saves slower than the engine makes KV) would
+    otherwise grow the sender's queue without end, in pinned memory on GPUs, until
+    the host runs out. `admit` is called on the forward thread when a save opens,
+    `release` on the sender thread when it ends (committed or failed). One WARNING
+    when saves start being dropped, one INFO when one is taken again.
+    """
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._dropped = 0  # saves dropped since the backlog last had room
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def admit(self, nbytes: int) -> bool:
+        """Reserve `nbytes` for a save, or refuse it: False means drop the save."""
+        with self._lock:
+            if self._pending and self._pending + nbytes > self.limit:
+                if not self._dropped:
+                    log.warning(
+                        "kvstore saves are behind: %.0f MiB of KV waiting for the store (save_backlog_mib "
+                        "%.0f); new saves are dropped until it drains",
+                        self._pending / 2**20,
+                        self.limit / 2**20,
+                    )
+                self._dropped += 1
+                return False
+            if self._dropped:
+                log.info("kvstore saves caught up; %d saves were dropped meanwhile", self._dropped)
+                self._dropped = 0
+            self._pending += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending -= nbytes
+
+
+@dataclass
+class _Gather:
+    """A step's gRPC saves' paged block ids, in order: each store layer is gathered once
+    for all of them (made at the step's first saved layer, shared by its saves)."""
+
+    ids: torch.Tensor
 
 
 @dataclass
 class GrpcSave:
     spec: SaveSpec
-    stream: PutStream | ArenaPutStream
+    stream: PutStream
     started: float
     reserved: int = 0  # bytes held in the worker's save backlog (async saves)
     nbytes: int = 0
     layers: list[Future[None]] = field(default_factory=list)
-
-
-@dataclass
-class GrpcSaves:
-    """One step's gRPC saves: each layer is gathered once for all of them."""
-
-    saves: list[GrpcSave] = field(default_factory=list)
-    ids: torch.Tensor | None = None  # their paged block ids in order, made at the first layer
+    gather: _Gather | None = None
 
 
 class PagePlacement:
@@ -123,11 +168,16 @@ class GrpcTransport:
         on_stream: Callable[[LayerStream], None],
         stored: Sequence[LayerSpec] | None = None,
         subset: Sequence[int] = (),
+        backlog: SaveBacklog | None = None,
     ) -> None:
         """`sender`: the worker's one save thread; `on_stream`: told of each load's stream
         as it opens (the worker cancels this step's streams when it gives up its loads).
-        `stored`, `subset`: as for ArenaTransport (this rank's layers of a block's layout)."""
+        `stored`, `subset`: as for ArenaTransport (this rank's layers of a block's layout).
+        `backlog`: async saves (their KV waits in host memory) are admitted by it; None:
+        saves are synchronous (the step waits for them) and never dropped."""
         self.client = client
+        self.backlog = backlog
+        self._block_bytes = sum(spec.nbytes for spec in specs)
         self.namespace = namespace
         self.specs = specs
         self.stored = list(specs if stored is None else stored)
@@ -145,31 +195,50 @@ class GrpcTransport:
         )
         self._local = False  # the last load read the daemon's files directly
 
+    def describe(self) -> str:
+        return "over gRPC"
+
     # ---- saves
-    def open(self, spec: SaveSpec, reserved: int = 0) -> GrpcSave:
-        stream = self.client.put_stream(
-            self.namespace,
-            spec.hashes,
-            self.stored,
-            parent_hash=spec.parent_hash,
-            timeout=self._save_timeout,
-            arena=False,  # this is the gRPC transport: the arena's saves are ArenaTransport's
-            token_ids=spec.token_ids,
-            subset=self.subset,
-        )
+    def open(self, spec: SaveSpec) -> GrpcSave | None:
+        reserved = 0
+        if self.backlog is not None:
+            reserved = len(spec.block_ids) * self._block_bytes
+            if not self.backlog.admit(reserved):
+                return None
+        try:
+            stream = self.client.put_stream(
+                self.namespace,
+                spec.hashes,
+                self.stored,
+                parent_hash=spec.parent_hash,
+                timeout=self._save_timeout,
+                arena=False,  # this is the gRPC transport: the arena's saves are ArenaTransport's
+                token_ids=spec.token_ids,
+                subset=self.subset,
+            )
+        except BaseException:
+            self._release(reserved)
+            raise
         return GrpcSave(spec, stream, time.perf_counter(), reserved)
 
-    def save_layer(self, saves: GrpcSaves, layer: str, kv: torch.Tensor) -> None:
-        if not saves.saves:
+    def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
+        """Each of `names` gathered once for all `saves` (`heads` is not used: a request's
+        stream takes its layers one by one)."""
+        mine = [save for save in saves if isinstance(save, GrpcSave)]
+        if not mine:
             return
-        if saves.ids is None:
-            saves.ids = self.mover.index([b for s in saves.saves for b in s.spec.block_ids])
-        copy = self.mover.gather(kv, saves.ids)  # one indexed copy for every request
-        offset = 0
-        for save in saves.saves:
-            n = len(save.spec.block_ids)
-            save.layers.append(self._sender.submit(self._send_layer, save, layer, copy, offset, n))
-            offset += n
+        gather = mine[0].gather
+        if gather is None:  # the step's first saved layer
+            gather = _Gather(self.mover.index([b for s in mine for b in s.spec.block_ids]))
+            for save in mine:
+                save.gather = gather
+        for name in names:
+            copy = self.mover.gather(self.caches[name], gather.ids)  # one indexed copy for every request
+            offset = 0
+            for save in mine:
+                n = len(save.spec.block_ids)
+                save.layers.append(self._sender.submit(self._send_layer, save, name, copy, offset, n))
+                offset += n
 
     def _send_layer(self, save: GrpcSave, layer: str, copy: PendingCopy, offset: int, n: int) -> None:
         host = copy.wait()
@@ -177,11 +246,25 @@ class GrpcTransport:
         save.stream.write_layer(layer, part)
         save.nbytes += part.numel() * part.element_size()
 
-    def commit(self, save: GrpcSave) -> Any:
+    def commit(self, save: Save) -> Committed:
         """Wait for the save's layers, then commit it (the sender thread)."""
-        for layer in save.layers:
-            layer.result()
-        return save.stream.commit()
+        if not isinstance(save, GrpcSave):
+            raise TypeError(f"not a gRPC save: {type(save).__name__}")
+        try:
+            for layer in save.layers:
+                layer.result()
+            result = save.stream.commit()
+        except Exception:
+            save.stream.abort()
+            raise
+        finally:
+            save.gather = None
+            self._release(save.reserved)
+        return Committed(result.blocks_written, len(save.spec.block_ids))
+
+    def _release(self, reserved: int) -> None:
+        if self.backlog is not None and reserved:
+            self.backlog.release(reserved)
 
     # ---- loads
     def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:

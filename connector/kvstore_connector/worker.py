@@ -4,10 +4,11 @@ One instance per worker (TP/PP rank). All store I/O runs on background
 threads; the forward pass only issues one indexed copy per layer and, for
 loads, waits for the layer it is about to use.
 
-How KV moves is the transports' business, picked once in register_kv_caches:
-ArenaTransport (the daemon's shared-memory arena, same host) or GrpcTransport
-(the daemon's byte streams, or its files for same-host loads). The worker keeps
-the step: layer gates, load errors, the save backlog, commits, stats, health.
+How KV moves is the transport's business (kvstore_connector.transport), picked once
+in register_kv_caches: ArenaTransport (the daemon's shared-memory arena, same host,
+with gRPC as its fallback) or GrpcTransport (the daemon's byte streams, or its files
+for same-host loads). The worker keeps the step: layer gates, load errors, the save
+backlog, commits, stats, health.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ import torch
 
 from kvstore_client import KVStoreClient, LayerSpec, LayerStream
 from kvstore_client.errors import KVStoreError
-from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
+from kvstore_connector.arena_transport import ArenaTransport
 from kvstore_connector.compression import make_codec, stored_kv_dtype_is_fp8
 from kvstore_connector.config import ConnectorConfig
-from kvstore_connector.grpc_transport import GrpcSave, GrpcSaves, GrpcTransport
+from kvstore_connector.grpc_transport import GrpcTransport, SaveBacklog
+from kvstore_connector.host_memory import prepare_arena
 from kvstore_connector.layout import StoreLayout
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
-from kvstore_connector.outage import OUTAGES, StoreHealth
+from kvstore_connector.outage import StoreHealth
 from kvstore_connector.stats import KVStoreConnectorStats
 from kvstore_connector.transfer import BlockMover, find_block_dim
+from kvstore_connector.transport import Save, Transport
 
 # NOTE: under "vllm." so records go through vLLM's own logging setup, beside its lines.
 log = logging.getLogger("vllm." + __name__)
@@ -60,50 +63,6 @@ class _LayerGates:
     def wait(self, layer: str, timeout: float) -> bool:
         event = self._events.get(layer)
         return event is None or event.wait(timeout)
-
-
-class SaveBacklog:
-    """Bytes of KV that async saves hold in host memory until the store has them.
-
-    A slow store (alive, but taking saves slower than the engine makes KV) would
-    otherwise grow the sender's queue without end, in pinned memory on GPUs, until
-    the host runs out. `admit` is called on the forward thread when a save opens,
-    `release` on the sender thread when it ends (committed or failed). One WARNING
-    when saves start being dropped, one INFO when one is taken again.
-    """
-
-    def __init__(self, limit_bytes: int) -> None:
-        self.limit = limit_bytes
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._dropped = 0  # saves dropped since the backlog last had room
-
-    @property
-    def pending(self) -> int:
-        return self._pending
-
-    def admit(self, nbytes: int) -> bool:
-        """Reserve `nbytes` for a save, or refuse it: False means drop the save."""
-        with self._lock:
-            if self._pending and self._pending + nbytes > self.limit:
-                if not self._dropped:
-                    log.warning(
-                        "kvstore saves are behind: %.0f MiB of KV waiting for the store (save_backlog_mib "
-                        "%.0f); new saves are dropped until it drains",
-                        self._pending / 2**20,
-                        self.limit / 2**20,
-                    )
-                self._dropped += 1
-                return False
-            if self._dropped:
-                log.info("kvstore saves caught up; %d saves were dropped meanwhile", self._dropped)
-                self._dropped = 0
-            self._pending += nbytes
-            return True
-
-    def release(self, nbytes: int) -> None:
-        with self._lock:
-            self._pending -= nbytes
 
 
 class WorkerSide:
@@ -155,18 +114,11 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._streams: list[LayerStream] = []  # this step's Get/DropSelect calls
         self._errors_lock = threading.Lock()
-        self._grpc_saves = GrpcSaves()  # this step's saves over gRPC
-        self._arena_saves: list[ArenaSave] = []  # and through the arena
+        self._saves: list[Save] = []  # this step's
         self._saves_opened = False  # this step's saves were opened (or skipped)
         self.backlog = SaveBacklog(int(config.save_backlog_mib * 2**20))
         self._commits: list[Future[None]] = []
-        # The transports, chosen once in register_kv_caches: the daemon's arena when this
-        # process can map it (saves, and loads unless they consume: DropSelect is gRPC
-        # only), else gRPC (with the same-host file reads where offered). The gRPC one is
-        # also where an arena save goes when the arena has no room for it.
-        self._arena: ArenaTransport | None = None
-        self._grpc: GrpcTransport | None = None
-        self._loads_via: ArenaTransport | GrpcTransport | None = None
+        self._transport: Transport | None = None  # chosen once, in register_kv_caches
 
     # ---- setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -185,7 +137,7 @@ class WorkerSide:
         self._block_bytes = layout.own_bytes
         self._mover = BlockMover(first.device, self.codec)
         self._load_inline = first.device.type == "cpu"
-        self._grpc = GrpcTransport(
+        grpc = GrpcTransport(
             self.client,
             self.namespace,
             self._specs,
@@ -197,15 +149,20 @@ class WorkerSide:
             on_stream=self._track_stream,
             stored=layout.specs,
             subset=layout.subset,
+            backlog=None if self.save_sync else self.backlog,  # sync saves hold no backlog
         )
-        self._loads_via = self._grpc
-        if self.client.arena_available(cuda=first.device.type == "cuda"):
-            self._arena = ArenaTransport(
+        self._transport = grpc
+        # the daemon's arena when this process can map it, with gRPC as its fallback (a
+        # save the arena has no room for; consuming loads); else gRPC (with the same-host
+        # file reads where offered)
+        if prepare_arena(self.client, cuda=self._mover.cuda):
+            self._transport = ArenaTransport(
                 self.client, self.namespace, self._specs, self._caches, self._mover,
-                stored=layout.specs, subset=layout.subset, heads=layout.head_targets,
+                stored=layout.specs, subset=layout.subset, heads=layout.head_targets, fallback=grpc,
+                consume=self.config.consume,
+                # a control-plane call on the forward thread: the short deadline of a Lookup
+                reserve_timeout=self.config.lookup_timeout,
             )  # fmt: skip
-            if not self.config.consume:
-                self._loads_via = self._arena
         log.info(
             "kvstore connector: %d layers as %d store layers, block %s %s%s; this rank (tp %d) %s %d of "
             "them (%d of %d bytes/block); namespace %s",
@@ -221,12 +178,7 @@ class WorkerSide:
             sum(s.nbytes for s in layout.specs),
             self.namespace.decode(errors="replace"),
         )
-        log.info(
-            "kvstore connector: KV moves %s",
-            f"through the daemon's arena {self.client.arena_path}"
-            if self._arena is not None
-            else "over gRPC",
-        )
+        log.info("kvstore connector: KV moves %s", self._transport.describe())
 
     def _add_stats(self, **values: float) -> None:
         with self._stats_lock:
@@ -256,7 +208,7 @@ class WorkerSide:
         started = time.perf_counter()
         loaded_blocks = 0
         try:
-            transport = self._loads_via
+            transport = self._transport
             if transport is None:
                 raise RuntimeError("load before register_kv_caches")
             loaded_blocks = transport.load(spec, pending, gates.done, self.config.load_timeout)
@@ -328,105 +280,56 @@ class WorkerSide:
         return errors
 
     # ---- saves
-    def save_layer(self, meta: KVStoreConnectorMetadata, layer: str, kv_layer: torch.Tensor) -> None:
+    def save_layer(self, meta: KVStoreConnectorMetadata, layer: str) -> None:
         if not meta.saves or not self.save or self.layout is None or layer not in self.layout.by_layer:
             return
         if not self._saves_opened:  # the step's first layer: open its saves once
             self._saves_opened = True
             self._open_saves(meta.saves)
-        names = self.layout.by_layer[layer]  # this rank's KV heads of the layer
-        heads = self.layout.heads.get(layer)
-        if self._arena is not None:
-            for arena_save in self._arena_saves:
-                if heads is not None:  # one indexed copy for all of them
-                    self._arena.save_heads(arena_save, names, heads)
-                else:
-                    for name in names:
-                        self._arena.save_layer(arena_save, name, self._caches[name])
-        if self._grpc is not None:
-            for name in names:
-                self._grpc.save_layer(self._grpc_saves, name, self._caches[name])
+        if self._saves and self._transport is not None:
+            # this rank's KV heads of the layer; their paged view: one indexed copy for all
+            self._transport.save_layer(self._saves, self.layout.by_layer[layer], self.layout.heads.get(layer))
 
     def _open_saves(self, specs: list[SaveSpec]) -> None:
         if not self.health.available():
             return
-        grpc = self._grpc
-        if grpc is None:
+        transport = self._transport
+        if transport is None:
             raise RuntimeError("save before register_kv_caches")
         for spec in specs:
-            if self._arena is not None and self._open_arena_save(spec):
+            try:
+                save = transport.open(spec)
+            except KVStoreError as exc:  # e.g. the store is down or stalled: skip saves for a while
+                self._add_stats(save_errors=1)
+                self.health.failed("save", exc)
                 continue
-            reserved = 0
-            if not self.save_sync:
-                reserved = len(spec.block_ids) * self._block_bytes
-                if not self.backlog.admit(reserved):
-                    self._add_stats(saves_dropped=1)
-                    continue
-            self._grpc_saves.saves.append(grpc.open(spec, reserved))
+            if save is None:  # the backlog is full
+                self._add_stats(saves_dropped=1)
+                continue
+            self._saves.append(save)
 
-    def _open_arena_save(self, spec: SaveSpec) -> bool:
-        """Reserve room in the arena for one request's save; False: save it over gRPC."""
-        arena = self._arena
-        if arena is None:
-            return False
-        try:
-            # a control-plane call on the forward thread: the short deadline of a Lookup
-            save = arena.open(spec, self.config.lookup_timeout)
-        except OUTAGES as exc:  # the store is down or stalled: skip saves for a while
-            self._add_stats(save_errors=1)
-            self.health.failed("save", exc)
-            return True
-        except KVStoreError as exc:  # e.g. the arena is full of pinned blocks: gRPC may fit
-            log.debug("arena save not possible, saving over gRPC: %s", exc)
-            return False
-        if save is None:
-            return False
-        self._arena_saves.append(save)
-        return True
+    def finish_step_saves(self) -> None:
+        """Commit this step's saves; in sync mode, wait until the store has them."""
+        saves, self._saves = self._saves, []
+        self._saves_opened = False
+        self._commits = [f for f in self._commits if not f.done()]
+        for save in saves:
+            self._commits.append(self._sender.submit(self._commit, save))
+        if self.save_sync:
+            self.wait_for_commits()
 
-    def _commit_arena(self, save: ArenaSave) -> None:
-        arena = self._arena
+    def _commit(self, save: Save) -> None:
         try:
-            if arena is None:
-                raise RuntimeError("arena save without the arena transport")
-            result = arena.commit(save)
-        except (KVStoreError, RuntimeError) as exc:
-            save.reservation.abort()
+            if self._transport is None:
+                raise RuntimeError("a save without a transport")
+            result = self._transport.commit(save)
+        except (KVStoreError, ValueError, RuntimeError) as exc:
             self._add_stats(save_errors=1)
             self.health.failed("save", exc)
             return
         self.health.ok()
         if result is not None:
-            self._saved(result.blocks_written, save.reservation.num_blocks, save.started)
-
-    def finish_step_saves(self) -> None:
-        """Commit this step's saves; in sync mode, wait until the store has them."""
-        grpc_saves, self._grpc_saves = self._grpc_saves, GrpcSaves()
-        arena_saves, self._arena_saves = self._arena_saves, []
-        self._saves_opened = False
-        self._commits = [f for f in self._commits if not f.done()]
-        for arena_save in arena_saves:
-            self._commits.append(self._sender.submit(self._commit_arena, arena_save))
-        for save in grpc_saves.saves:
-            self._commits.append(self._sender.submit(self._commit_grpc, save))
-        if self.save_sync:
-            self.wait_for_commits()
-
-    def _commit_grpc(self, save: GrpcSave) -> None:
-        grpc = self._grpc
-        try:
-            if grpc is None:
-                raise RuntimeError("gRPC save without the gRPC transport")
-            result = grpc.commit(save)
-        except (KVStoreError, ValueError, RuntimeError) as exc:
-            save.stream.abort()
-            self._add_stats(save_errors=1)
-            self.health.failed("save", exc)
-            return
-        finally:
-            self.backlog.release(save.reserved)
-        self.health.ok()
-        self._saved(result.blocks_written, len(save.spec.block_ids), save.started)
+            self._saved(result.blocks_written, result.blocks_sent, save.started)
 
     def _saved(self, blocks_written: int, blocks_sent: int, started: float) -> None:
         """Stats of a committed save: the blocks it made visible (with tensor parallelism, the

@@ -15,7 +15,7 @@ import pytest
 import torch
 from daemon import eventually
 from kvstore_connector import arena_transport
-from kvstore_connector.arena_transport import ArenaTransport
+from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.transfer import BlockMover
 from support.inproc import InProcServer
 
@@ -41,15 +41,17 @@ def paged(seed: int) -> dict[str, torch.Tensor]:
 
 def transport(kv: KVStoreClient, caches: dict[str, torch.Tensor]) -> ArenaTransport:
     specs = [LayerSpec.of(name, t) for name, t in caches.items()]
-    return ArenaTransport(kv, NS, specs, caches, BlockMover(torch.device("cpu")), device_checksums=True)
+    return ArenaTransport(
+        kv, NS, specs, caches, BlockMover(torch.device("cpu")), device_checksums=True, reserve_timeout=10
+    )
 
 
 def save(t: ArenaTransport, hashes: list[bytes], ids: list[int], parent: bytes = b"") -> int:
     spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=ids, parent_hash=parent, token_ids=[])
-    save = t.open(spec, timeout=10)  # type: ignore[arg-type]
-    assert save is not None, "the arena is not in use"
-    for name, kv in t.caches.items():
-        t.save_layer(save, name, kv)
+    save = t.open(spec)  # type: ignore[arg-type]
+    assert isinstance(save, ArenaSave), "the arena is not in use"
+    for name in t.caches:
+        t.save_layer([save], [name], None)
     save.wait()  # as a caller may (the bench does): the copies are done, the sums still to take
     result = t.commit(save)
     return 0 if result is None else int(result.blocks_written)
@@ -168,7 +170,7 @@ def test_compressed_blocks_take_the_device_path_quantized_and_back(
 
     def make(caches: dict[str, torch.Tensor]) -> ArenaTransport:
         mover = BlockMover(torch.device("cpu"), codec)
-        return ArenaTransport(kv, NS, packed, caches, mover, device_checksums=True)
+        return ArenaTransport(kv, NS, packed, caches, mover, device_checksums=True, reserve_timeout=10)
 
     hashes = chain(f"staged-{codec_name}", 3)
     assert save(make(source), hashes, [4, 5, 6]) == 3
@@ -188,7 +190,7 @@ def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
     kv: KVStoreClient, codec_name: str, save_tp: int, load_tp: int
 ) -> None:
     """The connector's layout (a store layer per KV head): saves of a layer's heads in one
-    indexed copy (save_heads, summed on the device), staged loads scattering them in one."""
+    indexed copy (save_layer with their heads' view, summed on the device), staged loads scattering them in one."""
     from kvstore_connector.compression import make_codec
     from kvstore_connector.layout import StoreLayout
 
@@ -210,10 +212,10 @@ def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
     spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=[5, 6, 7], parent_hash=b"", token_ids=[])
     for r in range(save_tp):
         t, layout = rank(save_tp, r, full)
-        save = t.open(spec, timeout=10)  # type: ignore[arg-type]
-        assert save is not None
+        save = t.open(spec)  # type: ignore[arg-type]
+        assert isinstance(save, ArenaSave)
         for name in names:
-            t.save_heads(save, layout.by_layer[name], layout.heads[name])
+            t.save_layer([save], layout.by_layer[name], layout.heads[name])
         t.commit(save)
     assert kv.lookup(NS, hashes) == 3
     for r in range(load_tp):

@@ -293,7 +293,7 @@ def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[st
     worker.start_load(meta)
     for name in LAYERS:
         worker.wait_for_layer(name)
-        worker.save_layer(meta, name, caches[name])
+        worker.save_layer(meta, name)
     worker.finish_step_saves()
     return worker.block_ids_with_load_errors()
 
@@ -345,19 +345,25 @@ def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(
     loader.close()
 
 
-def test_blocks_missing_from_the_store_are_reported_for_recompute(daemon) -> None:
+# the worker's two transports (kvstore_connector.transport), whichever it picks
+BOTH = pytest.mark.parametrize("transport", ["arena", "grpc"])
+
+
+@BOTH
+def test_blocks_missing_from_the_store_are_reported_for_recompute(daemon, transport: str) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     store_blocks(daemon.address, hashes[:2])
-    worker, caches = make_worker(daemon.address)
+    worker, caches = make_worker(daemon.address, **TRANSPORTS[transport])
     errors = run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2, 3])]), caches)
     assert errors == {3}  # blocks 1 and 2 loaded; the third was not there
     worker.close()
 
 
-def test_a_dead_store_fails_loads_fast_and_whole(daemon) -> None:
+@BOTH
+def test_a_dead_store_fails_loads_fast_and_whole(daemon, transport: str) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     store_blocks(daemon.address, hashes)
-    worker, caches = make_worker(daemon.address)
+    worker, caches = make_worker(daemon.address, **TRANSPORTS[transport])
     daemon.kill()
     meta = KVStoreConnectorMetadata(
         loads=[LoadSpec("r", hashes, [1, 2, 3])], saves=[SaveSpec("s", hashes, [4, 5, 6], b"")]
@@ -368,12 +374,13 @@ def test_a_dead_store_fails_loads_fast_and_whole(daemon) -> None:
     worker.close()
 
 
-def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon) -> None:
+@BOTH
+def test_layer_layout_mismatch_is_a_load_error_not_wrong_bytes(daemon, transport: str) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:2]
     other = {name: torch.ones((2, 4, BS, 64), dtype=torch.bfloat16) for name in LAYERS}  # another shape
     with KVStoreClient(daemon.address) as kv:
         kv.put(NS, hashes, per_head(other))
-    worker, caches = make_worker(daemon.address)
+    worker, caches = make_worker(daemon.address, **TRANSPORTS[transport])
     assert run_step(worker, KVStoreConnectorMetadata(loads=[LoadSpec("r", hashes, [1, 2])]), caches) == {1, 2}
     assert all(c.eq(0).all() for c in caches.values())
     worker.close()
@@ -456,10 +463,11 @@ def test_a_corrupt_block_on_the_same_host_path_is_recomputed_and_dropped(daemon,
     worker.close()
 
 
-def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
+@BOTH
+def test_a_stalled_store_costs_one_deadline_then_recompute(daemon, transport: str) -> None:
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
     store_blocks(daemon.address, hashes)
-    worker, caches = make_worker(daemon.address, load_timeout=1.0, save_timeout=1.0)
+    worker, caches = make_worker(daemon.address, load_timeout=1.0, save_timeout=1.0, **TRANSPORTS[transport])
     daemon.pause()  # alive and connected, answering nothing
     try:
         meta = KVStoreConnectorMetadata(
@@ -474,15 +482,18 @@ def test_a_stalled_store_costs_one_deadline_then_recompute(daemon) -> None:
     worker.close()
 
 
+@BOTH
 @pytest.mark.parametrize("save_sync", [True, False], ids=["sync", "async"])
 def test_a_forward_pass_longer_than_save_timeout_still_stores_every_block(
-    daemon, save_sync: bool, caplog: pytest.LogCaptureFixture
+    daemon, save_sync: bool, transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """save_timeout_s bounds the store, never the engine: a prefill whose layers take
     several save timeouts to compute (a long prompt on a slow CPU) stores all its blocks,
     logs nothing and leaves the store in service."""
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:6]
-    worker, caches = make_worker(daemon.address, save_sync=save_sync, save_timeout=0.3)
+    worker, caches = make_worker(
+        daemon.address, save_sync=save_sync, save_timeout=0.3, **TRANSPORTS[transport]
+    )
     for name in LAYERS:
         caches[name].copy_(torch.randn(caches[name].shape).to(torch.bfloat16))
     meta = KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes, [1, 2, 3, 4, 5, 6], b"")])
@@ -491,7 +502,7 @@ def test_a_forward_pass_longer_than_save_timeout_still_stores_every_block(
     started = time.monotonic()
     for name in LAYERS:
         time.sleep(0.6)  # this layer's compute: twice the save timeout, 4x over the pass
-        worker.save_layer(meta, name, caches[name])
+        worker.save_layer(meta, name)
     worker.finish_step_saves()
     worker.wait_for_commits()
     assert time.monotonic() - started > 4 * 0.3
@@ -506,15 +517,16 @@ def test_a_forward_pass_longer_than_save_timeout_still_stores_every_block(
     worker.close()
 
 
+@BOTH
 def test_a_save_the_store_refuses_is_logged_and_leaves_the_store_in_service(
-    make_daemon, caplog: pytest.LogCaptureFixture
+    make_daemon, transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A save that fails for a reason of its own (here: larger than the daemon's
     max_put_bytes) says what happened, once, and lookups and saves carry on."""
     block_bytes = len(LAYERS) * 2 * BS * 128 * 2
     daemon = make_daemon(extra_args=["--max-put-bytes", str(3 * block_bytes)])
     hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:6]
-    worker, caches = make_worker(daemon.address)
+    worker, caches = make_worker(daemon.address, **TRANSPORTS[transport])
     caplog.set_level(logging.INFO)
     too_big = KVStoreConnectorMetadata(saves=[SaveSpec("r", hashes[:4], [1, 2, 3, 4], b"")])
     for _ in range(2):

@@ -306,7 +306,7 @@ def test_a_ranks_heads_gathered_on_cpu_are_the_heads_of_each_block(codec: str | 
     mover = BlockMover(torch.device("cpu"), make_codec(codec) if codec else None)
     cache = torch.randn(16, 4, 32, 8).to(torch.bfloat16)  # [num_blocks, heads, block_size, C]
     ids = mover.index([5, 1, 9])
-    heads = cache[:, 1:3].transpose(0, 1)  # a rank's two heads, as save_heads passes them
+    heads = cache[:, 1:3].transpose(0, 1)  # a rank's two heads, as save_layer passes its heads' view
     want = torch.stack([cache[[5, 1, 9], h] for h in (1, 2)])
     assert torch.equal(index_select(heads, 1, ids), want)
     if codec is None:

@@ -1,0 +1,75 @@
+"""How the worker moves KV: one interface, two implementations.
+
+The worker (kvstore_connector.worker) keeps the step: layer gates, load errors, the save
+backlog's accounting, commits on its sender thread, stats and the store's health. Which
+path the bytes take is the transport's, chosen once per process in register_kv_caches:
+
+- ArenaTransport (kvstore_connector.arena_transport): the daemon's shared-memory arena on
+  the same host; a save the arena cannot take (no room, the arena gone) and consuming
+  loads (DropSelect is gRPC only) go to the GrpcTransport it holds as its fallback;
+- GrpcTransport (kvstore_connector.grpc_transport): the daemon's byte streams, or its
+  files for loads on the same host.
+
+A step's saves: `open` each request's save at the step's first saved layer, `save_layer`
+once per attention layer for all of them, then `commit` each on the sender thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore_connector.metadata import LoadSpec, SaveSpec
+
+Done = Callable[..., None]
+"""done(layer_name, cuda_event=None): a load has written that layer (the layer gates)."""
+
+
+class Save(Protocol):
+    """One request's save in flight, as `Transport.open` made it."""
+
+    spec: SaveSpec
+    started: float  # perf_counter() at open: the save's time in the stats
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What a committed save did: the blocks it made visible (with tensor parallelism, the
+    last rank's part of a block does) and the blocks this rank sent (its KV heads of them)."""
+
+    blocks_written: int
+    blocks_sent: int
+
+
+class Transport(Protocol):
+    def open(self, spec: SaveSpec) -> Save | None:
+        """Open one request's save (the forward thread, at the step's first saved layer).
+        None: the save was dropped (an async save over a backlog that is full). Raises
+        KVStoreError when the store refused or could not be reached."""
+        ...
+
+    def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
+        """One attention layer of every save of the step (all opened by this transport): its
+        store layers `names` (this rank's KV heads of it, consecutive; see
+        kvstore_connector.layout); `heads`: their paged view [num_blocks, heads, ...] for one
+        indexed copy of all of them, or None (each from its own paged view)."""
+        ...
+
+    def commit(self, save: Save) -> Committed | None:
+        """Wait for the save's copies, then commit it (the sender thread). None: nothing was
+        sent (every block was stored already). On failure the save is aborted (its host
+        memory released) and the error raised."""
+        ...
+
+    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
+        """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
+        Each layer's name leaves `pending` and is reported to `done` as it is written."""
+        ...
+
+    def describe(self) -> str:
+        """How KV moves, for the worker's log line."""
+        ...
