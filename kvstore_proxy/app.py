@@ -261,8 +261,9 @@ class Proxy:
     def status(self) -> dict[str, Any]:
         store = None
         if self.store is not None:
-            store = {"namespace": self.store.target.namespace, "up": self.store.up,
-                     "errors": self.store.errors, "last_error": self.store.last_error}  # fmt: skip
+            view = self.store
+            store = {"namespace": view.target.namespace, "up": view.up, "errors": view.errors,
+                     "timeouts": view.timeouts, "last_error": view.last_error}  # fmt: skip
         return {
             "model": self.settings.model,
             "policy": self.pools["decode"].policy.name,

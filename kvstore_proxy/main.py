@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             target,
             timeout_s=args.store_timeout,
         )
+        store.connect(timeout_s=max(args.store_timeout, 2.0))
     settings = ProxySettings(
         model=args.model,
         timeout_s=args.timeout,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from support.ports import free_port  # noqa: F401  (re-exported to the e2e tests)
+
 BLOCK = 32
 VOCAB = 512
 READY_TIMEOUT = 300.0  # a vLLM server's start-up on 2 busy cores takes about a minute
 REQUEST_TIMEOUT = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> int | None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from daemon import Daemon, eventually
 from harness import kv_config, run_engines
-from support.redis_cluster import Cluster, Node, free_port
+from support.ports import free_port
+from support.redis_cluster import Cluster, Node
 
 from kvstore_client import KVStoreClient
 from kvstore_client.hashing import block_hashes

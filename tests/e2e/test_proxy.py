@@ -140,7 +140,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         namespace = NamespaceInfo(str(model), "bfloat16", BLOCK, 2, 64, False, "cpu", tp_size=1, pp_size=1)
         smart = Proxy(tmp / "proxy-smart.log", [prefill.url], [decode.url], model=str(model),
                       args=("--store", store.address, "--kv-namespace", namespace.namespace(0).decode(),
-                            "--skip-prefill-below", str(SKIP_BELOW)))  # fmt: skip
+                            "--skip-prefill-below", str(SKIP_BELOW),
+                            # a late answer prefills (test_proxy_store); here the store must answer
+                            "--store-timeout", "30"))  # fmt: skip
         yield Stack(model, store, prefill, decode, proxy, smart, prompts, baseline, tmp)
     finally:
         for p in (proxy, smart):

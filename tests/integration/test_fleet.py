@@ -95,7 +95,8 @@ def test_the_fleet_continues_a_prefix_the_local_tiers_stop_short_of(hosts) -> No
 
 
 def test_without_the_fleet_the_local_tiers_keep_serving(make_daemon, tmp_path) -> None:
-    from support.redis_cluster import Node, free_port
+    from support.ports import free_port
+    from support.redis_cluster import Node
 
     node = Node(free_port(), tmp_path / "redis", cluster=False).start()
     d = make_daemon(extra_args=["--fleet", f"redis://127.0.0.1:{node.port}"])

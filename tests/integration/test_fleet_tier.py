@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from daemon import eventually
 from support.pki import make_pki
-from support.redis_cluster import Cluster, Node, free_port
+from support.ports import free_port
+from support.redis_cluster import Cluster, Node
 
 from kvstore.blocks import BlockKey, BlockMeta, LayerSpec, StorageError, StoredBlock, checksum
 from kvstore_server.tiers.base import BlockWrite

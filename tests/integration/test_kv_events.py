@@ -11,7 +11,7 @@ import pytest
 vllm_kv_events = pytest.importorskip("vllm.distributed.kv_events")
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
-from support.redis_cluster import free_port  # noqa: E402
+from support.ports import free_port  # noqa: E402
 
 from kvstore_client import KVStoreClient, errors  # noqa: E402
 from kvstore_client.hashing import block_hashes  # noqa: E402

@@ -24,12 +24,6 @@ from daemon import eventually
 NOT_INSTALLED = "redis-server is not installed (scripts/test.sh installs it: apt-get install redis-server)"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _bindable(port: int) -> bool:
     with socket.socket() as probe:
         try:
