@@ -193,6 +193,13 @@ def _typed(mapping: Mapping, offset: int, count: int, spec: Any) -> torch.Tensor
     return raw.view(torch_dtype(spec.dtype)).view(count, *spec.shape)
 
 
+def _typed_rows(rows: torch.Tensor, spec: Any) -> torch.Tensor:
+    """uint8 rows [count, layer bytes] (strided) as a [count, *shape] tensor of the layer's dtype."""
+    from kvstore_client.tensors import torch_dtype
+
+    return rows.view(torch_dtype(spec.dtype)).view(rows.shape[0], *spec.shape)
+
+
 def _hash_all(pieces: Sequence[memoryview]) -> list[int]:
     return [_checksum(piece) for piece in pieces]
 
@@ -301,11 +308,25 @@ class Reservation:
 
 @dataclass(frozen=True, slots=True)
 class Run:
+    """Pinned blocks [first, first + count) that lie together in the arena: `count` blocks
+    of one extent from `position` on, its layers one after another (layer-major: a layer's
+    blocks are one range), or, where `stride` is set, `count` one-block extents side by
+    side, `stride` bytes apart (block-major: a block's layers are one range, and so are
+    blocks [a, b); what a promotion from the persistent tier places)."""
+
     first: int  # index in the pinned prefix
     count: int
-    offset: int  # extent
+    offset: int  # extent (of the first block, where block-major)
     extent_blocks: int
     position: int  # of `first` in the extent
+    stride: int = 0  # block-major: bytes from one block to the next
+
+    def block_range(self, first: int, stop: int) -> tuple[int, int]:
+        """Arena offset and length of blocks [first, stop) of a block-major run (each
+        block's padding to its extent's size included, the last one's left out)."""
+        if not self.stride:
+            raise ValueError("a layer-major run's blocks are not one range")
+        return self.offset + first * self.stride, (stop - first) * self.stride
 
 
 class Pinned:
@@ -344,9 +365,19 @@ class Pinned:
         """Why num_blocks is short of the blocks asked for (kvstore.blocks' STOP_* reasons)."""
         self._sizes = _layer_sizes(self.layers)
         self._starts = fmt.layer_starts(self._sizes)
-        runs, first = [], 0
+        runs: list[Run] = []
+        first = 0
+        one = fmt.extent_bytes(sum(self._sizes), 1)  # a one-block extent
         for r in resp.runs:
-            runs.append(Run(first, r.count, r.offset, r.extent_blocks, r.first))
+            run = Run(first, r.count, r.offset, r.extent_blocks, r.first)
+            if r.extent_blocks == 1:  # one block: both layouts; side by side with the last: block-major
+                last = runs[-1] if runs else None
+                if last is not None and last.stride == one and last.offset + last.count * one == r.offset:
+                    run = Run(last.first, last.count + 1, last.offset, 1, 0, one)
+                    runs.pop()
+                else:
+                    run = Run(first, 1, r.offset, 1, 0, one)
+            runs.append(run)
             first += r.count
         if (
             first != self.num_blocks
@@ -414,6 +445,8 @@ class Pinned:
 
     def _at(self, run: Run, layer: int, block: int) -> int:
         """Offset of block `block` (index within `run`) of `layer`."""
+        if run.stride:
+            return run.offset + block * run.stride + self._starts[layer]
         return (
             run.offset + run.extent_blocks * self._starts[layer] + (run.position + block) * self._sizes[layer]
         )
@@ -427,7 +460,9 @@ class Pinned:
         """The bytes of `layers` (consecutive) of one run as uint8 tensors over the arena:
         one span when they lie back to back (the run is its whole extent, layer-major),
         else one per layer. Within a span, layer `layers[k]`'s `run.count` blocks follow
-        layer `layers[k - 1]`'s."""
+        layer `layers[k - 1]`'s. Layer-major runs only (block-major: blocks())."""
+        if run.stride and run.count > 1:
+            raise ValueError("a block-major run's layers are not one range: use blocks()")
         whole = run.position == 0 and run.count == run.extent_blocks
         parts = [layers] if whole else [range(layer, layer + 1) for layer in layers]
         arena = self.mapping.tensor()
@@ -438,16 +473,41 @@ class Pinned:
             out.append((part, arena[at : at + nbytes]))
         return out
 
+    def within_block(self, layers: range) -> tuple[int, int]:
+        """Where consecutive `layers` lie within a block of a block-major run: (start, stop) bytes."""
+        return self._starts[layers.start], self._starts[layers.stop - 1] + self._sizes[layers.stop - 1]
+
+    def blocks(self, run: Run, first: int, stop: int) -> torch.Tensor:
+        """Blocks [first, stop) (within `run`, block-major) as one uint8 tensor over the
+        arena: [stop - first, run.stride], each row a block's layers (then padding)."""
+        at, nbytes = run.block_range(first, stop)
+        return self.mapping.tensor()[at : at + nbytes].view(stop - first, run.stride)
+
     def pieces(self, layer: int) -> list[tuple[int, torch.Tensor]]:
+        """(first block, [count, *shape] view) of each run of `layer`; a block-major run's
+        view is strided (one block every run.stride bytes)."""
         spec = self.layers[layer]
-        return [
-            (run.first, _typed(self.mapping, self._at(run, layer, 0), run.count, spec)) for run in self.runs
-        ]
+        out = []
+        for run in self.runs:
+            at = self._at(run, layer, 0)
+            if run.stride and run.count > 1:
+                rows = self.blocks(run, 0, run.count)[
+                    :, at - run.offset : at - run.offset + self._sizes[layer]
+                ]
+                out.append((run.first, _typed_rows(rows, spec)))
+            else:
+                out.append((run.first, _typed(self.mapping, at, run.count, spec)))
+        return out
 
     def views(self, layer: int) -> Iterator[tuple[int, memoryview]]:
-        """(first block, bytes) of each run of `layer`."""
+        """(first block, bytes) of each run of `layer`: of each block, where block-major."""
         size = self._sizes[layer]
         for run in self.runs:
+            if run.stride:
+                for block in range(run.count):
+                    at = self._at(run, layer, block)
+                    yield run.first + block, self.mapping.view[at : at + size]
+                continue
             at = self._at(run, layer, 0)
             yield run.first, self.mapping.view[at : at + size * run.count]
 

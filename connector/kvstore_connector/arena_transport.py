@@ -84,6 +84,8 @@ class ArenaSave:
 # pass and one host wait. Per layer that was ~10 launches and a wait: ~0.4 ms of a
 # 2048-token load's 17 ms on an H200 (bench_gpu_datapath.py).
 _GROUP_BYTES = 64 << 20
+# A cold load copies a promotion's blocks in ranges of at least this much as they are read.
+_RANGE_BYTES = 16 << 20
 
 
 class ArenaTransport:
@@ -321,41 +323,59 @@ class ArenaTransport:
     def _load_staged(
         self, spec: LoadSpec, pinned: Pinned, ids: torch.Tensor, pending: list[str], done: Done
     ) -> list[Any]:
-        """Blocks saved with device checksums (wsum32): in groups of layers (_GROUP_BYTES),
-        each run goes host to device on the copy stream in one copy and is checksummed on the
-        check stream once it landed (what is checked is what will be used); a group is scattered into
-        the paged cache only once its sums matched (the loader thread waits for that
-        group's check, never the compute stream). A mismatch fails the load before a byte
-        of that group is used. All groups' copies are queued first, so later groups land
-        while earlier ones are checked and scattered."""
+        """Blocks saved with device checksums (wsum32), copied host to device on the copy
+        stream, checksummed on the check stream once landed (what is checked is what will
+        be used), scattered into the paged cache only once their sums matched (the loader
+        thread waits for the checks, never the compute stream); a mismatch fails the load
+        before a byte of the layers it touches is used.
+
+        Layer-major runs (blocks the arena held: saved, or fetched from the fleet) go in
+        groups of layers (_GROUP_BYTES), one copy per run and group, so the first layers
+        are scattered (and the forward pass starts on them) while later groups land.
+        Block-major runs (a promotion's, read from the persistent tier as the load runs)
+        go in ranges of whole blocks, one copy per range as soon as the daemon reports
+        it read (wait_blocks): a cold load costs about max(read, copy) rather than their
+        sum; their layers are complete, and scattered, once the last range landed."""
         width = len(pinned.layers)
         sizes = pinned.layer_bytes
         expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
         expected = self.mover.to_device_for_load(expected.view(-1, width))
         groups = _layer_groups(sizes, pinned.num_blocks, self._own)
+        layer_major = [run for run in pinned.runs if not run.stride]
         # each group's verdict lands here (pinned: read by the host once its event fired,
-        # no synchronising call on any stream)
-        failed = torch.zeros(len(groups), dtype=torch.bool, pin_memory=self.mover.cuda)
+        # no synchronising call on any stream); the last: the block-major ranges'
+        failed = torch.zeros(len(groups) + 1, dtype=torch.bool, pin_memory=self.mover.cuda)
         staged: list[tuple[int, range, list[tuple[Run, range, torch.Tensor]], Any]] = []
         for g, group in enumerate(groups):
-            pinned.wait_layers(group.stop)  # read into the arena (a cold load): in place now
             chunks = [
                 (run, layers, self.mover.stage(span))
-                for run in pinned.runs
+                for run in layer_major
                 for layers, span in pinned.spans(run, group)
             ]
             # checked on the check stream once landed: the copy stream goes on to the next group
             with self.mover.on_check_stream(after=self.mover.record()):
-                verdicts = []
-                for run, layers, on_device in chunks:  # rows: layer-major block-layers of this span
-                    got = wsum32_blocks(on_device.view(len(layers) * run.count, -1))
-                    if got is None:
-                        raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
-                    want = expected[run.first : run.first + run.count, layers.start : layers.stop]
-                    verdicts.append((got != want.t().reshape(-1)).any())
-                verdict = verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).any()
-                failed[g].copy_(verdict, non_blocking=True)
+                verdicts = [  # rows: layer-major block-layers of this span
+                    self._mismatch(
+                        on_device.view(len(layers) * run.count, -1),
+                        expected[run.first : run.first + run.count, layers.start : layers.stop].t(),
+                    )
+                    for run, layers, on_device in chunks
+                ]
+                if verdicts:
+                    failed[g].copy_(torch.stack(verdicts).any(), non_blocking=True)
             staged.append((g, group, chunks, self.mover.record(on_check=True)))
+        # the promotion's blocks, range by range as they are read
+        landed = [(run, *self._stage_blocks(pinned, run, expected)) for run in pinned.runs if run.stride]
+        blocks_checked = None
+        if landed:
+            with self.mover.on_check_stream():
+                failed[-1].copy_(torch.stack([bad for _run, _rows, bad in landed]).any(), non_blocking=True)
+            blocks_checked = self.mover.record(on_check=True)
+            if blocks_checked is not None:
+                blocks_checked.synchronize()
+            if bool(failed[-1]):
+                block = pinned.verify()  # which one (on the host: the error path only)
+                self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
         events = []
         for g, group, chunks, checked in staged:  # the later groups' copies run meanwhile
             if checked is not None:
@@ -365,10 +385,13 @@ class ArenaTransport:
                 self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
             writes: list[Write] = []
             for run, layers, on_device in chunks:
-                writes.extend(
-                    self._writes(pinned, run, layers, on_device, ids[run.first : run.first + run.count])
-                )
-            event = self.mover.scatter_staged(writes, checked)
+                rows = on_device.view(len(layers), run.count, -1)  # [layer, block, bytes]
+                writes.extend(self._writes(pinned, layers, rows, ids[run.first : run.first + run.count]))
+            for run, on_device, _bad in landed:
+                start, stop = pinned.within_block(group)  # one size: _layer_groups
+                rows = on_device[:, start:stop].view(run.count, len(group), -1).transpose(0, 1)
+                writes.extend(self._writes(pinned, group, rows, ids[run.first : run.first + run.count]))
+            event = self.mover.scatter_staged(writes, checked if blocks_checked is None else blocks_checked)
             for layer in group:
                 name = pinned.layers[layer].name
                 pending.remove(name)
@@ -376,44 +399,90 @@ class ArenaTransport:
             events.append(event)
         return events
 
-    def _writes(
-        self, pinned: Pinned, run: Run, layers: range, on_device: torch.Tensor, ids: torch.Tensor
-    ) -> list[Write]:
-        """The scatters of one staged span (`layers` of one run, layer-major): one per layer,
-        or one per attention layer for a rank's consecutive KV heads of it (the inverse of
-        save_layer with their heads' view)."""
+    def _stage_blocks(
+        self, pinned: Pinned, run: Run, expected: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a block-major run to the device range by range as the daemon reports its
+        blocks read (at least _RANGE_BYTES a copy, but for the last), each range checked
+        (every layer, one pass per layer size) on the check stream once landed. Returns
+        the run on the device ([run.count, run.stride] uint8) and whether any block-layer
+        failed (a device bool, final once the check stream has run)."""
+        with self.mover.on_copy_stream():
+            on_device = torch.empty((run.count, run.stride), dtype=torch.uint8, device=self.mover.device)
+            bad = torch.zeros((), dtype=torch.bool, device=self.mover.device)
+        block_bytes = sum(pinned.layer_bytes)
+        least = max(1, _RANGE_BYTES // run.stride)
+        at = 0
+        while at < run.count:
+            pinned.wait_blocks(run.first + min(run.count, at + least))
+            stop = min(run.count, pinned.ready_blocks - run.first)
+            self.mover.stage_into(on_device[at:stop], pinned.blocks(run, at, stop))
+            with self.mover.on_check_stream(after=self.mover.record()):
+                rows = on_device[at:stop, :block_bytes]
+                want = expected[run.first + at : run.first + stop]  # [block, layer]
+                for layers in _same_size(pinned.layer_bytes):
+                    start, end = pinned.within_block(layers)
+                    got = rows[:, start:end].reshape(len(layers) * (stop - at), -1)
+                    bad |= self._mismatch(got, want[:, layers.start : layers.stop])
+            at = stop
+        return on_device, bad
+
+    @staticmethod
+    def _mismatch(rows: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+        """Whether any of `rows` (one block-layer each) fails its wsum32 in `want` (the same
+        order once flattened): a device bool."""
+        got = wsum32_blocks(rows)
+        if got is None:
+            raise KVStoreError("wsum32 blocks that are not whole 32-bit words")
+        return (got != want.reshape(-1)).any()
+
+    def _writes(self, pinned: Pinned, layers: range, rows: torch.Tensor, ids: torch.Tensor) -> list[Write]:
+        """The scatters of `layers`' staged blocks, `rows` [layer, block, bytes] uint8 on the
+        device (strided where they came block-major): one per layer, or one per attention
+        layer for a rank's consecutive KV heads of it (the inverse of save_layer with their
+        heads' view)."""
         writes: list[Write] = []
-        at, k = 0, 0
+        count = rows.shape[1]
+        k = 0
         while k < len(layers):
             spec = pinned.layers[layers[k]]
-            nbytes = pinned.layer_bytes[layers[k]] * run.count
             target = self._heads.get(spec.name)
-            count = 1
+            heads = 1
             if target is not None:  # the following layers that are this layer's next heads
-                while k + count < len(layers):
-                    following = self._heads.get(pinned.layers[layers[k + count]].name)
+                while k + heads < len(layers):
+                    following = self._heads.get(pinned.layers[layers[k + heads]].name)
                     if (
                         following is None
                         or following[0] is not target[0]
-                        or following[1] != target[1] + count
+                        or following[1] != target[1] + heads
                     ):
                         break
-                    count += 1
-            view = on_device[at : at + nbytes * count].view(torch_dtype(spec.dtype))
+                    heads += 1
+            view = rows[k : k + heads].view(torch_dtype(spec.dtype)).view(heads, count, *spec.shape)
             if target is None:
-                writes.append((self.caches[spec.name], ids, view.view(run.count, *spec.shape), 0))
+                writes.append((self.caches[spec.name], ids, view[0], 0))
             else:
-                heads, first = target
-                kv = heads.transpose(0, 1)[first : first + count]  # [heads, num_blocks, ...]
-                writes.append((kv, ids, view.view(count, run.count, *spec.shape), 1))
-            at += nbytes * count
-            k += count
+                kv_heads, first = target
+                kv = kv_heads.transpose(0, 1)[first : first + heads]  # [heads, num_blocks, ...]
+                writes.append((kv, ids, view, 1))
+            k += heads
         return writes
 
     def _corrupt(self, spec: LoadSpec, pinned: Pinned, block: int, where: str) -> NoReturn:
         block_hash = spec.hashes[block]
         pinned.release([block_hash])
         raise LocalDataCorrupt(f"block {block_hash.hex()} fails its checksum {where}")
+
+
+def _same_size(sizes: Sequence[int]) -> list[range]:
+    """The runs of consecutive layers of one size."""
+    runs: list[range] = []
+    for layer, size in enumerate(sizes):
+        if runs and sizes[runs[-1].start] == size:
+            runs[-1] = range(runs[-1].start, layer + 1)
+        else:
+            runs.append(range(layer, layer + 1))
+    return runs
 
 
 def _layer_groups(sizes: list[int], num_blocks: int, layers: Sequence[int] | None = None) -> list[range]:

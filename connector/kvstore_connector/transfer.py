@@ -245,6 +245,14 @@ class BlockMover:
         with self.on_copy_stream():
             return host.to(self.device, non_blocking=True)
 
+    def stage_into(self, on_device: torch.Tensor, host: torch.Tensor) -> None:
+        """Host to device into `on_device` (allocated on the copy stream) on the copy stream."""
+        if not self.cuda:
+            on_device.copy_(host)
+            return
+        with self.on_copy_stream():
+            on_device.copy_(host, non_blocking=True)
+
     def scatter_staged(self, writes: list[Write], ready: Any) -> Any:
         """Each (kv, ids, staged): write the staged device blocks into `kv` at `ids`, once
         `ready` (an event) has fired; returns one event to wait on before using any of

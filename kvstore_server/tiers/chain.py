@@ -31,7 +31,6 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvstore import arena_format as fmt
 from kvstore.blocks import (
     STOP_EVICTED,
     STOP_LAYER_SET_DIFFERS,
@@ -155,11 +154,14 @@ class Ready(NamedTuple):
 
 
 class Promotion:
-    """Blocks being read from the persistent tier into one new extent (TierChain.
-    promote_start). The extent is allocated and held by the promotion (pinned, so it
-    cannot be evicted) but its blocks are not resident: no other read sees them until
-    `finish` places them. Reads are issued group of layers by group (layer_groups), all
-    blocks' first group first."""
+    """Blocks being read from the persistent tier into new one-block extents side by side
+    (TierChain.promote_start; MemoryTier.hold_block_extents): each block's layers lie
+    together, as the tier stores them, so a block is one read into one range, and blocks
+    [a, b) are one range of the arena that a loader may copy as soon as they are read
+    (Ready.blocks). The extents are held by the promotion (pinned, so they cannot be
+    evicted) but their blocks are not resident: no other read sees them until `finish`
+    places them. Reads are issued group of layers by group (layer_groups: one group for
+    blocks under 8 MiB), all blocks' first group first."""
 
     def __init__(
         self,
@@ -167,7 +169,7 @@ class Promotion:
         memory: MemoryTier,
         cold: list[BlockKey],
         located: list[Located],
-        extent: int,
+        extents: list[int],
         stopped: tuple[BlockKey, str] | None,
         window: ExitStack,
         now: float,
@@ -179,17 +181,17 @@ class Promotion:
         self._now = now
         self._stopped = stopped
         self._finished = False
-        self.extent = extent
+        self.extents = extents
         layers = located[0].meta.layers
         n = len(located)
         self.placed = [
-            Placed(h.meta, extent, n, position, getattr(h, "sums", b"")) for position, h in enumerate(located)
+            Placed(h.meta, at, 1, 0, getattr(h, "sums", b"")) for at, h in zip(extents, located, strict=True)
         ]
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
         self._started = time.perf_counter()
-        rows = memory.extent_rows(layers, extent, n)  # [block, layer, (address, length)]
+        rows = memory.block_rows(layers, extents)  # [block, layer, (address, length)]
         # per group, the blocks in chunks: a task each, a few per I/O thread
         tasks = max(1, _TASKS_PER_THREAD * getattr(chain.persistent, "io_threads", 1))
         size = -(-n // tasks)
@@ -267,7 +269,7 @@ class Promotion:
             with memory.lock:
                 live = [p for p in placed if chain.index.get(*p.meta.key) is not None]
                 memory.place(live, self._now, dirty=False)
-                memory.unpin_extents([self.extent])  # frees it when nothing was placed
+                memory.unpin_extents(self.extents)  # frees those whose block was not placed
                 memory.counters.promotions += 1
                 memory.counters.promoted_blocks += len(live)
         if len(live) < len(placed):
@@ -406,15 +408,14 @@ class TierChain:
             if not n:
                 window.close()
                 return Started(None, stopped)
-            nbytes = fmt.extent_bytes(located[0].meta.size, n)
             with self._commit_lock:
                 try:  # held by the promotion itself until it is placed
-                    offset = memory.hold_extent(nbytes, n, now)
+                    extents = memory.hold_block_extents(located[0].meta.size, n, now)
                 except NoRoom as exc:  # the load is served from what is in memory
                     log.info("no promotion of %d blocks: %s", n, exc)
                     window.close()
                     return Started(None, (cold[0], STOP_NO_ROOM))
-            return Started(Promotion(self, memory, cold, located, offset, stopped, window, now), stopped)
+            return Started(Promotion(self, memory, cold, located, extents, stopped, window, now), stopped)
         except BaseException:
             window.close()
             raise

@@ -231,3 +231,83 @@ def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
                 amax = want.abs().amax(dim=(2, 3), keepdim=True)
                 assert ((got - want).abs() <= amax * 2**-4 + want.abs() * 2**-8 + 1e-6).all()
             assert layout.heads[name][[0, *range(4, POOL)]].eq(0).all()  # nothing else written
+
+
+def _cold(make_server, hashes: list[bytes], source: dict[str, torch.Tensor], ids: list[int]) -> InProcServer:
+    """A server whose persistent tier alone holds `hashes` (saved from `source` at `ids`,
+    written behind, then the memory tier gone as at a reboot), restarted on the same data."""
+    first = make_server("cold")
+    with KVStoreClient(first.address, timeout=20.0, arena=True) as kv:
+        assert save(transport(kv, source), hashes, ids) == len(hashes)
+        eventually(lambda: kv.stats()["written_behind"] == len(hashes))
+    first.stop()
+    memory_dir = first.data_dir.parent / f"{first.data_dir.name}-shm"
+    for path in memory_dir.iterdir():
+        path.unlink()
+    return make_server("cold")
+
+
+@pytest.mark.parametrize("range_bytes", [1, 1 << 30], ids=["a-block-a-copy", "one-copy"])
+@pytest.mark.parametrize("device_checksums", [True, False], ids=["device-checked", "arena-checked"])
+def test_a_cold_load_copies_promoted_blocks_by_ranges_and_saved_ones_by_layers(
+    make_server, monkeypatch: pytest.MonkeyPatch, range_bytes: int, device_checksums: bool
+) -> None:
+    """A promotion places its blocks side by side, a block's layers together (block-major
+    runs: copied by ranges of blocks as they are read); blocks saved through the arena lie
+    layer by layer (layer-major: copied by groups of layers). One load of both is bit-exact."""
+    monkeypatch.setattr(arena_transport, "_RANGE_BYTES", range_bytes)
+    hashes = chain("cold-ranges", 9)
+    source = paged(5)
+    src_ids = [3, 9, 1, 14, 0, 7, 12, 5, 10]
+    d = _cold(make_server, hashes[:6], source, src_ids[:6])
+    with KVStoreClient(d.address, timeout=20.0, arena=True) as kv:
+        saver = transport(kv, source)
+        saver.device_checksums = device_checksums
+        assert save(saver, hashes[6:], src_ids[6:], parent=hashes[5]) == 3  # in memory, layer-major
+        target = paged(6)
+        loader = transport(kv, target)
+        loader.device_checksums = device_checksums
+        dst_ids = [15, 2, 8, 6, 11, 4, 13, 1, 0]
+        n, done = load(loader, hashes, dst_ids)
+        assert n == 9 and sorted(done) == sorted(SHAPES)
+        for name in SHAPES:
+            assert torch.equal(
+                target[name][dst_ids].view(torch.int16), source[name][src_ids].view(torch.int16)
+            )
+            untouched = [i for i in range(POOL) if i not in dst_ids]
+            assert torch.equal(
+                target[name][untouched].view(torch.int16), paged(6)[name][untouched].view(torch.int16)
+            )
+        stats = kv.stats()
+        assert (stats["promotions"], stats["promoted_blocks"]) == (1, 6)
+        pinned = kv.pin(NS, hashes)  # what that load saw: the promoted blocks, then the saved ones
+        assert pinned is not None
+        assert [(run.first, run.count, bool(run.stride)) for run in pinned.runs] == [
+            (0, 6, True),
+            (6, 3, False),
+        ]
+        assert pinned.verify() is None
+        pinned.release()
+
+
+@pytest.mark.parametrize("backend", ["disk"])
+def test_a_byte_flipped_on_disk_fails_the_cold_loads_device_check_before_any_layer_lands(
+    make_server, backend: str
+) -> None:
+    hashes = chain("cold-flip", 4)
+    source = paged(7)
+    d = _cold(make_server, hashes, source, [0, 1, 2, 3])
+    files = sorted(d.data_dir.rglob("*.safetensors"))
+    assert len(files) == 4
+    with open(files[0], "r+b") as f:  # a block's last byte: the end of its last layer's payload
+        f.seek(-1, 2)
+        byte = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([byte ^ 0x01]))
+    with KVStoreClient(d.address, timeout=20.0, arena=True) as kv:
+        target = paged(8)
+        with pytest.raises(errors.LocalDataCorrupt, match="on the device"):
+            load(transport(kv, target), hashes, [4, 5, 6, 7])
+        for name in SHAPES:  # nothing reached the paged cache
+            assert torch.equal(target[name].view(torch.int16), paged(8)[name].view(torch.int16))
+        assert kv.lookup(NS, hashes) < 4  # the daemon verified the report and dropped the block

@@ -58,6 +58,11 @@ PERSIST_POLICIES = (PERSIST_EVERY, PERSIST_REUSED)
 __all__ = ["ArenaCounters", "MemoryTier", "NoRoom", "open_memory_tier"]
 
 
+# Extents used together are aged this much apart, in their prefix's order: of a request's
+# extents (a promotion's are one per block), the least recently used is its chain's tail.
+_TAIL_FIRST = 1e-6
+
+
 class NoRoom(StorageFullError):
     """The memory tier cannot make room: the rest is pinned, reserved or waiting to be
     written behind (or the request is larger than the arena)."""
@@ -255,6 +260,19 @@ class MemoryTier:
             self.extents[offset] = Extent(offset, nbytes, blocks, pins=holds, last_use=now)
         return offset
 
+    def hold_block_extents(self, block_bytes: int, blocks: int, now: float) -> list[int]:
+        """`blocks` one-block extents side by side, each held once as hold_extent holds its
+        one (a promotion's: a block's layers lie together, as the persistent tier stores
+        them, so blocks [a, b) are one range of the arena that a loader copies in one go,
+        and each leaves on its own when evicted). Caller holds the commit lock. Raises NoRoom."""
+        each = fmt.extent_bytes(block_bytes, 1)
+        offset = self.make_room(each * blocks, now)
+        offsets = [offset + i * each for i in range(blocks)]
+        with self.lock:
+            for at in offsets:
+                self.extents[at] = Extent(at, each, 1, pins=1, last_use=now)
+        return offsets
+
     def take_evicted(self) -> list[BlockKey]:
         """The memory-only blocks evicted for room since the last call: they left the store
         (caller holds the lock, and drops them from its index under it)."""
@@ -283,16 +301,21 @@ class MemoryTier:
 
     # ---- residency (caller holds the lock)
     def place(self, blocks: Sequence[Placed], now: float, *, dirty: bool) -> None:
-        if not blocks:
-            return
-        first = blocks[0]
-        extent = self.extents.get(first.extent)
-        if extent is None:
-            extent = self.extents[first.extent] = Extent(
-                first.extent, fmt.extent_bytes(first.meta.size, first.extent_blocks), first.extent_blocks
-            )
-        extent.last_use = now
+        """Make `blocks` resident in their extents (one extent, or a promotion's one-block
+        extents side by side)."""
+        extent: Extent | None = None
+        later = 0  # each extent a little older than the one before it: the chain's tail goes first
         for placed in blocks:
+            if extent is None or extent.offset != placed.extent:
+                extent = self.extents.get(placed.extent)
+                if extent is None:
+                    extent = self.extents[placed.extent] = Extent(
+                        placed.extent,
+                        fmt.extent_bytes(placed.meta.size, placed.extent_blocks),
+                        placed.extent_blocks,
+                    )
+                extent.last_use = now - later * _TAIL_FIRST
+                later += 1
             key = placed.meta.key
             extent.live.add(key)
             self.resident[key] = placed
@@ -385,11 +408,12 @@ class MemoryTier:
 
     # ---- holding extents
     def pin_extents(self, offsets: Sequence[int], now: float) -> None:
-        """Caller holds the lock."""
-        for offset in offsets:
+        """Caller holds the lock. `offsets` in the order of the prefix they hold: each a
+        little older than the one before it, so that the chain's tail is evicted first."""
+        for later, offset in enumerate(offsets):
             extent = self.extents[offset]
             extent.pins += 1
-            extent.last_use = now
+            extent.last_use = now - later * _TAIL_FIRST
 
     def unpin_extents(self, offsets: Sequence[int]) -> None:
         """Caller holds the lock."""
@@ -647,6 +671,15 @@ class MemoryTier:
         rows = np.empty((num_blocks, len(sizes), 2), dtype=np.uint64)
         rows[:, :, 0] = before[None, :] + sizes[None, :] * positions + np.uint64(self.file.address + extent)
         rows[:, :, 1] = sizes[None, :]
+        return rows
+
+    def block_rows(self, layers: tuple[LayerSpec, ...], extents: Sequence[int]) -> Any:
+        """extent_rows of one-block extents at `extents`: [len(extents), layers, 2]."""
+        import numpy as np
+
+        one = self.extent_rows(layers, 0, 1)  # at the arena's start: shifted by each extent
+        rows = np.repeat(one, len(extents), axis=0)
+        rows[:, :, 0] += np.asarray(extents, dtype=np.uint64)[:, None]
         return rows
 
     def pieces(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int, position: int) -> Pieces:
