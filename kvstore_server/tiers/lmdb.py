@@ -564,6 +564,9 @@ class LmdbBackend(Backend):
         if isinstance(target, Pieces):
             buffers = target.iov
             got = int(buffers[:, 1].sum())
+            if int(buffers[-1, 0] + buffers[-1, 1] - buffers[0, 0]) == got:  # layers back to back
+                buffers = buffers[:1].copy()
+                buffers[0, 1] = got
         else:
             buffers = list(target)
             got = sum(v.nbytes for v in buffers)
@@ -605,7 +608,8 @@ _IOV_MAX = 1024
 
 def _coalesced(planned: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:
     """Reads of extents that follow each other in one segment (blocks written behind
-    together), merged into one preadv each, up to _IOV_MAX buffers: a read's fixed cost
+    together), merged into one preadv each, up to _IOV_MAX buffers (one, where the
+    blocks also lie back to back in memory, as a promotion places them): a read's fixed cost
     is large where syscalls are dear (2 MiB reads ran 14 GB/s on a sandboxed H200 host,
     256 KiB ones 2-5), and a promotion's blocks lie mostly back to back."""
     import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
@@ -620,7 +624,12 @@ def _coalesced(planned: list[tuple[int, int, int, Any]]) -> list[tuple[int, int,
                 and not isinstance(last_buffers, list)
                 and len(last_buffers) + len(buffers) <= _IOV_MAX
             ):
-                out[-1] = (segment, last_offset, last_bytes + nbytes, np.concatenate((last_buffers, buffers)))
+                if last_buffers[-1, 0] + last_buffers[-1, 1] == buffers[0, 0]:  # into memory back to back too
+                    joined = np.concatenate((last_buffers, buffers[1:]))
+                    joined[len(last_buffers) - 1, 1] += buffers[0, 1]
+                else:
+                    joined = np.concatenate((last_buffers, buffers))
+                out[-1] = (segment, last_offset, last_bytes + nbytes, joined)
                 continue
         out.append((segment, offset, nbytes, buffers))
     return out
