@@ -169,21 +169,25 @@ def instrument(client: Any, probe: Probe) -> None:
     call = arena._call
 
     class FirstTimed:
-        """A PinStream whose first message (the pin's answer) is timed as the Pin RPC."""
+        """A PinStream whose first message (the pin's answer) is timed as the Pin RPC, and
+        each later one (a report of blocks read) as "Ready", from the same start."""
 
         def __init__(self, stream: Any, start: float) -> None:
-            self.stream, self.start = stream, start
+            self.stream, self.start, self.answered = stream, start, False
 
         def __iter__(self) -> Any:
             return self
 
         def __next__(self) -> Any:
             try:
-                return next(self.stream)
-            finally:
-                if self.start:
+                message = next(self.stream)
+            except BaseException:
+                if not self.answered:
                     probe.add("Pin", self.start)
-                    self.start = 0.0
+                raise
+            probe.add("Ready" if self.answered else "Pin", self.start)
+            self.answered = True
+            return message
 
         def cancel(self) -> None:
             self.stream.cancel()
@@ -338,8 +342,13 @@ def arena_load(transport: Any, probe: Probe, d: Device, hashes: list, block_ids:
     pin_end = probe.span("Pin")[1]
     release_start = probe.span("Release")[0]
     verify = probe.total("xxh3")
+    ready = [end for what, _, end in probe.events if what == "Ready"]
     return {
         "total": t1 - t0,
+        # the daemon's reports of blocks read (cold loads): the first after the pin's
+        # answer, the last (everything read) after the pin was sent
+        "first_ready": (ready[0] - pin_end) if ready else 0.0,
+        "last_ready": (ready[-1] - t0) if ready else 0.0,
         "pin_rpc": probe.total("Pin"),
         "verify": verify,
         "issue": (issued[-1] - pin_end) - verify,
@@ -803,14 +812,16 @@ class Daemon:
         self.cmd = [
             sys.executable, "-m", "kvstore_server", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
             "--memory", args.memory, "--memory-dir", str(memory_dir), "--write-behind-bytes", args.memory,
-            "--capacity", args.capacity, "--log-level", "WARNING",
+            "--capacity", args.capacity, "--log-level", args.daemon_log_level,
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.log_path = data_dir.parent / "daemon.log"
 
     def start(self) -> float:
         start = now()
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "ready" not in line:
             self.proc.kill()
@@ -908,12 +919,26 @@ def parent(args: argparse.Namespace) -> None:
                 results.setdefault(key, {}).update(value)
             daemon.stop()
             print_cold(results)
+        print_daemon_log(daemon.log_path)
     finally:
         daemon.kill()
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(memory_dir, ignore_errors=True)
     prefill = recompute(args) if args.recompute else {}
     summary(args, results, prefill, info.get("io", {}))
+
+
+def print_daemon_log(path: Path) -> None:
+    """What the daemon logged at WARNING and above, and (at --daemon-log-level DEBUG) its
+    promotions' timings."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines()
+             if " WARNING " in line or " ERROR " in line or "promoted" in line]  # fmt: skip
+    if lines:
+        print(f"\n--- the daemon's log ({len(lines)} lines)")
+        for line in lines[-200:]:
+            print(f"  {line}")
 
 
 def print_cold(results: dict) -> None:
@@ -927,6 +952,9 @@ def print_cold(results: dict) -> None:
             print(f"\n=== {tokens} tokens, block size {bs}: cold load, LMDB file on {what} ===")
             print_split(row, "load, cold: pin (promotes from LMDB) .. release", m, LOAD_PARTS,
                         res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
+            if m.get("last_ready"):
+                print(f"      (the daemon's first report of blocks read came {m['first_ready'] * 1e3:.2f} ms after "
+                      f"the pin's answer; its last, all read, {m['last_ready'] * 1e3:.2f} ms after the pin was sent)")  # fmt: skip
 
 
 def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float], io: dict) -> None:
@@ -1018,6 +1046,11 @@ def main() -> None:
     p.add_argument("--no-io-ceilings", dest="io_ceilings", action="store_false",
                    help="skip the raw disk and page-cache ceilings")  # fmt: skip
     p.add_argument("--io-threads", type=int, default=16, help="threads of the raw I/O ceilings (the tier's)")
+    p.add_argument(
+        "--daemon-log-level",
+        default="WARNING",
+        help="the daemon's; DEBUG prints each promotion's timings (found, planned, issued, read, placed)",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile one hot save and load per size")
     p.add_argument(
         "--layout",

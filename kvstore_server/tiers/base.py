@@ -27,7 +27,8 @@ A `Backend` (the persistent tier) also:
     locate(keys)      context manager yielding a handle per block (its `.meta`; None where
                       missing) for read_into, valid inside the context (promotions)
     read_into(h, t)   read a located block's layers into `t` (a future; on the backend's
-                      I/O threads where it has them); read_batch(reads): several as one task
+                      I/O threads where it has them); read_batches(batches): many blocks,
+                      every batch planned before the first is issued, one task each
     release_memory()  drop what is held only as a cache (when idle; optional)
 """
 
@@ -141,7 +142,7 @@ class Tier(Protocol):
 
 class Backend(ABC):
     """The persistent tier: a `Tier` that rebuilds the store's index at start (scan) and
-    reads straight into the memory tier (locate, read_into, read_batch). Thread-safe."""
+    reads straight into the memory tier (locate, read_into, read_batches). Thread-safe."""
 
     name: str
 
@@ -189,19 +190,28 @@ class Backend(ABC):
             done.set_result(None)
         return done
 
-    def read_batch(
-        self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
-    ) -> Future[None]:
-        """read_into for several blocks, as one unit of work (one I/O task where the backend
-        has a pool: a per-block task costs more than its read when the reads are small)."""
-        done: Future[None] = Future()
-        for handle, target in reads:
-            failure = self.read_into(handle, target, layers).exception()
-            if failure is not None:
-                done.set_exception(failure)
-                return done
-        done.set_result(None)
-        return done
+    def read_batches(
+        self,
+        batches: Sequence[Sequence[tuple[Located, Pieces | list[memoryview]]]],
+        layers: range | None = None,
+    ) -> list[Future[None]]:
+        """read_into for batches of blocks, a future per batch: every batch is planned before
+        the first is issued (planning on the caller's thread then never competes with the
+        reads already running), each batch one unit of work (one I/O task where the
+        backend has a pool: a per-block task costs more than its read when reads are
+        small). This default reads each batch on the calling thread."""
+        futures: list[Future[None]] = []
+        for reads in batches:
+            done: Future[None] = Future()
+            for handle, target in reads:
+                failure = self.read_into(handle, target, layers).exception()
+                if failure is not None:
+                    done.set_exception(failure)
+                    break
+            else:
+                done.set_result(None)
+            futures.append(done)
+        return futures
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         self.write((), keys)

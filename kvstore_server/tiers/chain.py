@@ -121,7 +121,12 @@ def verified_prefix(
 # bench/results/io_paths_h200.txt), and overlap matters little when the disk is the limit
 _GROUP_READ_BYTES = 4 << 20
 _MAX_GROUPS = 8
-_TASKS_PER_THREAD = 2
+# A promotion's reads: tasks of at least this many bytes (a task's Python costs tens of
+# microseconds under the GIL), at most _TASKS_PER_THREAD per I/O thread; progress is
+# reported about every _READY_STEP_BYTES of blocks read.
+_READ_TASK_BYTES = 4 << 20
+_TASKS_PER_THREAD = 8
+_READY_STEP_BYTES = 8 << 20
 
 
 def layer_groups(sizes: Sequence[int]) -> list[range]:
@@ -173,7 +178,9 @@ class Promotion:
         stopped: tuple[BlockKey, str] | None,
         window: ExitStack,
         now: float,
+        started: float,
     ) -> None:
+        self._planning = time.perf_counter()
         self._chain = chain
         self._memory = memory
         self._cold = cold
@@ -190,32 +197,37 @@ class Promotion:
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
-        self._started = time.perf_counter()
+        self._started = started
         rows = memory.block_rows(layers, extents)  # [block, layer, (address, length)]
-        # per group, the blocks in chunks: a task each, a few per I/O thread
-        tasks = max(1, _TASKS_PER_THREAD * getattr(chain.persistent, "io_threads", 1))
-        size = -(-n // tasks)
+        # per group, the blocks in chunks of about _READ_TASK_BYTES, a task each (at most
+        # _TASKS_PER_THREAD per I/O thread): taken in order by the I/O threads, so the
+        # leading blocks land first, and a loader starts on them a few reads in
+        threads = getattr(chain.persistent, "io_threads", 1)
+        size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
         self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
-        self._futures = [
+        batches = [
             [
-                chain.persistent.read_batch(
-                    [(located[p], Pieces(rows[p, group.start : group.stop], memory.file)) for p in chunk],
-                    group,
-                )
+                [(located[p], Pieces(rows[p, group.start : group.stop], memory.file)) for p in chunk]
                 for chunk in self._chunks
             ]
             for group in self.groups
         ]
+        self.planned = time.perf_counter()
+        self._futures = [
+            chain.persistent.read_batches(batches[g], group) for g, group in enumerate(self.groups)
+        ]
+        self.issued = time.perf_counter()
         self._failed_at = n  # the first block a read failed for
 
     def progress(self) -> Iterator[Ready]:
         """What is in place, as it grows: layers [0, layers) of every block, and every layer
-        of blocks [0, blocks) (each chunk of the last group read completes its blocks, in
-        order: a loader may start on the first blocks of a promotion read in one group);
-        the last is (layer count, block count). Stops early when a read failed (then
-        `failed` is True)."""
+        of blocks [0, blocks) (the chunks of the last group complete their blocks in order:
+        a loader may start on the first blocks of a promotion read in one group, reported
+        every _READY_STEP_BYTES or so); the last is (layer count, block count). Stops early
+        when a read failed (then `failed` is True)."""
         n, last = len(self.placed), len(self.groups) - 1
-        layers = 0
+        step = max(1, _READY_STEP_BYTES // max(1, self.block_bytes))
+        layers = reported = 0
         for g, (group, futures) in enumerate(zip(self.groups, self._futures, strict=True)):
             for chunk, future in zip(self._chunks, futures, strict=True):
                 failure = future.exception()
@@ -226,7 +238,8 @@ class Promotion:
                         failure,
                     )
                     self._failed_at = chunk.start  # (a block of the chunk: the first, to be sure)
-                if g == last and chunk.stop < n and self._failed_at == n:
+                if g == last and chunk.stop < n and self._failed_at == n and chunk.stop - reported >= step:
+                    reported = chunk.stop
                     yield Ready(layers, chunk.stop)
             if self._failed_at < n:
                 return
@@ -254,7 +267,8 @@ class Promotion:
         finally:
             self._window.close()
         read = self._failed_at
-        chain.read_rate.add(read * self.block_bytes, time.perf_counter() - self._started)
+        done = time.perf_counter()
+        chain.read_rate.add(read * self.block_bytes, done - self._started)
         stopped = self._stopped
         if read < len(self.placed):
             stopped = self._cold[read], STOP_EVICTED
@@ -275,6 +289,16 @@ class Promotion:
         if len(live) < len(placed):
             kept = {p.meta.key for p in live}
             memory.forget([p.meta.key for p in placed if p.meta.key not in kept])
+        if log.isEnabledFor(logging.DEBUG):
+            nbytes = read * self.block_bytes
+            log.debug(
+                "promoted %d blocks (%d MB): found and room %.1f ms, reads planned %.1f ms, issued %.1f ms, "
+                "read %.1f ms (%.2f GB/s, %d tasks), placed %.1f ms",
+                len(live), nbytes // 1_000_000, (self._planning - self._started) * 1e3,
+                (self.planned - self._planning) * 1e3, (self.issued - self.planned) * 1e3,
+                (done - self.issued) * 1e3, nbytes / max(done - self.issued, 1e-9) / 1e9,
+                len(self._chunks) * len(self.groups), (time.perf_counter() - done) * 1e3,
+            )  # fmt: skip
         return stopped
 
 
@@ -391,6 +415,7 @@ class TierChain:
                 memory.unpin_extents(hot)
 
     def _start(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> Started:
+        started = time.perf_counter()
         window = ExitStack()
         try:
             found = window.enter_context(self.persistent.locate(cold))
@@ -415,7 +440,8 @@ class TierChain:
                     log.info("no promotion of %d blocks: %s", n, exc)
                     window.close()
                     return Started(None, (cold[0], STOP_NO_ROOM))
-            return Started(Promotion(self, memory, cold, located, extents, stopped, window, now), stopped)
+            return Started(Promotion(self, memory, cold, located, extents, stopped, window, now, started),
+                           stopped)  # fmt: skip
         except BaseException:
             window.close()
             raise

@@ -191,23 +191,34 @@ class DiskBackend(Backend):
     ) -> Future[None]:
         """A located block's layers (of `layers`, when given: `target` then holds buffers for
         those alone) read from its file with preadv on the I/O pool, as the LMDB backend's."""
-        return self.read_batch([(handle, target)], layers)
+        return self.read_batches([[(handle, target)]], layers)[0]
 
-    def read_batch(
-        self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
+    def read_batches(
+        self,
+        batches: Sequence[Sequence[tuple[Located, Pieces | list[memoryview]]]],
+        layers: range | None = None,
+    ) -> list[Future[None]]:
+        """Every batch planned, then each one task of the I/O pool (a preadv per block file)."""
+        planned = [[self._plan_read(handle, target, layers) for handle, target in reads] for reads in batches]
+        return [self._issue(reads, batch) for reads, batch in zip(planned, batches, strict=True)]
+
+    @staticmethod
+    def _plan_read(
+        handle: Located, target: Pieces | list[memoryview], layers: range | None
+    ) -> tuple[int, int, Any]:
+        if not isinstance(handle, _BlockFile):
+            raise TypeError(f"not a block file of this backend: {type(handle).__name__}")
+        span = layers if layers is not None else range(len(handle.meta.layers))
+        at, end = handle.starts[span.start], handle.starts[span.stop]
+        buffers: Any = target.iov if isinstance(target, Pieces) else list(target)
+        got = int(buffers[:, 1].sum()) if isinstance(target, Pieces) else sum(v.nbytes for v in buffers)
+        if got != end - at:
+            raise ValueError(f"{got} bytes of buffers for {end - at} bytes of the block")
+        return handle.fd, at, buffers
+
+    def _issue(
+        self, planned: list[tuple[int, int, Any]], reads: Sequence[tuple[Located, Pieces | list[memoryview]]]
     ) -> Future[None]:
-        planned = []
-        for handle, target in reads:
-            if not isinstance(handle, _BlockFile):
-                raise TypeError(f"not a block file of this backend: {type(handle).__name__}")
-            span = layers if layers is not None else range(len(handle.meta.layers))
-            at, end = handle.starts[span.start], handle.starts[span.stop]
-            buffers: Any = target.iov if isinstance(target, Pieces) else list(target)
-            got = int(buffers[:, 1].sum()) if isinstance(target, Pieces) else sum(v.nbytes for v in buffers)
-            if got != end - at:
-                raise ValueError(f"{got} bytes of buffers for {end - at} bytes of the block")
-            planned.append((handle.fd, at, buffers))
-
         def run() -> None:
             for fd, at, buffers in planned:
                 read_at(fd, buffers, at)

@@ -533,20 +533,26 @@ class LmdbBackend(Backend):
         they lie), of `layers` only when given (a contiguous part of the payload; `target`
         then holds buffers for those layers alone), on the I/O pool. The future raises
         StorageError when the read fails."""
-        return self.read_batch([(handle, target)], layers)
+        return self.read_batches([[(handle, target)]], layers)[0]
 
-    def read_batch(
-        self, reads: Sequence[tuple[Located, Pieces | list[memoryview]]], layers: range | None = None
-    ) -> Future[None]:
-        """read_into for several blocks in one task of the I/O pool, one preadv each."""
-        planned = _coalesced([self._plan_read(handle, target, layers) for handle, target in reads])
-        total = sum(nbytes for _, _, nbytes, _ in planned)
+    def read_batches(
+        self,
+        batches: Sequence[Sequence[tuple[Located, Pieces | list[memoryview]]]],
+        layers: range | None = None,
+    ) -> list[Future[None]]:
+        """read_into for batches of blocks, every batch planned before the first is issued,
+        each one task of the I/O pool: one preadv per run of blocks that lie back to back
+        in a segment (and in memory: one range of a promotion)."""
+        planned = [_coalesced([self._plan_read(handle, target, layers) for handle, target in reads])
+                   for reads in batches]  # fmt: skip
+        return [self._issue(reads) for reads in planned]
 
+    def _issue(self, planned: list[tuple[int, int, int, Any]]) -> Future[None]:
         def run() -> None:
             for segment, offset, _, buffers in planned:
                 self.segments.read(segment, offset, buffers)
 
-        return self.io.submit(total, run)
+        return self.io.submit(sum(nbytes for _, _, nbytes, _ in planned), run)
 
     def _plan_read(
         self, handle: Located, target: Pieces | list[memoryview], layers: range | None

@@ -168,6 +168,13 @@ class IOPool:
         self._inflight = 0
         self._cond = threading.Condition()
         self.threads = threads
+        # every thread started now, not by a load's first reads (a thread's start waits
+        # for the GIL, and each is started on the submitting thread: milliseconds on the
+        # first cold load's path)
+        started = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            self._pool.submit(started.wait, 60.0)
+        started.wait(60.0)
 
     def submit(self, nbytes: int, fn: Callable[[], None]) -> Future[None]:
         """Run `fn` (an I/O of `nbytes`) on a worker once the budget has room."""

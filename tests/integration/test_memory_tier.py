@@ -289,13 +289,14 @@ def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_the
 
 @both_backends
 def test_a_cold_pin_reports_blocks_read_whole_as_they_land(make_daemon) -> None:
-    """Blocks under 4 MiB are read whole, one request each: PinStream reports them block by
-    block (ready_blocks), in order, after the blocks that were in memory, so a loader
-    copies the first blocks while the daemon reads the rest; a ready block's every layer
-    is final while the last layers of the others are not in yet (ready_layers 0)."""
+    """Blocks up to 4 MiB are read whole, in tasks of a few MiB: PinStream reports them as
+    they land (ready_blocks, about every 8 MiB), in order, after the blocks that were in
+    memory, so a loader copies the first blocks while the daemon reads the rest; a ready
+    block's every layer is final while the last layers of the others are not in yet
+    (ready_layers 0)."""
     d = make_daemon()
-    # 16 layers of 64 KiB: 1 MiB a block, one group; 6 blocks
-    hashes, layers = chain("blocks", 6), make_layers(6, num_layers=16, shape=(256, 128), dtype=torch.float16)
+    # 16 layers of 256 KiB: 4 MiB a block, one group, a task each; 6 blocks
+    hashes, layers = chain("blocks", 6), make_layers(6, num_layers=16, shape=(1024, 128), dtype=torch.float16)
     _only_in_the_persistent_tier(d, hashes, layers)
     with KVStoreClient(d.address, arena=True) as kv:
         kv.pin(NS, hashes[:2]).release()  # the first two promoted: in memory now

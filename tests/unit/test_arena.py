@@ -17,6 +17,7 @@ from kvstore_server.tiers.arena import (
     ArenaFile,
     ArenaIndex,
     MemoryTier,
+    NoRoom,
     Pin,
     Placed,
     Reservation,
@@ -175,6 +176,53 @@ def test_dirty_blocks_hold_their_extent_and_the_queue_is_bounded(tier: MemoryTie
     assert tier.evictable_extent(time.time()) is None  # block 0 waits for write-behind
     tier.written_behind([blocks[0].meta.key])
     assert tier.evictable_extent(time.time()) is tier.extents[offset]
+
+
+def _full_of_one_block_extents(tier: MemoryTier, last_use: dict[int, float]) -> list[int]:
+    """The whole arena as resident one-block extents, clean (evictable), each last used
+    at last_use.get(i, 100 + i): extent i is block meta(i)."""
+    each = fmt.extent_bytes(4000, 1)
+    count = tier.allocator.free_bytes // each
+    offsets = tier.hold_block_extents(4000, count, 0.0)
+    assert tier.allocator.free_bytes < each
+    for i, at in enumerate(offsets):
+        tier.place([Placed(meta(i), at, 1, 0)], last_use.get(i, 100.0 + i), dirty=False)
+    tier.unpin_extents(offsets)
+    return offsets
+
+
+def test_a_promotion_into_a_full_arena_evicts_the_least_recently_used_blocks_it_needs_only(
+    tier: MemoryTier,
+) -> None:
+    """Room for two blocks where the least recently used two are far apart: those two are
+    evicted (not everything between them, for one range) and the blocks go where they were."""
+    offsets = _full_of_one_block_extents(tier, {0: 1.0, 5: 2.0})
+    got = tier.hold_block_extents(4000, 2, 500.0)
+    assert got == [offsets[0], offsets[5]]
+    assert tier.counters.memory_evictions == 2
+    assert meta(0).key not in tier.resident and meta(5).key not in tier.resident
+    assert all(meta(i).key in tier.resident for i in range(len(offsets)) if i not in (0, 5))
+    assert all(tier.extents[at].pins == 1 for at in got)  # held by the promotion
+
+
+def test_a_promotion_takes_several_free_ranges_when_none_holds_it_all(tier: MemoryTier) -> None:
+    """Free space in ranges of two blocks, a promotion of five: three ranges, the largest
+    first, nothing evicted (the rest is pinned anyway); too many blocks for the free
+    space is NoRoom, and nothing is taken."""
+    each = fmt.extent_bytes(4000, 1)
+    count = tier.allocator.free_bytes // each
+    offsets = tier.hold_block_extents(4000, count, 0.0)
+    holes = [at for i, at in enumerate(offsets) if i % 4 in (0, 1)]
+    tier.unpin_extents(holes)  # empty and unpinned: freed, two blocks' room in each
+    assert tier.allocator.largest == 2 * each
+    got = tier.hold_block_extents(4000, 5, 1.0)
+    assert len(set(got)) == 5 and set(got) <= set(holes)
+    assert sum(1 for a, b in zip(got, got[1:], strict=False) if b == a + each) >= 2  # pairs side by side
+    assert tier.counters.memory_evictions == 0
+    free = tier.allocator.free_bytes
+    with pytest.raises(NoRoom):
+        tier.hold_block_extents(4000, free // each + 1, 2.0)
+    assert tier.allocator.free_bytes == free
 
 
 def test_expired_leases_give_their_space_back(tier: MemoryTier) -> None:

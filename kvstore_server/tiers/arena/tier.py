@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore import arena_format as fmt
 from kvstore_server.datadir import claim_arena, withdraw_arena_claim
@@ -47,6 +47,7 @@ from kvstore_server.tiers.base import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # What the memory tier writes behind to the persistent tier (config.persist): every
 # committed block, or only those loaded again while still in memory (a prefix used once
@@ -234,21 +235,35 @@ class MemoryTier:
         takes them: take_evicted). Caller holds the commit lock. Raises NoRoom."""
         if nbytes > self.allocator.total:
             raise NoRoom(f"{nbytes} bytes do not fit the memory tier ({self.allocator.total} bytes)")
-        while True:
+        return self._room(lambda: self.allocator.allocate(nbytes), now)
+
+    def _room(self, fit: Callable[[], _T | None], now: float) -> _T:
+        """`fit()` once it succeeds, evicting least recently used extents until it does (in
+        one pass over the extents, sorted once, and one deletion of their records: a
+        promotion of a thousand blocks into a full arena evicts a thousand one-block
+        extents). Caller holds the commit lock. Raises NoRoom."""
+        gone: list[BlockKey] = []
+        try:
             with self.lock:
-                offset = self.allocator.allocate(nbytes)
-                if offset is not None:
-                    return offset
-                extent = self.evictable_extent(now)
-                if extent is None:
-                    raise NoRoom(
-                        f"no room for {nbytes} bytes in the memory tier: the rest is pinned, "
-                        "reserved or waiting to be written behind"
-                    )
-                keys = list(extent.live)
-                self._evicted.extend(k for k in keys if k in self.memory_only)
-                self.counters.memory_evictions += len(keys)
-                gone = self.unplace(keys)
+                got = fit()
+                if got is not None:
+                    return got
+                candidates = sorted(
+                    (e for e in self.extents.values() if not e.pins and not e.waiting),
+                    key=lambda e: e.last_use,
+                )
+                for extent in candidates:
+                    keys = list(extent.live)
+                    self._evicted.extend(k for k in keys if k in self.memory_only)
+                    self.counters.memory_evictions += len(keys)
+                    gone += self.unplace(keys)
+                    got = fit()
+                    if got is not None:
+                        return got
+                raise NoRoom(
+                    "no room in the memory tier: the rest is pinned, reserved or waiting to be written behind"
+                )
+        finally:
             self.forget(gone)
 
     def hold_extent(self, nbytes: int, blocks: int, now: float, holds: int = 1) -> int:
@@ -261,16 +276,45 @@ class MemoryTier:
         return offset
 
     def hold_block_extents(self, block_bytes: int, blocks: int, now: float) -> list[int]:
-        """`blocks` one-block extents side by side, each held once as hold_extent holds its
-        one (a promotion's: a block's layers lie together, as the persistent tier stores
-        them, so blocks [a, b) are one range of the arena that a loader copies in one go,
-        and each leaves on its own when evicted). Caller holds the commit lock. Raises NoRoom."""
+        """`blocks` one-block extents, each held once as hold_extent holds its one (a
+        promotion's: a block's layers lie together, as the persistent tier stores them).
+        Side by side where a free range holds them all, so blocks [a, b) are one range of
+        the arena that a loader copies in one go; else in as few free ranges as hold them
+        (a fragmented arena is not emptied for one long range); each block leaves on its own
+        when evicted. Caller holds the commit lock. Raises NoRoom."""
         each = fmt.extent_bytes(block_bytes, 1)
-        offset = self.make_room(each * blocks, now)
-        offsets = [offset + i * each for i in range(blocks)]
+        if each * blocks > self.allocator.total:
+            raise NoRoom(f"{each * blocks} bytes do not fit the memory tier ({self.allocator.total} bytes)")
+        offsets = self._room(lambda: self._block_slots(each, blocks), now)
         with self.lock:
             for at in offsets:
                 self.extents[at] = Extent(at, each, 1, pins=1, last_use=now)
+        return offsets
+
+    def _block_slots(self, each: int, blocks: int) -> list[int] | None:
+        """`blocks` free slots of `each` bytes, taken (one range if one holds them all, else
+        from the largest free ranges first), or None (nothing taken) when they do not fit."""
+        allocator = self.allocator
+        whole = allocator.allocate(each * blocks)
+        if whole is not None:
+            return [whole + i * each for i in range(blocks)]
+        if allocator.free_bytes < each * blocks:
+            return None
+        plan: list[tuple[int, int]] = []  # (start, slots)
+        wanted = blocks
+        for start, length in sorted(allocator.runs(), key=lambda run: -run[1]):
+            slots = min(length // each, wanted)
+            if slots:
+                plan.append((start, slots))
+                wanted -= slots
+            if not wanted:
+                break
+        if wanted:
+            return None
+        offsets: list[int] = []
+        for start, slots in sorted(plan):
+            allocator.claim(start, slots * each)
+            offsets.extend(start + i * each for i in range(slots))
         return offsets
 
     def take_evicted(self) -> list[BlockKey]:
