@@ -757,9 +757,15 @@ def io_ceilings(directory: Path, total: int, request: int, threads: int) -> dict
 
     path = directory / "io-ceiling.bin"
     total -= total % request
-    buf = mmap.mmap(-1, request * threads)
-    buf.write(os.urandom(1 << 20) * (request * threads >> 20))
-    views = [memoryview(buf)[i * request : (i + 1) * request] for i in range(threads)]
+    # one buffer of `total` bytes, written (so faulted in) first: each request moves its own
+    # memory, as the tier's do (an arena extent each). NOTE: runs before 2026-12-05 reused
+    # `threads` buffers, which stayed in the CPU's caches: their page-cache read ceiling
+    # (24-34 GB/s on the H200 host) was not one a load of distinct memory can reach
+    buf = mmap.mmap(-1, total)
+    chunk = os.urandom(1 << 20)
+    for at in range(0, total - (1 << 20) + 1, 1 << 20):
+        buf[at : at + (1 << 20)] = chunk
+    views = [memoryview(buf)[at : at + request] for at in range(0, total, request)]
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     out: dict[str, float] = {}
     try:
@@ -773,7 +779,7 @@ def io_ceilings(directory: Path, total: int, request: int, threads: int) -> dict
 
         def run(op: Callable[[int, list[memoryview], int], int], use_fd: int) -> float:
             def one(i: int) -> None:
-                op(use_fd, [views[i % threads]], offsets[i])
+                op(use_fd, [views[i]], offsets[i])
 
             start = now()
             with ThreadPoolExecutor(threads) as pool:

@@ -973,11 +973,14 @@ def raw_io_ceilings(directory: Path, res: IoResult) -> None:
     path = directory / "io-ceiling.bin"
     request, threads = res.request, res.threads
     total = res.nbytes - res.nbytes % request
-    buf = mmap.mmap(-1, request * threads)  # page-aligned, as O_DIRECT wants
+    # page-aligned, as O_DIRECT wants; all of it: each request moves its own memory, as the
+    # tier's do (reusing a few buffers kept them in the CPU's caches, a ceiling no load of
+    # distinct memory reaches)
+    buf = mmap.mmap(-1, total)
     noise = os.urandom(1 << 16)
     for at in range(0, len(buf), len(noise)):
         buf[at : at + len(noise)] = noise[: len(buf) - at]
-    views = [memoryview(buf)[i * request : (i + 1) * request] for i in range(threads)]
+    views = [memoryview(buf)[at : at + request] for at in range(0, total, request)]
     offsets = range(0, total, request)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     wfd = -1
@@ -997,7 +1000,7 @@ def raw_io_ceilings(directory: Path, res: IoResult) -> None:
 
         def run(op: Callable[[int, list[memoryview], int], int], use_fd: int) -> None:
             def one(i: int) -> None:
-                op(use_fd, [views[i % threads]], offsets[i])
+                op(use_fd, [views[i]], offsets[i])
 
             with ThreadPoolExecutor(threads) as pool:
                 list(pool.map(one, range(len(offsets))))

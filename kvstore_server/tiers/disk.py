@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -200,7 +200,9 @@ class DiskBackend(Backend):
     ) -> list[Future[None]]:
         """Every batch planned, then each one task of the I/O pool (a preadv per block file)."""
         planned = [[self._plan_read(handle, target, layers) for handle, target in reads] for reads in batches]
-        return [self._issue(reads, batch) for reads, batch in zip(planned, batches, strict=True)]
+        return self._io.submit_many(
+            [self._task(reads, batch) for reads, batch in zip(planned, batches, strict=True)]
+        )
 
     @staticmethod
     def _plan_read(
@@ -216,14 +218,15 @@ class DiskBackend(Backend):
             raise ValueError(f"{got} bytes of buffers for {end - at} bytes of the block")
         return handle.fd, at, buffers
 
-    def _issue(
-        self, planned: list[tuple[int, int, Any]], reads: Sequence[tuple[Located, Pieces | list[memoryview]]]
-    ) -> Future[None]:
+    @staticmethod
+    def _task(
+        planned: list[tuple[int, int, Any]], reads: Sequence[tuple[Located, Pieces | list[memoryview]]]
+    ) -> tuple[int, Callable[[], None]]:
         def run() -> None:
             for fd, at, buffers in planned:
                 read_at(fd, buffers, at)
 
-        return self._io.submit(sum(handle.meta.size for handle, _ in reads), run)
+        return sum(handle.meta.size for handle, _ in reads), run
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         for n, key in enumerate(keys):

@@ -46,7 +46,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -298,13 +298,15 @@ class LmdbBackend(Backend):
                     )
                 segment, offset = self.segments.allocate(block.meta.size)
                 placed.append((block, segment, offset))
-            futures = [
-                self.io.submit(
-                    block.meta.size,
-                    functools.partial(self.segments.write, segment, offset, _buffers(block)),
-                )
-                for block, segment, offset in placed
-            ]
+            futures = self.io.submit_many(
+                [
+                    (
+                        block.meta.size,
+                        functools.partial(self.segments.write, segment, offset, _buffers(block)),
+                    )
+                    for block, segment, offset in placed
+                ]
+            )
             _wait(futures)
             if self.segments.sync:
                 self.segments.flush()
@@ -545,14 +547,14 @@ class LmdbBackend(Backend):
         in a segment (and in memory: one range of a promotion)."""
         planned = [_coalesced([self._plan_read(handle, target, layers) for handle, target in reads])
                    for reads in batches]  # fmt: skip
-        return [self._issue(reads) for reads in planned]
+        return self.io.submit_many([self._task(reads) for reads in planned])
 
-    def _issue(self, planned: list[tuple[int, int, int, Any]]) -> Future[None]:
+    def _task(self, planned: list[tuple[int, int, int, Any]]) -> tuple[int, Callable[[], None]]:
         def run() -> None:
             for segment, offset, _, buffers in planned:
                 self.segments.read(segment, offset, buffers)
 
-        return self.io.submit(sum(nbytes for _, _, nbytes, _ in planned), run)
+        return sum(nbytes for _, _, nbytes, _ in planned), run
 
     def _plan_read(
         self, handle: Located, target: Pieces | list[memoryview], layers: range | None
