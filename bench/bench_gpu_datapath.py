@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import mmap
@@ -579,6 +580,22 @@ def arena_part(
         profile_once(transport, probe, d, side, caches, bs, tokens, block_ids)
 
 
+def profiled(what: str, run: Callable[[], Any]) -> Any:
+    """run() under cProfile; prints this process's calls by own time, and returns its result."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    result = prof.runcall(run)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(22)
+    body = out.getvalue()
+    print(f"  (profile) one {what}, by own time:")
+    print("\n".join("    " + line for line in body[body.index("ncalls") :].splitlines() if line.strip()))
+    return result
+
+
 def profile_once(transport, probe, d: Device, side, caches, bs: int, tokens: int, block_ids: list) -> None:
     """One more save and hot load under cProfile: this process's Python and torch calls
     (the daemon's side of the RPCs shows as the time the calls wait)."""
@@ -694,7 +711,15 @@ def cold_child(args: argparse.Namespace) -> None:
             if label == "page cache":  # the first cold load warms this process's kernels up
                 arena_load(transport, probe, d, hashes_for("cold", bs, tokens, 0), block_ids)
             for i in range(first, end):
-                runs.append(arena_load(transport, probe, d, hashes_for("cold", bs, tokens, i), block_ids))
+                load = functools.partial(
+                    arena_load, transport, probe, d, hashes_for("cold", bs, tokens, i), block_ids
+                )
+                if (
+                    args.profile and label == "page cache" and i == end - 1 and runs
+                ):  # the last: profiled, not timed
+                    profiled(f"cold load of {tokens} tokens from the page cache", load)
+                else:
+                    runs.append(load())
             results.setdefault(f"{tokens}/{bs}", {})["cold" if label == "page cache" else "cold_disk"] = (
                 medians(runs)
             )
@@ -1057,7 +1082,11 @@ def main() -> None:
         default="WARNING",
         help="the daemon's; DEBUG prints each promotion's timings (found, planned, issued, read, placed)",
     )
-    p.add_argument("--profile", action="store_true", help="cProfile one hot save and load per size")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile one hot save and load per size, and the last cold load from the page cache",
+    )
     p.add_argument(
         "--layout",
         choices=("heads", "layers"),
