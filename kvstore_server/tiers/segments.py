@@ -217,6 +217,9 @@ class IOPool:
                     else:
                         future.set_result(None)
             finally:
+                # NOTE: not kept while idle: a task's closure holds its buffers (a put's
+                # heap copies), which an idle worker would keep alive
+                del fn, future
                 with cond:
                     self._inflight -= nbytes
                     if queue:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 
@@ -106,3 +107,23 @@ def test_close_runs_what_is_queued_then_refuses_more() -> None:
     assert [name for name, _ in t.log] == ["first", "t0", "t1", "t2", "t3", "t4"]
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(1, lambda: None)
+
+
+def test_an_idle_worker_keeps_nothing_of_its_last_task_alive() -> None:
+    """A task's closure holds its buffers (a put's heap copies): once it ran, they go,
+    though the worker that ran it waits idle for the next."""
+
+    class Buffers:
+        pass
+
+    pool = IOPool(threads=2)
+    freed = threading.Event()
+    held = Buffers()
+    gone = weakref.ref(held, lambda _ref: freed.set())
+    try:
+        pool.submit(1, lambda held=held: None).result(10)
+        del held
+        assert freed.wait(10), "the idle worker still holds its last task"
+        assert gone() is None
+    finally:
+        pool.close()
