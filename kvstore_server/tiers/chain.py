@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -175,8 +174,9 @@ class Promotion:
         chain: TierChain,
         memory: MemoryTier,
         cold: list[BlockKey],
-        layers: tuple[LayerSpec, ...],
+        located: list[Located],
         extents: list[int],
+        stopped: tuple[BlockKey, str] | None,
         window: ExitStack,
         now: float,
         started: float,
@@ -186,63 +186,40 @@ class Promotion:
         self._cold = cold
         self._window = window  # the persistent tier's extents stay as they are while open
         self._now = now
-        self._stopped: tuple[BlockKey, str] | None = None
+        self._stopped = stopped
         self._finished = False
         self._started = started
-        self.extents = extents  # one per block of `cold`; those past the located ones let go by `seal`
-        self.placed: list[Placed] = []
+        self.extents = extents
+        layers = located[0].meta.layers
+        n = len(located)
+        self.placed = [
+            Placed(h.meta, at, 1, 0, getattr(h, "sums", b"")) for at, h in zip(extents, located, strict=True)
+        ]
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
-        self._rows = memory.block_rows(layers, extents)  # [block, layer, (address, length)]
+        found = time.perf_counter()
+        rows = memory.block_rows(layers, extents)  # [block, layer, (address, length)]
         # per group, the blocks in chunks of about _READ_TASK_BYTES, a task each (at most
         # _TASKS_PER_THREAD per I/O thread): taken in order by the I/O threads, so the
         # leading blocks land first, and a loader starts on them a few reads in
         threads = getattr(chain.persistent, "io_threads", 1)
-        n = len(cold)
-        self._chunk = max(
-            -(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1
-        )
-        self._chunks: list[range] = []
-        self._futures: list[list[Future[None]]] = [[] for _ in self.groups]
-        self._failed_at = 0  # the first block a read failed for (all of them: set by seal)
-        self.located_ms = self.issue_ms = 0.0
-        self.batches = 0  # add() calls
-        self.issued = 0.0  # perf_counter when the last reads were issued (seal)
-
-    def add(self, located: Sequence[Located], took: float) -> None:
-        """Plan and issue the reads of the next located blocks (`took`: seconds spent
-        finding them), before the rest are located."""
-        planning = time.perf_counter()
-        first, memory, rows = len(self.placed), self._memory, self._rows
-        self.placed += [
-            Placed(h.meta, self.extents[first + i], 1, 0, getattr(h, "sums", b""))
-            for i, h in enumerate(located)
+        size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
+        self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
+        # every read planned before the first is issued (read_batches), per group
+        self._futures = [
+            chain.persistent.read_batches(
+                [
+                    [(located[p], Pieces(rows[p, group.start : group.stop], memory.file)) for p in chunk]
+                    for chunk in self._chunks
+                ],
+                group,
+            )
+            for group in self.groups
         ]
-        end = len(self.placed)
-        chunks = [range(a, min(end, a + self._chunk)) for a in range(first, end, self._chunk)]
-        self._chunks += chunks
-        for g, group in enumerate(self.groups):
-            batches = [
-                [(located[p - first], Pieces(rows[p, group.start : group.stop], memory.file)) for p in chunk]
-                for chunk in chunks
-            ]
-            self._futures[g] += self._chain.persistent.read_batches(batches, group)
-        self.located_ms += took * 1e3
-        self.batches += 1
-        self.issue_ms += (time.perf_counter() - planning) * 1e3
-
-    def seal(self, stopped: tuple[BlockKey, str] | None) -> None:
-        """Every block to read is added; `stopped`: the first one left out, and why. The
-        extents of blocks not located go back at once."""
-        self._stopped = stopped
-        self._failed_at = len(self.placed)
-        spare = self.extents[len(self.placed) :]
-        if spare:
-            self.extents = self.extents[: len(self.placed)]
-            with self._memory.lock:
-                self._memory.unpin_extents(spare)
+        self._failed_at = n  # the first block a read failed for
         self.issued = time.perf_counter()
+        self._found_ms = (found - started) * 1e3
 
     def progress(self) -> Iterator[Ready]:
         """What is in place, as it grows: layers [0, layers) of every block, and every layer
@@ -320,10 +297,10 @@ class Promotion:
         if log.isEnabledFor(logging.DEBUG):
             nbytes = read * self.block_bytes
             log.debug(
-                "promoted %d blocks (%d MB): found %.1f ms, reads issued %.1f ms (%d batches, %d tasks), "
-                "all issued after %.1f ms, all read after %.1f ms (%.2f GB/s), placed %.1f ms",
-                len(live), nbytes // 1_000_000, self.located_ms, self.issue_ms, self.batches,
-                len(self._chunks) * len(self.groups), (self.issued - self._started) * 1e3,
+                "promoted %d blocks (%d MB): found %.1f ms, all issued after %.1f ms (%d tasks), "
+                "all read after %.1f ms (%.2f GB/s), placed %.1f ms",
+                len(live), nbytes // 1_000_000, self._found_ms, (self.issued - self._started) * 1e3,
+                len(self._chunks) * len(self.groups),
                 (done - self._started) * 1e3, nbytes / max(done - self._started, 1e-9) / 1e9,
                 (time.perf_counter() - done) * 1e3,
             )  # fmt: skip
@@ -449,26 +426,23 @@ class TierChain:
             # NOTE: every block found before the first read is issued: finding the rest
             # while the first reads ran (their Python competing for the GIL) made cold loads
             # on the H200 slower, not faster (bench/results/persistent_h200_run9.txt)
-            located, stopped = self._located(cold, window.enter_context(self.persistent.locate(cold)), None)
+            located, stopped = self._located(cold, window.enter_context(self.persistent.locate(cold)))
             if not located:
                 window.close()
                 return Started(None, stopped)
-            layers, size = located[0].meta.layers, located[0].meta.size
             with self._commit_lock:
                 try:  # held by the promotion itself until it is placed
-                    extents = memory.hold_block_extents(size, len(located), now)
+                    extents = memory.hold_block_extents(located[0].meta.size, len(located), now)
                 except NoRoom as exc:  # the load is served from what is in memory
                     log.info("no promotion of %d blocks: %s", len(located), exc)
                     window.close()
                     return Started(None, (cold[0], STOP_NO_ROOM))
-            promotion = Promotion(self, memory, cold, layers, extents, window, now, started)
             try:
-                promotion.add(located, time.perf_counter() - started)
+                promotion = Promotion(self, memory, cold, located, extents, stopped, window, now, started)
             except BaseException:  # nothing was issued (every read is planned first)
                 with self._lock:
                     memory.unpin_extents(extents)
                 raise
-            promotion.seal(stopped)
             return Started(promotion, stopped)
         except BaseException:
             window.close()
@@ -476,17 +450,15 @@ class TierChain:
 
     @staticmethod
     def _located(
-        keys: list[BlockKey], found: Sequence[Located | None], layers: tuple[LayerSpec, ...] | None
+        keys: list[BlockKey], found: Sequence[Located | None]
     ) -> tuple[list[Located], tuple[BlockKey, str] | None]:
-        """The leading found blocks of one layer set (`layers`, or the first one's), and the
-        first left out and why (None: all of them)."""
+        """The leading found blocks of the first one's layer set, and the first left out and
+        why (None: all of them)."""
         located: list[Located] = []
         for key, handle in zip(keys, found, strict=True):
             if handle is None:
                 return located, (key, STOP_EVICTED)
-            if layers is None:
-                layers = handle.meta.layers
-            elif handle.meta.layers != layers:
+            if located and handle.meta.layers != located[0].meta.layers:
                 return located, (key, STOP_LAYER_SET_DIFFERS)
             located.append(handle)
         return located, None

@@ -200,14 +200,13 @@ class DiskBackend(Backend):
     ) -> list[Future[None]]:
         """Every batch planned, then each one task of the I/O pool (a preadv per block file)."""
         planned = [[self._plan_read(handle, target, layers) for handle, target in reads] for reads in batches]
-        return self._io.submit_many(
-            [self._task(reads, batch) for reads, batch in zip(planned, batches, strict=True)]
-        )
+        return self._io.submit_many([self._task(reads) for reads in planned])
 
     @staticmethod
     def _plan_read(
         handle: Located, target: Pieces | list[memoryview], layers: range | None
-    ) -> tuple[int, int, Any]:
+    ) -> tuple[int, int, int, Any]:
+        """(fd, offset, bytes, buffers) of one block's read."""
         if not isinstance(handle, _BlockFile):
             raise TypeError(f"not a block file of this backend: {type(handle).__name__}")
         span = layers if layers is not None else range(len(handle.meta.layers))
@@ -216,17 +215,15 @@ class DiskBackend(Backend):
         got = int(buffers[:, 1].sum()) if isinstance(target, Pieces) else sum(v.nbytes for v in buffers)
         if got != end - at:
             raise ValueError(f"{got} bytes of buffers for {end - at} bytes of the block")
-        return handle.fd, at, buffers
+        return handle.fd, at, end - at, buffers
 
     @staticmethod
-    def _task(
-        planned: list[tuple[int, int, Any]], reads: Sequence[tuple[Located, Pieces | list[memoryview]]]
-    ) -> tuple[int, Callable[[], None]]:
+    def _task(planned: list[tuple[int, int, int, Any]]) -> tuple[int, Callable[[], None]]:
         def run() -> None:
-            for fd, at, buffers in planned:
+            for fd, at, _, buffers in planned:
                 read_at(fd, buffers, at)
 
-        return sum(handle.meta.size for handle, _ in reads), run
+        return sum(nbytes for _, _, nbytes, _ in planned), run
 
     def stored_prefix(self, keys: Sequence[BlockKey]) -> int:
         for n, key in enumerate(keys):
