@@ -599,23 +599,13 @@ def profiled(what: str, run: Callable[[], Any]) -> Any:
 def profile_once(transport, probe, d: Device, side, caches, bs: int, tokens: int, block_ids: list) -> None:
     """One more save and hot load under cProfile: this process's Python and torch calls
     (the daemon's side of the RPCs shows as the time the calls wait)."""
-    import cProfile
-    import io
-    import pstats
-
     hashes = hashes_for("hot", bs, tokens, 10_000)
     side.quiesce()
     for what, run in (
         ("save", lambda: arena_save(transport, probe, d, caches, hashes, block_ids)),
         ("hot load", lambda: arena_load(transport, probe, d, hashes, block_ids)),
     ):
-        prof = cProfile.Profile()
-        prof.runcall(run)
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
-        body = out.getvalue()
-        print(f"  (profile) one {what}, by own time:")
-        print("\n".join("    " + line for line in body[body.index("ncalls") :].splitlines() if line.strip()))
+        profiled(what, run)
         side.quiesce()
 
 
@@ -1080,7 +1070,7 @@ def main() -> None:
     p.add_argument(
         "--daemon-log-level",
         default="WARNING",
-        help="the daemon's; DEBUG prints each promotion's timings (found, planned, issued, read, placed)",
+        help="the daemon's; DEBUG prints each promotion's timings (found, issued, read, placed)",
     )
     p.add_argument(
         "--profile",
