@@ -16,8 +16,10 @@ No torch, no grpc; the on-disk layouts of the backends are in kvstore.layouts.
 
 from __future__ import annotations
 
+import struct
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -178,13 +180,59 @@ def layout_of(layers: tuple[LayerSpec, ...]) -> Layout:
     return per_layout(_BY_ID, layers, Layout.of)
 
 
+class PackedSums(Sequence[int]):
+    """A block's per-layer checksums as a record stores them (little-endian uint64s), read
+    one at a time when asked: finding 512 blocks of 256 store layers in an index made
+    131,072 Python ints that a promotion never looks at (it passes the packed bytes on)."""
+
+    __slots__ = ("packed", "_view")
+
+    def __init__(self, packed: bytes) -> None:
+        if len(packed) % 8:
+            raise ValueError(f"{len(packed)} bytes of checksums: not a whole number of uint64s")
+        self.packed = packed
+        self._view = memoryview(packed).cast("Q") if _LITTLE_ENDIAN else None
+
+    def __len__(self) -> int:
+        return len(self.packed) // 8
+
+    def __getitem__(self, index: Any) -> Any:
+        if self._view is None:
+            return tuple(_unpacked(self.packed))[index]
+        found = self._view[index]
+        return tuple(found.tolist()) if isinstance(found, memoryview) else found
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._view) if self._view is not None else iter(_unpacked(self.packed))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedSums):
+            return self.packed == other.packed
+        if isinstance(other, tuple | list):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PackedSums({tuple(self)!r})"
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _unpacked(packed: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(packed) // 8}Q", packed)
+
+
 @dataclass(frozen=True, slots=True)
 class BlockMeta:
     namespace: bytes
     block_hash: bytes
     parent_hash: bytes
     layers: tuple[LayerSpec, ...]
-    checksums: tuple[int, ...]
+    checksums: tuple[int, ...] | PackedSums
     created_at: float = field(default_factory=time.time)
     checksum_kind: str = XXH3
 

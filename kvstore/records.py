@@ -3,7 +3,8 @@ index (kvstore_server.tiers.arena), the persistent tier's (kvstore_server.tiers.
 same-host readers (kvstore.layouts).
 
 A record is a fixed head, the parent hash, then the block's per-layer checksums as
-little-endian uint64s (packed, as the Pin answer carries them):
+little-endian uint64s (packed, as the Pin answer carries them; parsed, they stay packed:
+blocks.PackedSums):
 
     where     three integers whose meaning is the index's: (extent offset, blocks in the
               extent, position) in the arena; (offset, segment, payload bytes) in the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-from kvstore.blocks import WSUM32, XXH3, BlockMeta, LayerSpec, Layout, layout_of
+from kvstore.blocks import WSUM32, XXH3, BlockMeta, LayerSpec, Layout, PackedSums, layout_of
 
 _HEAD = struct.Struct("<QIId B 8s B")
 KINDS = (XXH3, WSUM32)  # a checksum kind <-> its code
@@ -41,7 +42,9 @@ def sums_packer(width: int) -> struct.Struct:
     return packer
 
 
-def pack_sums(checksums: tuple[int, ...]) -> bytes:
+def pack_sums(checksums: tuple[int, ...] | PackedSums) -> bytes:
+    if isinstance(checksums, PackedSums):
+        return checksums.packed
     return sums_packer(len(checksums)).pack(*checksums)
 
 
@@ -79,7 +82,8 @@ def parse(key: bytes, raw: bytes | memoryview, layouts: dict[bytes, tuple[LayerS
     layers = layouts[bytes(digest)]
     at = _HEAD.size + parent_len
     parent = bytes(raw[_HEAD.size : at])
-    packer = sums_packer(len(layers))
-    sums = packer.unpack_from(raw, at)
-    meta = BlockMeta(namespace, block_hash, parent, layers, sums, created, KINDS[kind])
-    return Record(meta, (a, b, c), bytes(raw[at : at + packer.size]))
+    packed = bytes(raw[at : at + 8 * len(layers)])
+    if len(packed) != 8 * len(layers):
+        raise ValueError(f"a record with {len(packed)} bytes of checksums for {len(layers)} layers")
+    meta = BlockMeta(namespace, block_hash, parent, layers, PackedSums(packed), created, KINDS[kind])
+    return Record(meta, (a, b, c), packed)

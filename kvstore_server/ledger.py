@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore_server.errors import NoMemoryTier
 from kvstore_server.index import PrefixIndex
@@ -30,6 +31,9 @@ from kvstore_server.tiers.arena import MemoryTier
 from kvstore_server.tiers.chain import TierChain
 from kvstore_server.tiers.fleet import FleetTier
 from kvstore_server.tiers.writeback import FleetWriteBehind, WriteBehind
+
+if TYPE_CHECKING:
+    from kvstore_server.loads import Placing
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +86,7 @@ class Ledger:
     _writer: WriteBehind | None
     _fleet_writer: FleetWriteBehind | None
     _fleet_fetcher: ThreadPoolExecutor | None
+    _placing: dict[int, Placing]
 
     def _tier(self) -> MemoryTier:
         if self.memory is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -33,7 +34,7 @@ from kvstore_server.errors import InvalidPart, ShuttingDown, StoreError, WaitTim
 from kvstore_server.parts import PartError, check_subset
 from kvstore_server.tiers import BlockKey, LayerSpec, StorageError, StoredBlock
 from kvstore_server.tiers.arena import MemoryTier, Placed, Run
-from kvstore_server.tiers.chain import ReadResult, Ready, Started, verified_prefix
+from kvstore_server.tiers.chain import Promotion, ReadResult, Ready, Started, verified_prefix
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,14 @@ class PinResult:
     stop: str = STOP_NONE  # why num_blocks is short of the request (kvstore.blocks.STOP_*)
     ready_layers: int = -1  # leading layers in place for every block (-1: all of them)
     ready_blocks: int = -1  # leading blocks with every layer in place (-1: all of them)
+
+
+@dataclass(frozen=True, slots=True)
+class Placing:
+    """A streamed pin's promotion, until its blocks are placed (Loading.pin_stream)."""
+
+    promotion: Promotion
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 def _selection(blocks: Sequence[StoredBlock | None], layers: Sequence[int]) -> tuple[int, ...] | None:
@@ -291,7 +300,7 @@ class Loading(Admitting):
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
         started = self._started(self.tiers.promote_start(keys, now)) if cold else Started()
         promotion = started.promotion
-        finished = False
+        placing: Placing | None = None
         try:
             pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
             result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out,
@@ -311,20 +320,24 @@ class Loading(Admitting):
                 return n
 
             yield dataclasses.replace(result, ready_layers=0, ready_blocks=pinned_whole(0))
-            width = len(result.layers)
+            # NOTE: the blocks are placed after the client hears that the last ones are in
+            # (finish, below, runs while it copies them): its Release waits for that
+            placing = Placing(promotion)
+            with self._lock:
+                self._placing[result.pin_id] = placing
             for ready in promotion.progress():
-                if ready.layers >= width:
-                    # NOTE: placed before the client hears that the last layers are in: its
-                    # load may report a corrupt block at once, and Release verifies what is
-                    # resident
-                    finished = True
-                    promotion.finish()
                 yield Ready(ready.layers, pinned_whole(ready.blocks))
             if promotion.failed:
                 yield STOP_EVICTED
         finally:
-            if promotion is not None and not finished:
-                promotion.finish()
+            if promotion is not None:
+                try:
+                    promotion.finish()
+                finally:
+                    if placing is not None:
+                        with self._lock:
+                            del self._placing[result.pin_id]
+                        placing.done.set()
 
     def _started(self, started: Started) -> Started:
         """Drop what a promotion's room took out of the store."""
@@ -391,6 +404,15 @@ class Loading(Admitting):
         here again, and removed if so). False: the pin had already expired."""
         memory = self._tier()
         namespace = memory.pin_owner(pin_id, prefix)
+        with self._lock:
+            placing = self._placing.get(pin_id) if namespace is not None else None
+        if placing is not None and (corrupt or placing.promotion.all_read):
+            # what the client reports is verified against what is resident, and a release
+            # after the load leaves its blocks in memory for the next (a Pin meanwhile
+            # would read them again): both wait for the placement (which waits for no read
+            # unless the client reports before the last one)
+            if not placing.done.wait(memory.lease_seconds):
+                log.warning("pin %d released before its promotion was placed", pin_id)
         if namespace is not None and corrupt:
             for key in memory.corrupt([(namespace, h) for h in corrupt]):
                 log.error("block %s fails its checksum in the memory tier (reported by a client): removed",

@@ -109,6 +109,7 @@ class Store(Loading):
             FleetWriteBehind(self.tiers, fleet, fleet_queue_bytes) if fleet is not None else None
         )
         self.fleet_promoted_blocks = 0
+        self._placing = {}  # pin id -> its promotion, until placed (loads.Placing)
         # fetches the next batch from the fleet while a read stores the one before
         self._fleet_fetcher = (
             ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch") if fleet is not None else None

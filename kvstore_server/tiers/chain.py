@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvstore.blocks import (
     STOP_EVICTED,
@@ -151,6 +151,20 @@ def layer_groups(sizes: Sequence[int]) -> list[range]:
     return [g for g in groups if len(g)]
 
 
+def _group_rows(rows: Any, group: range) -> Any:
+    """Each block's iovec rows of the layers in `group`, out of `rows` ([block, layer, 2],
+    one-block extents of one layout: the same rows shifted by each extent); one row per
+    block where those layers lie back to back, as they do in a one-block extent."""
+    rows = rows[:, group.start : group.stop]
+    first = rows[0]
+    length = int(first[:, 1].sum())
+    if int(first[-1, 0] + first[-1, 1] - first[0, 0]) != length:
+        return rows
+    spans = rows[:, :1].copy()
+    spans[:, 0, 1] = length
+    return spans
+
+
 class Ready(NamedTuple):
     """A promotion's progress: layers [0, layers) of every block are in place, and every
     layer of blocks [0, blocks)."""
@@ -207,16 +221,11 @@ class Promotion:
         size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
         self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
         # every read planned before the first is issued (read_batches), per group
-        self._futures = [
-            chain.persistent.read_batches(
-                [
-                    [(located[p], Pieces(rows[p, group.start : group.stop], memory.file)) for p in chunk]
-                    for chunk in self._chunks
-                ],
-                group,
-            )
-            for group in self.groups
-        ]
+        self._futures = []
+        for group in self.groups:
+            spans = _group_rows(rows, group)
+            batches = [[(located[p], Pieces(spans[p], memory.file)) for p in chunk] for chunk in self._chunks]
+            self._futures.append(chain.persistent.read_batches(batches, group))
         self._failed_at = n  # the first block a read failed for
         self.issued = time.perf_counter()
         self._found_ms = (found - started) * 1e3
@@ -252,6 +261,11 @@ class Promotion:
             yield Ready(layers, n if g == last else 0)
 
     @property
+    def all_read(self) -> bool:
+        """Every read has ended (a failed one too)."""
+        return all(future.done() for futures in self._futures for future in futures)
+
+    @property
     def failed(self) -> bool:
         return self._failed_at < len(self.placed)
 
@@ -279,7 +293,9 @@ class Promotion:
             stopped = self._cold[read], STOP_EVICTED
         placed = self.placed[:read]
         live: list[Placed] = []
-        with chain._commit_lock:
+        with chain._commit_lock:  # (blocks become resident only under it)
+            with memory.lock:  # not those another promotion of them placed meanwhile
+                placed = [p for p in placed if p.meta.key not in memory.resident]
             try:
                 memory.index.put(placed)
             except ArenaError as exc:

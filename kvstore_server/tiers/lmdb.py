@@ -549,18 +549,19 @@ class LmdbBackend(Backend):
                    for reads in batches]  # fmt: skip
         return self.io.submit_many([self._task(reads) for reads in planned])
 
-    def _task(self, planned: list[tuple[int, int, int, Any]]) -> tuple[int, Callable[[], None]]:
+    def _task(self, planned: list[_Read]) -> tuple[int, Callable[[], None]]:
         def run() -> None:
             for segment, offset, _, buffers in planned:
-                self.segments.read(segment, offset, buffers)
+                iov = _iovec(buffers) if isinstance(buffers, _Rows) else buffers
+                self.segments.read(segment, offset, iov)
 
         return sum(nbytes for _, _, nbytes, _ in planned), run
 
-    def _plan_read(
-        self, handle: Located, target: Pieces | list[memoryview], layers: range | None
-    ) -> tuple[int, int, int, Any]:
-        """(segment, offset, bytes, buffers) of one block's read. Raises ValueError (TypeError)
-        when the buffers do not match the block (do not come from this backend)."""
+    def _plan_read(self, handle: Located, target: Pieces | list[memoryview], layers: range | None) -> _Read:
+        """(segment, offset, bytes, buffers) of one block's read: the target's iovec rows as
+        Python ints (_Rows; made a numpy iovec on the I/O thread), or its buffers. Raises
+        ValueError (TypeError) when the buffers do not match the block (do not come from
+        this backend)."""
         if not isinstance(handle, records.Record):
             raise TypeError(f"not a record of this backend: {type(handle).__name__}")
         offset, segment, nbytes = handle.where
@@ -568,13 +569,14 @@ class LmdbBackend(Backend):
             starts = self._starts(handle.meta.layers)  # one more entry: the block's end
             offset += starts[layers.start]
             nbytes = starts[layers.stop] - starts[layers.start]
-        buffers: Any
+        buffers: _Rows | list[memoryview]
         if isinstance(target, Pieces):
-            buffers = target.iov
-            got = int(buffers[:, 1].sum())
-            if int(buffers[-1, 0] + buffers[-1, 1] - buffers[0, 0]) == got:  # layers back to back
-                buffers = buffers[:1].copy()
-                buffers[0, 1] = got
+            # NOTE: plain ints, not numpy scalars: a promotion plans 512 of these before
+            # its first read, and numpy's per-call cost was most of that time
+            buffers = _Rows(target.iov.tolist())
+            got = buffers[0][1] if len(buffers) == 1 else sum(length for _, length in buffers)
+            if len(buffers) > 1 and buffers[-1][0] + buffers[-1][1] - buffers[0][0] == got:  # back to back
+                buffers = _Rows([[buffers[0][0], got]])
         else:
             buffers = list(target)
             got = sum(v.nbytes for v in buffers)
@@ -614,30 +616,42 @@ class LmdbBackend(Backend):
 _IOV_MAX = 1024
 
 
-def _coalesced(planned: list[tuple[int, int, int, Any]]) -> list[tuple[int, int, int, Any]]:
+class _Rows(list[list[int]]):
+    """A read's iovec rows, [address, length] each, as Python ints."""
+
+
+_Read = tuple[int, int, int, "_Rows | list[memoryview]"]  # segment, offset, bytes, buffers
+
+
+def _iovec(rows: _Rows) -> Any:
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    return np.array(rows, dtype=np.uint64).reshape(-1, 2)
+
+
+def _coalesced(planned: list[_Read]) -> list[_Read]:
     """Reads of extents that follow each other in one segment (blocks written behind
     together), merged into one preadv each, up to _IOV_MAX buffers (one, where the
     blocks also lie back to back in memory, as a promotion places them): a read's fixed cost
     is large where syscalls are dear (2 MiB reads ran 14 GB/s on a sandboxed H200 host,
     256 KiB ones 2-5), and a promotion's blocks lie mostly back to back."""
-    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
-
-    out: list[tuple[int, int, int, Any]] = []
+    out: list[_Read] = []
     for segment, offset, nbytes, buffers in planned:
-        if out and not isinstance(buffers, list):
+        if out and isinstance(buffers, _Rows):
             last_segment, last_offset, last_bytes, last_buffers = out[-1]
             if (
                 last_segment == segment
                 and last_offset + last_bytes == offset
-                and not isinstance(last_buffers, list)
+                and isinstance(last_buffers, _Rows)
                 and len(last_buffers) + len(buffers) <= _IOV_MAX
             ):
-                if last_buffers[-1, 0] + last_buffers[-1, 1] == buffers[0, 0]:  # into memory back to back too
-                    joined = np.concatenate((last_buffers, buffers[1:]))
-                    joined[len(last_buffers) - 1, 1] += buffers[0, 1]
+                tail = last_buffers[-1]
+                if tail[0] + tail[1] == buffers[0][0]:  # into memory back to back too
+                    tail[1] += buffers[0][1]
+                    last_buffers.extend(buffers[1:])
                 else:
-                    joined = np.concatenate((last_buffers, buffers))
-                out[-1] = (segment, last_offset, last_bytes + nbytes, joined)
+                    last_buffers.extend(buffers)
+                out[-1] = (segment, last_offset, last_bytes + nbytes, last_buffers)
                 continue
         out.append((segment, offset, nbytes, buffers))
     return out

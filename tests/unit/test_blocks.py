@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from kvstore import blocks as kb
-from kvstore import wire
+from kvstore import records, wire
 from kvstore.blocks import BlockMeta, LayerSpec, StoredBlock, checksum, leading_blocks
 
 
@@ -86,3 +88,29 @@ def test_every_stop_reason_has_its_wire_value_and_back() -> None:
         assert wire.stop_reason_name(value) == name
     # a daemon that does not say (UNSPECIFIED), or says what this side does not know
     assert wire.stop_reason_name(0) == wire.stop_reason_name(999) == kb.STOP_UNKNOWN
+
+
+def test_packed_checksums_read_as_the_integers_they_pack() -> None:
+    sums = (0, 1, 2**64 - 1, 0x0123456789ABCDEF)
+    packed = kb.PackedSums(struct.pack("<4Q", *sums))
+    assert len(packed) == 4 and list(packed) == list(sums)
+    assert packed[2] == 2**64 - 1 and packed[-1] == sums[-1] and packed[1:3] == sums[1:3]
+    assert packed == sums and sums == packed and packed == list(sums)
+    assert packed != sums[:3] and packed != (*sums[:3], 5) and packed != "not sums"
+    assert hash(packed) == hash(sums) and packed == kb.PackedSums(packed.packed)
+    with pytest.raises(IndexError):
+        packed[4]
+    with pytest.raises(ValueError, match="whole number"):
+        kb.PackedSums(b"\x00" * 12)
+
+
+def test_a_parsed_record_keeps_its_checksums_packed_and_equal_to_the_written_ones() -> None:
+    layers = (LayerSpec("k", "uint8", (16,)), LayerSpec("v", "uint8", (16,)))
+    meta = BlockMeta(b"ns", b"h" * 32, b"p" * 32, layers, (checksum(b"a"), checksum(b"b")), 12.5)
+    raw, layout = records.pack((1, 2, 3), meta)
+    back = records.parse(records.index_key(b"ns", b"h" * 32), raw, {layout.digest: layers})
+    assert isinstance(back.meta.checksums, kb.PackedSums)
+    assert back.meta == meta and back.where == (1, 2, 3) and back.sums == records.pack_sums(meta.checksums)
+    assert records.pack(back.where, back.meta)[0] == raw  # written back unchanged
+    with pytest.raises(records.BAD_RECORD):
+        records.parse(records.index_key(b"ns", b"h" * 32), raw[:-1], {layout.digest: layers})

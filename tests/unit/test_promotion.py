@@ -1,0 +1,92 @@
+"""Promotions (kvstore_server.tiers.chain.Promotion) over a real memory tier and a real
+LMDB persistent tier: blocks only the persistent tier holds, read into the arena."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvunit import BLOCK_BYTES, LAYERS, NS, backend_file_with, chain, layer_bytes, make_write, new_backend
+
+from kvstore_server.store import Store
+from kvstore_server.tiers.arena import open_memory_tier
+from kvstore_server.tiers.chain import Ready
+
+
+@pytest.fixture
+def cold(tmp_path: Path) -> Iterator[tuple[Store, list[bytes]]]:
+    """A store whose 6 chained blocks only the persistent tier holds."""
+    hashes = chain("cold", 6)
+    backend = new_backend("lmdb", tmp_path)
+    backend.write([make_write(NS, x, parent) for x, parent in zip(hashes, [b"", *hashes[:-1]], strict=True)])
+    memory = open_memory_tier(tmp_path / "shm", tmp_path / "arena", 16 << 20, "run", lease_seconds=30.0,
+                              write_behind_bytes=8 << 20)  # fmt: skip
+    store = Store(backend, 64 << 20, memory=memory)
+    try:
+        yield store, hashes
+    finally:
+        store.close()
+
+
+def test_two_promotions_of_the_same_blocks_at_once_place_them_once(cold: tuple[Store, list[bytes]]) -> None:
+    """Two loads of one prompt that both find it cold read it twice, but the blocks become
+    resident once: the second promotion's copies are let go, and the arena's accounts
+    hold one copy."""
+    store, hashes = cold
+    keys = [(NS, x) for x in hashes]
+    first = store.tiers.promote_start(keys, time.time())
+    second = store.tiers.promote_start(keys, time.time())  # the first is not placed yet
+    assert first.promotion is not None and second.promotion is not None
+    assert first.promotion.finish() is None and second.promotion.finish() is None
+    memory = store.memory
+    assert memory is not None
+    with memory.lock:
+        assert set(memory.resident) == set(keys)
+        assert memory.resident_bytes == len(keys) * BLOCK_BYTES
+        placed = {memory.resident[key].extent for key in keys}
+        assert set(memory.extents) == placed  # the second promotion's extents were freed
+        used = memory.allocator.total - memory.allocator.free_bytes
+        assert used == sum(extent.nbytes for extent in memory.extents.values())
+    with store.read(NS, hashes) as got:  # and they read back whole
+        assert [bytes(view) for view in got.blocks[2].layers] == [layer_bytes(hashes[2], s) for s in LAYERS]
+
+
+def test_a_streamed_pin_places_its_blocks_after_the_last_report_and_its_release_waits_for_that(
+    cold: tuple[Store, list[bytes]], tmp_path: Path
+) -> None:
+    """The last report goes out before the blocks are placed (the client copies while the
+    daemon places them); a Release reporting a corrupt block waits for the placement, so
+    the block it names is verified where it now lies and removed."""
+    store, hashes = cold
+    needle = layer_bytes(hashes[3], LAYERS[0])[:64]
+    path = backend_file_with("lmdb", tmp_path, NS, hashes[3])
+    raw = path.read_bytes()
+    at = raw.index(needle) + 10
+    with open(path, "r+b") as f:  # a byte of block 3 flipped on disk
+        f.seek(at)
+        f.write(bytes([raw[at] ^ 0x01]))
+    progress = store.pin_stream(b"", NS, hashes)
+    pinned = next(progress)
+    assert not isinstance(pinned, (Ready, str)) and pinned.num_blocks == 6 and pinned.ready_layers == 0
+    last = None
+    while not (isinstance(last, Ready) and last.layers == len(LAYERS)):
+        last = next(progress)
+    memory = store.memory
+    assert memory is not None
+    with memory.lock:
+        assert not any((NS, x) in memory.resident for x in hashes)  # told, not placed yet
+    released: list[bool] = []
+    release = threading.Thread(target=lambda: released.append(store.release(b"", pinned.pin_id, [hashes[3]])))
+    release.start()
+    release.join(0.2)
+    assert release.is_alive()  # waiting for the placement
+    assert list(progress) == []  # the stream ends: the promotion places its blocks
+    release.join(30)
+    assert released == [True]
+    assert store.stats()["checksum_failures"] == 1
+    assert store.lookup(NS, hashes) == 3  # the corrupt block was removed where it was placed
+    with memory.lock:
+        assert {(NS, x) for x in hashes[:3]} <= set(memory.resident)
