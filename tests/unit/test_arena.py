@@ -142,6 +142,22 @@ def tier(tmp_path: Path) -> MemoryTier:
     )
 
 
+def test_a_blocks_pieces_are_its_rows_of_the_extent_and_lie_where_a_client_finds_them(
+    tier: MemoryTier,
+) -> None:
+    """pieces() (what write-behind writes from) makes one block's rows alone; they match the
+    whole extent's rows and the layer-major layout clients read (kvstore.arena_format)."""
+    extent, blocks = 5 * PAGE, 7
+    rows = tier.extent_rows(LAYERS, extent, blocks)
+    starts = fmt.layer_starts([spec.nbytes for spec in LAYERS])
+    for position in (0, 3, blocks - 1):
+        got = tier.pieces(LAYERS, extent, blocks, position).iov
+        assert got.tolist() == rows[position].tolist()
+        for layer, spec in enumerate(LAYERS):
+            at = tier.file.address + extent + starts[layer] * blocks + position * spec.nbytes
+            assert got[layer].tolist() == [at, spec.nbytes]
+
+
 def test_recover_claims_extents_and_drops_overlaps(tier: MemoryTier) -> None:
     nbytes = fmt.extent_bytes(4000, 2)
     good = [Placed(meta(0), PAGE, 2, 0), Placed(meta(1), PAGE, 2, 1)]

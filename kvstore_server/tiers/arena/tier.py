@@ -702,6 +702,18 @@ class MemoryTier:
         step from each layout's offsets (computed once per layout and extent size)."""
         import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
+        before, sizes = self._layer_offsets(layers, num_blocks)
+        positions = np.arange(num_blocks, dtype=np.uint64)[:, None]
+        rows = np.empty((num_blocks, len(sizes), 2), dtype=np.uint64)
+        rows[:, :, 0] = before[None, :] + sizes[None, :] * positions + np.uint64(self.file.address + extent)
+        rows[:, :, 1] = sizes[None, :]
+        return rows
+
+    def _layer_offsets(self, layers: tuple[LayerSpec, ...], num_blocks: int) -> tuple[Any, Any]:
+        """(where each layer's run starts in an extent of `num_blocks` blocks, each layer's
+        bytes per block), as numpy uint64 arrays; once per layout and extent size."""
+        import numpy as np
+
         key = (id(layers), num_blocks)
         cached = self._layout_rows.get(key)
         if cached is None or cached[0] is not layers:
@@ -710,12 +722,7 @@ class MemoryTier:
             sizes = np.array([spec.nbytes for spec in layers], dtype=np.uint64)
             starts = np.array(fmt.layer_starts([spec.nbytes for spec in layers]), dtype=np.uint64)
             cached = self._layout_rows[key] = (layers, starts * np.uint64(num_blocks), sizes)
-        _, before, sizes = cached
-        positions = np.arange(num_blocks, dtype=np.uint64)[:, None]
-        rows = np.empty((num_blocks, len(sizes), 2), dtype=np.uint64)
-        rows[:, :, 0] = before[None, :] + sizes[None, :] * positions + np.uint64(self.file.address + extent)
-        rows[:, :, 1] = sizes[None, :]
-        return rows
+        return cached[1], cached[2]
 
     def block_rows(self, layers: tuple[LayerSpec, ...], extents: Sequence[int]) -> Any:
         """extent_rows of one-block extents at `extents`: [len(extents), layers, 2]."""
@@ -727,8 +734,16 @@ class MemoryTier:
         return rows
 
     def pieces(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int, position: int) -> Pieces:
-        """Where block `position` of an extent lies, layer by layer (tiers.base.Pieces)."""
-        return Pieces(self.extent_rows(layers, extent, num_blocks)[position], self.file)
+        """Where block `position` of an extent lies, layer by layer (tiers.base.Pieces): its
+        rows alone (write-behind asks for each block of a 512-block extent in turn; making
+        the whole extent's rows each time made a batch quadratic in the extent's size)."""
+        import numpy as np
+
+        before, sizes = self._layer_offsets(layers, num_blocks)
+        rows = np.empty((len(sizes), 2), dtype=np.uint64)
+        rows[:, 0] = before + sizes * np.uint64(position) + np.uint64(self.file.address + extent)
+        rows[:, 1] = sizes
+        return Pieces(rows, self.file)
 
     def block_pieces(self, placed: Placed) -> Pieces:
         return self.pieces(placed.meta.layers, placed.extent, placed.extent_blocks, placed.position)
