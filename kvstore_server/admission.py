@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import CHECKSUMS, XXH3, PutResult
+from kvstore.blocks import CHECKSUMS, XXH3, PackedSums, PutResult
 from kvstore.kv_events_media import MEMORY, PERSISTENT
 from kvstore_server import eviction
 from kvstore_server.errors import (
@@ -234,8 +234,11 @@ class Admitting(Ledger):
             fresh: list[int], victims: list[BlockKey], _: set[BlockKey], now: float
         ) -> tuple[str, list[BlockKey]]:
             self.tiers.delete(victims)
-            metas = [(positions[i], BlockMeta(blocks.namespace, blocks.hashes[i], blocks.parents[i],
-                      blocks.layers, tuple(checksums[i]), now, kind), b"") for i in fresh]  # fmt: skip
+            metas = [
+                (positions[i], BlockMeta(blocks.namespace, blocks.hashes[i], blocks.parents[i], blocks.layers,
+                                         _kept(checksums[i]), now, kind), _packed(checksums[i]))
+                for i in fresh
+            ]  # fmt: skip
             memory.commit_blocks(extent, extent_blocks, metas, now, res)
             return MEMORY, []
 
@@ -510,7 +513,7 @@ class Admitting(Ledger):
             if res.subset is not None:
                 result = self._commit_part(memory, res, checksums, kind)
             else:
-                sums = [checksums[i * width : (i + 1) * width] for i in range(n)]
+                sums = _per_block(checksums, n, width)
                 admission = Admission("commit", res.namespace, res.parent_hash, res.hashes, res.parents,
                                       res.layers, res.token_ids, res.skipped)  # fmt: skip
                 with self._commit_lock:
@@ -549,3 +552,20 @@ class Admitting(Ledger):
     def abort(self, prefix: bytes, reservation_id: int) -> None:
         if not self._tier().abort(reservation_id, prefix):
             raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
+
+
+def _per_block(checksums: Sequence[int], n: int, width: int) -> list[Sequence[int]]:
+    """Block-major checksums cut per block (packed ones stay packed)."""
+    if isinstance(checksums, PackedSums):
+        step = 8 * width
+        return [PackedSums(checksums.packed[i * step : (i + 1) * step]) for i in range(n)]
+    return [checksums[i * width : (i + 1) * width] for i in range(n)]
+
+
+def _kept(sums: Sequence[int]) -> tuple[int, ...] | PackedSums:
+    return sums if isinstance(sums, PackedSums) else tuple(sums)
+
+
+def _packed(sums: Sequence[int]) -> bytes:
+    """The packed form when it is at hand (b"": the index packs them)."""
+    return sums.packed if isinstance(sums, PackedSums) else b""
