@@ -485,7 +485,7 @@ def _same_size(sizes: Sequence[int]) -> list[range]:
     return runs
 
 
-def _layer_groups(sizes: list[int], num_blocks: int, layers: Sequence[int] | None = None) -> list[range]:
+def _layer_groups(sizes: Sequence[int], num_blocks: int, layers: Sequence[int] | None = None) -> list[range]:
     """Runs of consecutive layers (of `layers`, default all) of one block size, about
     _GROUP_BYTES of the request each."""
     todo = list(range(len(sizes))) if layers is None else list(layers)
