@@ -41,6 +41,7 @@ import gc
 import json
 import mmap
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -270,10 +271,28 @@ def block_ids_for(pool: int, n: int, seed: int) -> list[int]:
 class Daemonside:
     """The parent's view of the daemon (stats over gRPC, no arena)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, metrics_url: str = "") -> None:
         from kvstore_client import KVStoreClient
 
         self.kv = KVStoreClient(address, timeout=30, arena=False)
+        self.metrics_url = metrics_url
+
+    def server_time(self) -> dict[str, tuple[float, float]]:
+        """Each method's (calls, seconds) in the daemon so far: its handlers' own time
+        (kvstore_rpc_duration_seconds), without the transport or the client's."""
+        if not self.metrics_url:
+            return {}
+        import urllib.request
+
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as answer:
+            text = answer.read().decode()
+        out: dict[str, list[float]] = {}
+        for found in re.finditer(
+            r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M
+        ):
+            what, method, value = found.groups()
+            out.setdefault(method, [0.0, 0.0])[0 if what == "count" else 1] = float(value)
+        return {method: (calls, seconds) for method, (calls, seconds) in out.items()}
 
     def quiesce(self, limit: float = 120.0) -> float:
         """Wait until nothing waits for write-behind; the seconds it took."""
@@ -426,7 +445,7 @@ def hot_child(args: argparse.Namespace) -> None:
     tune_malloc()  # as the connector does in vLLM's worker process
     d = Device(args.device)
     mover = BlockMover(d.dev)
-    side = Daemonside(args.address) if args.address else None
+    side = Daemonside(args.address, args.metrics_url) if args.address else None
     results: dict[str, dict] = {}
     name = torch.cuda.get_device_name() if d.cuda else "cpu"
     print(
@@ -542,7 +561,10 @@ def arena_part(
     args, d: Device, transport, probe, side, caches, block_ids, ids, bs, tokens, row: Row, res
 ) -> None:
     saves, loads, behind = [], [], []
+    served: dict[str, tuple[float, float]] = {}
     for i in range(args.repeat + 1):
+        if i == 1:  # after the warm-up: the daemon's time per call over the repeats
+            served = side.server_time()
         hashes = hashes_for("hot", bs, tokens, i)
         side.quiesce()
         s = arena_save(transport, probe, d, caches, hashes, block_ids)
@@ -564,6 +586,7 @@ def arena_part(
         else:
             saves.append(s)
             loads.append(r)
+    server = per_call(served, side.server_time())
     for i in range(1 + args.cold_repeat + args.disk_repeat):  # for the cold child
         arena_save(transport, probe, d, caches, hashes_for("cold", bs, tokens, i), block_ids)
     behind.append(side.quiesce())
@@ -576,8 +599,28 @@ def arena_part(
     print_split(row, "load, hot (memory tier): pin .. release returned", ml, LOAD_PARTS,
                 res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
     row("(daemon) write-behind to LMDB after a save, until idle", res["write_behind_s"], "(not in the save)")
+    if server:
+        res["server_ms"] = server
+        client = {"Reserve": ms["reserve_rpc"], "Commit": ms["commit_rpc"], "PinStream": ml["pin_rpc"]}
+        print("  each RPC in the daemon (its handler, mean of the repeats) / at the client (median):")
+        for method in ("Reserve", "Commit", "PinStream", "Pin", "Release"):
+            if method in server:
+                at_client = f" / {client[method] * 1e3:.2f} ms" if method in client else ""
+                print(f"    {method:<10} {server[method]:6.2f} ms{at_client}")
     if args.profile:
         profile_once(transport, probe, d, side, caches, bs, tokens, block_ids)
+
+
+def per_call(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Each method's mean time per call (ms) between two Daemonside.server_time readings."""
+    out = {}
+    for method, (calls, seconds) in after.items():
+        was_calls, was_seconds = before.get(method, (0.0, 0.0))
+        if calls > was_calls:
+            out[method] = (seconds - was_seconds) / (calls - was_calls) * 1e3
+    return out
 
 
 def profiled(what: str, run: Callable[[], Any]) -> Any:
@@ -833,10 +876,11 @@ class Daemon:
         self.cmd = [
             sys.executable, "-m", "kvstore_server", "--listen", "127.0.0.1:0", "--data-dir", str(data_dir),
             "--memory", args.memory, "--memory-dir", str(memory_dir), "--write-behind-bytes", args.memory,
-            "--capacity", args.capacity, "--log-level", args.daemon_log_level,
+            "--capacity", args.capacity, "--log-level", args.daemon_log_level, "--metrics-port", "0",
         ]  # fmt: skip
         self.proc: subprocess.Popen | None = None
         self.address = ""
+        self.metrics_url = ""  # each RPC's time in the daemon (kvstore_rpc_duration_seconds)
         self.log_path = data_dir.parent / "daemon.log"
 
     def start(self) -> float:
@@ -848,6 +892,8 @@ class Daemon:
             self.proc.kill()
             raise SystemExit(f"the daemon did not start: {line!r}")
         self.address = line.split()[3]
+        found = re.search(r"metrics=(\S+?)\)", line)
+        self.metrics_url = found.group(1) if found else ""
         return now() - start
 
     def kill(self) -> None:
@@ -864,7 +910,7 @@ class Daemon:
                 self.kill()
 
 
-def child(args: argparse.Namespace, phase: str, address: str, results: Path) -> dict:
+def child(args: argparse.Namespace, phase: str, daemon: Daemon, results: Path) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -872,7 +918,9 @@ def child(args: argparse.Namespace, phase: str, address: str, results: Path) -> 
         "--phase",
         phase,
         "--address",
-        address,
+        daemon.address,
+        "--metrics-url",
+        daemon.metrics_url,
         "--results",
         str(results),
     ]
@@ -912,7 +960,7 @@ def parent(args: argparse.Namespace) -> None:
             print(f"  data dir on {fs_of(tmp)}; arena under {memory_dir}")
             info["start"] = daemon.start()
             print(f"  ready in {info['start']:.1f}s (creating and pre-faulting the {args.memory} arena)")
-        results = child(args, "hot", daemon.address, tmp / "hot.json")
+        results = child(args, "hot", daemon, tmp / "hot.json")
         if args.daemon:
             side = Daemonside(daemon.address)
             side.quiesce()
@@ -936,7 +984,7 @@ def parent(args: argparse.Namespace) -> None:
             print(
                 f"  read the segment files into the page cache: {warmed / 1e9:.2f} GB in {now() - start:.1f}s"
             )
-            for key, value in child(args, "cold", daemon.address, tmp / "cold.json").items():
+            for key, value in child(args, "cold", daemon, tmp / "cold.json").items():
                 results.setdefault(key, {}).update(value)
             daemon.stop()
             print_cold(results)
@@ -1087,6 +1135,7 @@ def main() -> None:
                    help="the connector's compression, on the device (GB/s stay of the raw KV)")  # fmt: skip
     p.add_argument("--phase", default="", help=argparse.SUPPRESS)
     p.add_argument("--address", default="", help=argparse.SUPPRESS)
+    p.add_argument("--metrics-url", default="", help=argparse.SUPPRESS)
     p.add_argument("--results", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.argv = [a for a in sys.argv[1:]]

@@ -16,7 +16,8 @@ def specs(rows: list[tuple[str, str, list[int]]]) -> list[pb.LayerSpec]:
 def test_a_layout_sent_again_is_the_one_checked_before_and_a_bad_one_is_refused_every_time() -> None:
     rows = [(f"layer.{i}#h{j}", "bfloat16", [16, 128]) for i in range(4) for j in range(8)]
     first = check_layers(specs(rows))
-    assert [(s.name, s.dtype, s.shape, s.nbytes) for s in first] == [(n, d, tuple(s), 4096) for n, d, s in rows]
+    want = [(name, dtype, tuple(shape), 4096) for name, dtype, shape in rows]
+    assert [(s.name, s.dtype, s.shape, s.nbytes) for s in first] == want
     assert check_layers(specs(rows)) is first  # the same (interned) tuple, not checked again
     other = check_layers(specs([*rows[:-1], (rows[-1][0], "float32", [16, 128])]))
     assert other is not first and other[-1].nbytes == 8192
