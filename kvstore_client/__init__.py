@@ -11,6 +11,7 @@ from kvstore_client.streams import LayerSource, LayerStream, PutStream, WatchStr
 from kvstore_client.types import (
     EVENT_REMOVED,
     EVENT_STORED,
+    Chain,
     Event,
     EvictResult,
     LayerSpec,
@@ -22,6 +23,7 @@ from kvstore_client.types import (
 __all__ = [
     "EVENT_REMOVED",
     "EVENT_STORED",
+    "Chain",
     "Event",
     "EvictResult",
     "KVStoreClient",

@@ -229,6 +229,7 @@ class Channel:
             for name, request, response in (
                 ("ArenaAccess", pb.ArenaAccessRequest, pb.ArenaAccessResponse),
                 ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
+                ("ReserveMany", pb.ReserveManyRequest, pb.ReserveManyResponse),
                 ("Commit", pb.CommitRequest, pb.PutResponse),
                 ("Abort", pb.AbortRequest, pb.AbortResponse),
                 ("Pin", pb.PinRequest, pb.PinResponse),

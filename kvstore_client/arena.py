@@ -55,6 +55,8 @@ from kvstore_client.streams import LayerWrites
 if TYPE_CHECKING:
     import torch
 
+    from kvstore_client.types import Chain
+
 log = logging.getLogger(__name__)
 
 _checksum = xxhash.xxh3_64_intdigest
@@ -750,6 +752,70 @@ class Arena:
             self._off()
             return None
         return Reservation(self._call, mapping, resp, [layers[k] for k in subset] if subset else layers)
+
+    def reserve_many(
+        self,
+        namespace: bytes,
+        chains: Sequence[Chain],
+        layers: Sequence[Any],
+        timeout: float | None = None,
+        subset: Sequence[int] = (),
+    ) -> list[Reservation | errors.KVStoreError] | None:
+        """A reservation per chain (saves of one layout) in one round trip, in order: each
+        a Reservation, or the error a reserve of that chain alone would have raised. None
+        when the arena is off. A daemon without ReserveMany is asked chain by chain."""
+        mapping = self.mapping()
+        if mapping is None:
+            return None
+        held = [layers[k] for k in subset] if subset else layers
+        req = pb.ReserveManyRequest(
+            namespace=namespace,
+            layers=_wire_layers(layers),
+            layer_subset=subset,
+            chains=[
+                pb.ReserveChain(block_hashes=c.hashes, parent_hash=c.parent_hash, token_ids=c.token_ids)
+                for c in chains
+            ],  # fmt: skip
+        )
+        try:
+            resp = self._call("ReserveMany", req, timeout)
+        except errors.NotOffered:
+            self._off()
+            return None
+        except errors.StoreInternalError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            return self._reserve_each(namespace, chains, layers, timeout, subset)
+        if len(resp.reservations) != len(chains):
+            raise errors.StoreInternalError(
+                f"ReserveMany answered {len(resp.reservations)} of {len(chains)} chains"
+            )
+        return [
+            Reservation(self._call, mapping, answer, held)
+            if not answer.refused_code
+            else errors.from_code(answer.refused_code, answer.refused)
+            for answer in resp.reservations
+        ]
+
+    def _reserve_each(
+        self,
+        namespace: bytes,
+        chains: Sequence[Chain],
+        layers: Sequence[Any],
+        timeout: float | None,
+        subset: Sequence[int],
+    ) -> list[Reservation | errors.KVStoreError] | None:
+        out: list[Reservation | errors.KVStoreError] = []
+        for c in chains:
+            try:
+                res = self.reserve(namespace, c.hashes, layers, c.parent_hash, timeout, c.token_ids, subset)
+            except errors.KVStoreError as exc:
+                out.append(exc)
+                continue
+            if res is None:
+                return None
+            out.append(res)
+        return out
 
     def pin(
         self, namespace: bytes, hashes: Sequence[bytes], timeout: float | None = None, *, stream: bool = False

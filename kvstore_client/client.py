@@ -47,7 +47,7 @@ from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Res
 from kvstore_client.arena import Mapping as ArenaMapping
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
-from kvstore_client.types import EvictResult, LayerSpec, PutResult, Selection, Where
+from kvstore_client.types import Chain, EvictResult, LayerSpec, PutResult, Selection, Where
 
 if TYPE_CHECKING:
     import torch
@@ -641,6 +641,24 @@ class KVStoreClient:
         return self._arena.reserve(
             _ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids, subset
         )
+
+    def reserve_many(
+        self,
+        namespace: str | bytes,
+        chains: Sequence[Chain],
+        layers: Sequence[LayerSpec],
+        *,
+        timeout: float | None = None,
+        subset: Sequence[int] = (),
+    ) -> list[Reservation | errors.KVStoreError] | None:
+        """reserve() for several saves of one layout in one round trip (a step's saves):
+        one answer per chain, in order, each a Reservation or the KVStoreError a reserve
+        of that chain alone would have raised (the others are not affected). None: no
+        arena here (use put_stream)."""
+        if self._arena is None:
+            return None
+        selected_layers(subset, len(layers))
+        return self._arena.reserve_many(_ns(namespace), chains, layers, timeout, subset)
 
     def pin(
         self,

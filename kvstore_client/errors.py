@@ -113,6 +113,21 @@ _BY_CODE: dict[str, type[KVStoreError]] = {
 }
 
 
+# grpc.StatusCode values by name (the `refused_code` of a ReserveMany answer)
+_CODE_NAMES = {
+    1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
+    6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
+    10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
+    15: "DATA_LOSS", 16: "UNAUTHENTICATED",
+}  # fmt: skip
+
+
+def from_code(code: int, details: str) -> KVStoreError:
+    """The client exception for a status code given as its number (and its details)."""
+    name = _CODE_NAMES.get(code, "UNKNOWN")
+    return _BY_CODE.get(name, StoreInternalError)(f"{name}: {details}", name)
+
+
 def from_rpc_error(exc: Any) -> KVStoreError:
     """The client exception for a grpc.RpcError (or a failed call); raise it `from exc`."""
     code = exc.code() if hasattr(exc, "code") else None

@@ -3,25 +3,45 @@
 LayerSpec     one layer's per-block slice (kvstore.blocks, shared with the daemon)
 PutResult     what a committed put did (kvstore.blocks)
 Selection     what a select returned: {layer: tensor}, and why it stopped short
+Chain         one save's blocks in a reserve_many: hashes, parent, token ids
 EvictResult   what an evict removed
 Event         one change reported by Watch; kind EVENT_STORED or EVENT_REMOVED
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.blocks import LayerSpec, PutResult
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EVENT_REMOVED", "EVENT_STORED", "Event", "EvictResult", "LayerSpec", "PutResult", "Selection"]
+__all__ = [
+    "EVENT_REMOVED",
+    "EVENT_STORED",
+    "Chain",
+    "Event",
+    "EvictResult",
+    "LayerSpec",
+    "PutResult",
+    "Selection",
+]
 
 EVENT_STORED = "stored"
 EVENT_REMOVED = "removed"
+
+
+class Chain(NamedTuple):
+    """One save's blocks for KVStoreClient.reserve_many: their chained hashes, the hash
+    before the first (b"" at the root), and their token ids (for the store's KV events;
+    block_size per block, or none)."""
+
+    hashes: Sequence[bytes]
+    parent_hash: bytes = b""
+    token_ids: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)

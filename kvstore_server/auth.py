@@ -59,6 +59,7 @@ METHOD_ROLES = {
     "Release": "reader",
     "Put": "writer",
     "Reserve": "writer",
+    "ReserveMany": "writer",
     "Commit": "writer",
     "Abort": "writer",
     "DropSelect": "writer",

@@ -41,14 +41,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from kvstore.blocks import WSUM32
-from kvstore_client import KVStoreClient, LayerSpec
-from kvstore_client.arena import Pinned, Run, checksums
+from kvstore_client import Chain, KVStoreClient, LayerSpec
+from kvstore_client.arena import Pinned, Reservation, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
 from kvstore_client.tensors import torch_dtype
 from kvstore_connector.host_memory import prepare
 from kvstore_connector.outage import OUTAGES
 from kvstore_connector.transfer import Write, wsum32_blocks
-from kvstore_connector.transport import Committed, Done, Save, Transport
+from kvstore_connector.transport import Committed, Done, Save, Transport, open_each
 
 if TYPE_CHECKING:
     from kvstore_client.arena import Reservation
@@ -152,11 +152,48 @@ class ArenaTransport:
             )  # fmt: skip
         except OUTAGES:
             raise
-        except KVStoreError as exc:  # e.g. the arena is full of pinned blocks: gRPC may fit
-            if self.fallback is None:
-                raise
-            log.debug("arena save not possible, saving over gRPC: %s", exc)
-            return self.fallback.open(spec)
+        except KVStoreError as exc:
+            return self._not_reserved(spec, exc)
+        return self._reserved(spec, res)
+
+    def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+        """The step's saves reserved in one round trip (ReserveMany), each then as open()
+        makes it; one refused goes to the fallback on its own, an outage fails them all."""
+        if len(specs) < 2:
+            return open_each(self, specs)
+        chains = [Chain(spec.hashes, spec.parent_hash, spec.token_ids) for spec in specs]
+        try:
+            answers = self.client.reserve_many(
+                self.namespace, chains, self.stored, timeout=self.reserve_timeout, subset=self.subset
+            )
+        except OUTAGES as exc:
+            return [exc] * len(specs)
+        except KVStoreError as exc:  # the request as a whole (each chain fits its own limits)
+            log.debug("ReserveMany refused, reserving save by save: %s", exc)
+            return open_each(self, specs)
+        if answers is None:  # the daemon offers no arena (any more)
+            return open_each(self, specs)
+        out: list[Save | None | KVStoreError] = []
+        for spec, answer in zip(specs, answers, strict=True):
+            try:
+                if isinstance(answer, OUTAGES):
+                    raise answer
+                out.append(self._not_reserved(spec, answer) if isinstance(answer, KVStoreError)
+                           else self._reserved(spec, answer))  # fmt: skip
+            except KVStoreError as exc:
+                out.append(exc)
+        return out
+
+    def _not_reserved(self, spec: SaveSpec, exc: KVStoreError) -> Save | None:
+        """The fallback's save of `spec`, which the arena refused (e.g. it is full of pinned
+        blocks: gRPC may fit); without a fallback, the refusal is raised."""
+        if self.fallback is None:
+            raise exc
+        log.debug("arena save not possible, saving over gRPC: %s", exc)
+        return self.fallback.open(spec)
+
+    def _reserved(self, spec: SaveSpec, res: Reservation | None) -> Save | None:
+        """The save of `spec` into its reservation (None: the daemon offers no arena now)."""
         if res is None:  # the daemon offers no arena (any more)
             if self.fallback is None:
                 raise KVStoreError("the arena is not available")

@@ -34,7 +34,7 @@ from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import torch_dtype, writable_view
 from kvstore_connector.metadata import LoadSpec, SaveSpec
 from kvstore_connector.transfer import BlockMover, PendingCopy
-from kvstore_connector.transport import Committed, Done, Save
+from kvstore_connector.transport import Committed, Done, Save, open_each
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -220,6 +220,9 @@ class GrpcTransport:
             self._release(reserved)
             raise
         return GrpcSave(spec, stream, time.perf_counter(), reserved)
+
+    def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+        return open_each(self, specs)  # a stream per save: nothing to batch
 
     def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
         """Each of `names` gathered once for all `saves` (`heads` is not used: a request's

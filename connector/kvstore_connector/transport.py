@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvstore_client.errors import KVStoreError
+
 if TYPE_CHECKING:
     import torch
 
@@ -52,6 +54,11 @@ class Transport(Protocol):
         KVStoreError when the store refused or could not be reached."""
         ...
 
+    def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+        """open() of each of a step's saves, in order (in one round trip where the transport
+        can): each a Save, None (dropped), or the KVStoreError that open() would raise."""
+        ...
+
     def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
         """One attention layer of every save of the step (all opened by this transport): its
         store layers `names` (this rank's KV heads of it, consecutive; see
@@ -73,3 +80,14 @@ class Transport(Protocol):
     def describe(self) -> str:
         """How KV moves, for the worker's log line."""
         ...
+
+
+def open_each(transport: Transport, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+    """open_all, one open() after another."""
+    out: list[Save | None | KVStoreError] = []
+    for spec in specs:
+        try:
+            out.append(transport.open(spec))
+        except KVStoreError as exc:
+            out.append(exc)
+    return out

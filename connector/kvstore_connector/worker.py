@@ -296,12 +296,10 @@ class WorkerSide:
         transport = self._transport
         if transport is None:
             raise RuntimeError("save before register_kv_caches")
-        for spec in specs:
-            try:
-                save = transport.open(spec)
-            except KVStoreError as exc:  # e.g. the store is down or stalled: skip saves for a while
+        for save in transport.open_all(specs):  # one round trip for the step's saves
+            if isinstance(save, KVStoreError):  # e.g. the store is down or stalled: skip saves for a while
                 self._add_stats(save_errors=1)
-                self.health.failed("save", exc)
+                self.health.failed("save", save)
                 continue
             if save is None:  # the backlog is full
                 self._add_stats(saves_dropped=1)

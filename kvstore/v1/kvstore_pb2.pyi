@@ -481,16 +481,48 @@ class ReserveRequest(_message.Message):
     def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., layer_subset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "blocks", "offset", "lease_seconds")
+    __slots__ = ("reservation_id", "blocks", "offset", "lease_seconds", "refused_code", "refused")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     lease_seconds: float
-    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    refused_code: int
+    refused: str
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class ReserveManyRequest(_message.Message):
+    __slots__ = ("namespace", "layers", "layer_subset", "chains")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SUBSET_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    layer_subset: _containers.RepeatedScalarFieldContainer[int]
+    chains: _containers.RepeatedCompositeFieldContainer[ReserveChain]
+    def __init__(self, namespace: _Optional[bytes] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., chains: _Optional[_Iterable[_Union[ReserveChain, _Mapping]]] = ...) -> None: ...
+
+class ReserveChain(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash", "token_ids")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveManyResponse(_message.Message):
+    __slots__ = ("reservations",)
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    reservations: _containers.RepeatedCompositeFieldContainer[ReserveResponse]
+    def __init__(self, reservations: _Optional[_Iterable[_Union[ReserveResponse, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("reservation_id", "checksums", "checksum_kind")

@@ -94,6 +94,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.ReserveMany = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReserveMany',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/kvstore.v1.KVStore/Commit',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
@@ -196,6 +201,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReserveMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Commit(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -288,6 +299,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.SerializeToString,
+            ),
+            'ReserveMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReserveMany,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReserveManyResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -639,6 +655,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Reserve',
             kvstore_dot_v1_dot_kvstore__pb2.ReserveRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReserveMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReserveMany',
+            kvstore_dot_v1_dot_kvstore__pb2.ReserveManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReserveManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

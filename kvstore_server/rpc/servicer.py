@@ -34,7 +34,7 @@ from kvstore_server.errors import (
 from kvstore_server.events import STORED, Event
 from kvstore_server.putbuffer import PutBuffer
 from kvstore_server.rpc.auth import Scope
-from kvstore_server.rpc.status import _decoded, _decoder, translated
+from kvstore_server.rpc.status import REFUSALS, _decoded, _decoder, status_of, translated
 from kvstore_server.rpc.validation import (
     _chunk_size,
     check_block_tokens,
@@ -358,18 +358,51 @@ class Servicer:
 
     @translated
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        memory = self._memory_offered()
+        self._memory_offered()
         namespace = self._ns(context, request.namespace)
-        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_PUT)
-        parent = check_hash(request.parent_hash, "parent_hash") if request.parent_hash else b""
+        layers = check_layers(request.layers)
+        subset = check_layer_subset(request.layer_subset, len(layers))
+        return self._reserve(context, namespace, layers, subset, request)
+
+    @translated
+    def ReserveMany(
+        self, request: pb.ReserveManyRequest, context: grpc.ServicerContext
+    ) -> pb.ReserveManyResponse:
+        """Reserve for each chain (one layout, a step's saves): a chain that Reserve would
+        refuse is refused on its own, with that status code, and the others go on."""
+        self._memory_offered()
+        if len(request.chains) > wire.MAX_RESERVE_CHAINS:
+            raise InvalidRequest(f"{len(request.chains)} chains; the limit is {wire.MAX_RESERVE_CHAINS}")
+        namespace = self._ns(context, request.namespace)
+        layers = check_layers(request.layers)
+        subset = check_layer_subset(request.layer_subset, len(layers))
+        answers = []
+        for chain in request.chains:
+            try:
+                answers.append(self._reserve(context, namespace, layers, subset, chain))
+            except REFUSALS as exc:
+                code = status_of(exc)
+                answers.append(pb.ReserveResponse(refused_code=code.value[0], refused=str(exc)))
+        return pb.ReserveManyResponse(reservations=answers)
+
+    def _reserve(
+        self,
+        context: grpc.ServicerContext,
+        namespace: bytes,
+        layers: tuple[LayerSpec, ...],
+        subset: tuple[int, ...] | None,
+        chain: pb.ReserveRequest | pb.ReserveChain,
+    ) -> pb.ReserveResponse:
+        """One chain's reservation (its namespace, layers and subset checked already)."""
+        memory = self._memory_offered()
+        hashes = check_hashes(chain.block_hashes, wire.MAX_BLOCKS_PER_PUT)
+        parent = check_hash(chain.parent_hash, "parent_hash") if chain.parent_hash else b""
         if parent and parent in hashes:
             raise InvalidRequest(
                 "parent_hash is one of the request's own block hashes; a chain has no cycles"
             )
-        layers = check_layers(request.layers)
-        subset = check_layer_subset(request.layer_subset, len(layers))
         carried = layers if subset is None else tuple(layers[k] for k in subset)
-        tokens = self._tokens(request.token_ids, len(hashes))
+        tokens = self._tokens(chain.token_ids, len(hashes))
         check_record_size(namespace, hashes[0], layers)
         total = sum(layer.nbytes for layer in carried) * len(hashes)
         if total > self.config.max_put_bytes:
@@ -576,6 +609,7 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
     for name, request, response in (
         ("ArenaAccess", pb.ArenaAccessRequest, pb.ArenaAccessResponse),
         ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
+        ("ReserveMany", pb.ReserveManyRequest, pb.ReserveManyResponse),
         ("Commit", pb.CommitRequest, pb.PutResponse),
         ("Abort", pb.AbortRequest, pb.AbortResponse),
         ("Pin", pb.PinRequest, pb.PinResponse),

@@ -78,18 +78,28 @@ _STATUS = (
 )
 
 
-def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+REFUSALS = (*(kind for kind, _ in _STATUS), StorageError)
+"""What a call may fail with: each has its status code (status_of); StorageError: INTERNAL."""
+
+
+def status_of(exc: Exception) -> grpc.StatusCode:
+    """The status code of one of REFUSALS (a backend failure, INTERNAL, is logged)."""
     for kind, code in _STATUS:
         if isinstance(exc, kind):
-            context.abort(code, str(exc))
+            return code
     log.error("backend failure: %s", exc)
-    context.abort(grpc.StatusCode.INTERNAL, f"storage failure: {exc}")
+    return grpc.StatusCode.INTERNAL
+
+
+def _abort_for(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+    code = status_of(exc)
+    context.abort(code, str(exc) if code != grpc.StatusCode.INTERNAL else f"storage failure: {exc}")
     raise RuntimeError("context.abort returned") from exc  # it raises; this keeps type checkers honest
 
 
 def translated(method: F) -> F:
     """Map store and validation errors to status codes (unary and streaming methods)."""
-    errors = (*(kind for kind, _ in _STATUS), StorageError)  # StorageError: INTERNAL
+    errors = REFUSALS
 
     @functools.wraps(method)
     def unary(self: Servicer, request: Any, context: grpc.ServicerContext) -> Any:

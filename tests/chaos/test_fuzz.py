@@ -98,6 +98,7 @@ CASES = {
     "LocalAccess": 70,
     "ArenaAccess": 40,
     "Reserve": 160,
+    "ReserveMany": 120,
     "Commit": 120,
     "Abort": 60,
     "Pin": 160,
@@ -178,6 +179,22 @@ def unary_seeds() -> dict[str, list[Message]]:
                     pb.LayerSpec(name="a", dtype="bfloat16", shape=[2, 16]),
                     pb.LayerSpec(name="b", dtype="uint8", shape=[8]),
                 ],
+            ),
+        ],
+        "ReserveMany": [
+            pb.ReserveManyRequest(
+                namespace=FUZZ_NS2,
+                layers=[pb.LayerSpec(name="k", dtype="float16", shape=[4, 8])],
+                chains=[pb.ReserveChain(block_hashes=MISSING[:2]), pb.ReserveChain(block_hashes=MISSING[2:])],
+            ),
+            pb.ReserveManyRequest(
+                namespace=FUZZ_NS,
+                layers=[
+                    pb.LayerSpec(name="a", dtype="bfloat16", shape=[2, 16]),
+                    pb.LayerSpec(name="b", dtype="uint8", shape=[8]),
+                ],
+                layer_subset=[1],
+                chains=[pb.ReserveChain(block_hashes=STORED[:2] + MISSING[:1], parent_hash=MISSING[2])],
             ),
         ],
         "Commit": [
@@ -474,7 +491,13 @@ def fresh_elements(rng: random.Random, f: FieldDescriptor, n: int) -> list[objec
     return [odd_scalar(rng, f) for _ in range(n)]
 
 
-def fill_layer(rng: random.Random, spec: pb.LayerSpec, i: int) -> None:
+def fill_layer(rng: random.Random, spec: Message, i: int) -> None:
+    """A plausible element of a repeated message field: a layer, or a chain of a ReserveMany."""
+    if isinstance(spec, pb.ReserveChain):
+        spec.block_hashes[:] = [rng.randbytes(32) for _ in range(rng.randint(1, 3))]
+        return
+    if not isinstance(spec, pb.LayerSpec):
+        raise AssertionError(f"no plausible {type(spec).__name__}")
     spec.name = f"layer.{i}"
     spec.dtype = rng.choice(list(wire.DTYPES))
     spec.shape[:] = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]

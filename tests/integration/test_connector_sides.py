@@ -32,6 +32,7 @@ from kvstore_client.hashing import block_hashes
 
 from .helpers import both_backends
 from .test_corruption import flip_payload_byte
+from .test_metrics import calls, scrape
 
 BS = 32
 INFO = NamespaceInfo("test-model", "bfloat16", BS, 2, 64, False, "cpu", tp_size=1, pp_size=1)
@@ -347,6 +348,37 @@ def test_saved_blocks_load_back_into_other_paged_blocks_bit_exactly(
 
 # the worker's two transports (kvstore_connector.transport), whichever it picks
 BOTH = pytest.mark.parametrize("transport", ["arena", "grpc"])
+
+
+@BOTH
+def test_a_steps_saves_are_reserved_together_and_one_refused_save_stops_no_other(
+    make_daemon, transport: str
+) -> None:
+    """Several requests saving in one step: through the arena, one ReserveMany for all of
+    them; a save the store refuses (over max_put_bytes) is counted as an error, and the
+    others are stored all the same."""
+    d = make_daemon(extra_args=["--metrics-port", "0", "--max-put-bytes", "96KiB"])  # 3 blocks of 32 KiB
+    prompts = [block_hashes(INFO.hash_root, [t + 100 * k for t in PROMPT], BS) for k in range(3)]
+    small, large, other = prompts[0][:2], prompts[1][:5], prompts[2][:3]
+    worker, caches = make_worker(d.address, **TRANSPORTS[transport])
+    for name in LAYERS:
+        caches[name].copy_(torch.randn(caches[name].shape).to(torch.bfloat16))
+    before = scrape(d.metrics_url)
+    saves = [SaveSpec("a", small, [1, 2], b""), SaveSpec("b", large, [3, 4, 5, 6, 7], b""),
+             SaveSpec("c", other, [8, 9, 10], b"")]  # fmt: skip
+    run_step(worker, KVStoreConnectorMetadata(saves=saves), caches)
+    worker.wait_for_commits()
+    after = scrape(d.metrics_url)
+    arena = transport == "arena"
+    assert calls(after, "ReserveMany") - calls(before, "ReserveMany") == (1 if arena else 0)
+    assert calls(after, "Reserve") == calls(before, "Reserve")
+    with KVStoreClient(d.address, arena=False) as kv:
+        assert (kv.lookup(NS, small), kv.lookup(NS, large), kv.lookup(NS, other)) == (2, 0, 3)
+        got = joined(kv.select(NS, other))[LAYERS[0]]
+        assert got.view(torch.uint8).equal(caches[LAYERS[0]][8:11].view(torch.uint8))
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["save_errors"] == 1 and stats.data["blocks_saved"] == 5
+    worker.close()
 
 
 @BOTH

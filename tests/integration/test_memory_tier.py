@@ -18,10 +18,11 @@ from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
-from kvstore_client import KVStoreClient, LayerSpec, errors
+from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
 from kvstore_server.auth import tenant_prefix
 
 from .helpers import NS, assert_same, both_backends, chain, make_layers, rows
+from .test_metrics import calls, scrape
 
 
 def specs(layers: dict[str, torch.Tensor]) -> list[LayerSpec]:
@@ -508,3 +509,79 @@ def test_a_save_checksummed_on_a_gpu_is_verified_and_written_behind_with_its_sum
         assert pinned is not None and pinned.kinds == [WSUM32] * 4 and pinned.verify() is None
         pinned.release()
         assert_same(kv.select(NS, hashes), layers)
+
+
+def test_reserve_many_answers_each_chain_as_reserve_would_in_one_round_trip(make_server) -> None:
+    """A step's saves reserved together: each chain gets its own reservation, or its own
+    refusal (a cycle, a save over max_put_bytes), and a refused chain reserves nothing
+    and stops no other; a chain stored already needs no blocks."""
+    d = make_server(max_put_bytes="16KiB", metrics_port=0)
+    layers = make_layers(2)  # 2 layers of 2 x 4 x 8 float16: 256 bytes a block
+    stored, fresh, cyclic = chain("many-stored", 2), chain("many-fresh", 3), chain("many-cycle", 2)
+    big = chain("many-big", 80)  # 20 KiB
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, stored, {n: t[:2] for n, t in layers.items()}) == 2
+        before = scrape(d.metrics_url)
+        answers = kv.reserve_many(
+            NS,
+            [Chain(fresh), Chain(cyclic, parent_hash=cyclic[1]), Chain(big), Chain(stored)],
+            specs(layers),
+        )
+        after = scrape(d.metrics_url)
+        assert answers is not None and len(answers) == 4
+        assert calls(after, "ReserveMany") - calls(before, "ReserveMany") == 1
+        assert calls(after, "Reserve") == calls(before, "Reserve")
+        first, cycle, too_big, none_needed = answers
+        assert isinstance(cycle, errors.InvalidRequest) and "no cycles" in str(cycle)
+        assert isinstance(too_big, errors.CapacityExceeded) and "max_put_bytes" in str(too_big)
+        assert not isinstance(none_needed, Exception) and none_needed.blocks == []
+        assert not isinstance(first, Exception) and first.blocks == [0, 1, 2]
+        source = make_layers(3, seed=4)
+        for i, name in enumerate(layers):
+            first.layer(i).copy_(source[name])
+        assert first.commit().blocks_written == 3
+        assert kv.lookup(NS, fresh) == 3 and kv.lookup(NS, cyclic) == 0 and kv.lookup(NS, big) == 0
+        assert_same(kv.select(NS, fresh), source)
+        assert kv.stats()["reserved_bytes"] == 0  # nothing was held for the refused chains
+        with pytest.raises(errors.InvalidRequest, match="chains; the limit"):
+            kv.reserve_many(NS, [Chain([h]) for h in chain("many-limit", 1025)], specs(layers))
+
+
+def test_reserve_many_against_a_daemon_without_it_reserves_chain_by_chain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client newer than its daemon (one without ReserveMany: UNIMPLEMENTED) still gets
+    one answer per chain, from a Reserve each."""
+    import grpc
+
+    import kvstore_server.main as daemon_main
+    from kvstore.service import SERVICE_NAME
+    from kvstore_server.rpc import generic_handler
+
+    def older(servicer):  # the daemon's handlers without ReserveMany
+        handlers = {
+            name: handler
+            for name, handler in generic_handler(servicer)._method_handlers.items()
+            if not name.endswith("/ReserveMany")
+        }
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME, {n.rsplit("/", 1)[1]: h for n, h in handlers.items()}
+        )
+
+    monkeypatch.setattr(daemon_main, "generic_handler", older)
+    server = InProcServer(tmp_path / "old", settings={"metrics_port": 0}).start()
+    try:
+        layers = make_layers(2)
+        a, b = chain("old-a", 2), chain("old-b", 1)
+        with KVStoreClient(server.address, arena=True) as kv:
+            before = scrape(server.metrics_url)
+            answers = kv.reserve_many(NS, [Chain(a), Chain(b, parent_hash=b[0])], specs(layers))
+            after = scrape(server.metrics_url)
+            assert answers is not None
+            assert calls(after, "Reserve") - calls(before, "Reserve") == 1  # the good chain
+            first, second = answers
+            assert isinstance(second, errors.InvalidRequest)
+            assert not isinstance(first, Exception) and first.blocks == [0, 1]
+            first.abort()
+    finally:
+        server.stop()
