@@ -231,6 +231,7 @@ class Channel:
                 ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
                 ("ReserveMany", pb.ReserveManyRequest, pb.ReserveManyResponse),
                 ("Commit", pb.CommitRequest, pb.PutResponse),
+                ("CommitMany", pb.CommitManyRequest, pb.CommitManyResponse),
                 ("Abort", pb.AbortRequest, pb.AbortResponse),
                 ("Pin", pb.PinRequest, pb.PinResponse),
                 ("Release", pb.ReleaseRequest, pb.ReleaseResponse),

@@ -266,6 +266,22 @@ def _hasher() -> ThreadPoolExecutor:
         return _HASHER
 
 
+def _put_result(resp: Any) -> Any:
+    """A Commit's answer as a PutResult (None: nothing was reserved, nothing written)."""
+    from kvstore_client.types import PutResult
+
+    if resp is None:
+        return PutResult(0, 0, 0, 0)
+    return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
+
+
+def _one_commit(call: Call, req: Any, timeout: float | None) -> Any:
+    try:
+        return _put_result(call("Commit", req, timeout))
+    except errors.KVStoreError as exc:
+        return exc
+
+
 class Reservation:
     """An extent reserved for a save: write each layer's blocks, then `commit()`.
 
@@ -320,17 +336,25 @@ class Reservation:
         """Checksum what was written (unless `sums` come precomputed, of `kind`: "xxh3", or
         "wsum32" as a GPU computes it, see kvstore.blocks; block-major, as ints or already
         packed as little-endian uint64s) and commit."""
-        from kvstore_client.types import PutResult
+        req = self.commit_request(sums, kind=kind)
+        if req is None:  # every block was stored already: nothing was reserved
+            return _put_result(None)
+        try:
+            return _put_result(self._call("Commit", req))
+        except errors.KVStoreError:
+            self.done = False  # not committed: abort() gives the extent back
+            raise
 
+    def commit_request(self, sums: Sequence[int] | bytes | None = None, *, kind: str = XXH3) -> Any:
+        """The CommitRequest of commit() (None when nothing was reserved); the reservation
+        counts as committed from here on."""
         self.done = True
-        if not self.blocks:  # every block was stored already: nothing was reserved
-            return PutResult(0, 0, 0, 0)
+        if not self.blocks:
+            return None
         if sums is None:
             sums = self.checksums()
         packed = sums if isinstance(sums, bytes) else wire.pack_checksums(sums)
-        req = pb.CommitRequest(reservation_id=self.reservation_id, checksums=packed, checksum_kind=kind)
-        resp = self._call("Commit", req)
-        return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
+        return pb.CommitRequest(reservation_id=self.reservation_id, checksums=packed, checksum_kind=kind)
 
     def abort(self) -> None:
         """Give the extent back; safe to call twice. A failure is logged (the lease frees it)."""
@@ -796,6 +820,41 @@ class Arena:
             else errors.from_code(answer.refused_code, answer.refused)
             for answer in resp.reservations
         ]
+
+    def commit_many(
+        self,
+        items: Sequence[tuple[Reservation, Sequence[int] | bytes | None, str]],
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Reservation.commit(sums, kind=kind) of each item in one round trip, in order: each
+        a PutResult, or the KVStoreError its commit alone would have raised (that
+        reservation may then be aborted). A daemon without CommitMany is asked one commit
+        at a time."""
+        requests = [res.commit_request(sums, kind=kind) for res, sums, kind in items]
+        sent = [req for req in requests if req is not None]
+        if not sent:
+            return [_put_result(None) for _ in items]
+        try:
+            resp = self._call("CommitMany", pb.CommitManyRequest(commits=sent), timeout)
+        except errors.StoreInternalError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            answers = [_one_commit(self._call, req, timeout) for req in sent]
+        else:
+            if len(resp.answers) != len(sent):
+                raise errors.StoreInternalError(
+                    f"CommitMany answered {len(resp.answers)} of {len(sent)} commits"
+                )
+            answers = [
+                errors.from_code(a.refused_code, a.refused) if a.refused_code else _put_result(a.result)
+                for a in resp.answers
+            ]
+        got = iter(answers)
+        out = [next(got) if req is not None else _put_result(None) for req in requests]
+        for (res, _, _), answer in zip(items, out, strict=True):
+            if isinstance(answer, errors.KVStoreError):
+                res.done = False  # not committed: abort() gives the extent back
+        return out
 
     def _reserve_each(
         self,

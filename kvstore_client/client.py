@@ -660,6 +660,20 @@ class KVStoreClient:
         selected_layers(subset, len(layers))
         return self._arena.reserve_many(_ns(namespace), chains, layers, timeout, subset)
 
+    def commit_many(
+        self,
+        items: Sequence[tuple[Reservation, Sequence[int] | bytes | None, str]],
+        *,
+        timeout: float | None = None,
+    ) -> list[PutResult | errors.KVStoreError]:
+        """Commit several reservations of this client in one round trip: each item is
+        (reservation, its checksums or None to compute them, their kind) as for
+        Reservation.commit; one answer per item, in order, each a PutResult or the
+        KVStoreError that commit alone would have raised."""
+        if self._arena is None:
+            raise errors.NotOffered("no arena: nothing was reserved")
+        return self._arena.commit_many(items, timeout)
+
     def pin(
         self,
         namespace: str | bytes,

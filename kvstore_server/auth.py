@@ -61,6 +61,7 @@ METHOD_ROLES = {
     "Reserve": "writer",
     "ReserveMany": "writer",
     "Commit": "writer",
+    "CommitMany": "writer",
     "Abort": "writer",
     "DropSelect": "writer",
     "Evict": "admin",

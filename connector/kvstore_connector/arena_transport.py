@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from kvstore.blocks import WSUM32
+from kvstore.blocks import WSUM32, XXH3
 from kvstore_client import Chain, KVStoreClient, LayerSpec
 from kvstore_client.arena import Pinned, Reservation, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
@@ -273,13 +273,54 @@ class ArenaTransport:
                 raise TypeError("a save the arena transport did not open")
             return self.fallback.commit(save)
         try:
-            result = self._commit(save)
+            sums = self._sums(save)
+            result = None if sums is None else save.reservation.commit(sums[0], kind=sums[1])
         except Exception:
             save.reservation.abort()
             raise
         return None if result is None else Committed(result.blocks_written, save.reservation.num_blocks)
 
-    def _commit(self, save: ArenaSave) -> Any:
+    def commit_all(self, saves: Sequence[Save]) -> list[Committed | None | Exception]:
+        """commit() of each of a step's saves, the arena's in one round trip (CommitMany)."""
+        out: list[Committed | None | Exception] = [None] * len(saves)
+        batch: list[tuple[int, ArenaSave, Any, str]] = []
+        for i, save in enumerate(saves):
+            try:
+                if not isinstance(save, ArenaSave):
+                    out[i] = self.commit(save)  # the fallback's
+                    continue
+                try:
+                    sums = self._sums(save)
+                except Exception:
+                    save.reservation.abort()
+                    raise
+            except (KVStoreError, ValueError, RuntimeError) as exc:
+                out[i] = exc
+                continue
+            if sums is not None:
+                batch.append((i, save, *sums))
+        if not batch:
+            return out
+        answers: list[Any]
+        try:
+            answers = self.client.commit_many(
+                [(save.reservation, sums, kind) for _, save, sums, kind in batch]
+            )
+        except KVStoreError as exc:
+            for _, save, _, _ in batch:
+                save.reservation.done = False  # not committed, as far as we know: abortable
+            answers = [exc] * len(batch)
+        for (i, save, _, _), answer in zip(batch, answers, strict=True):
+            if isinstance(answer, Exception):
+                save.reservation.abort()  # refused: its extent goes back now, not at its lease's end
+                out[i] = answer
+            else:
+                out[i] = Committed(answer.blocks_written, save.reservation.num_blocks)
+        return out
+
+    def _sums(self, save: ArenaSave) -> tuple[Any, str] | None:
+        """Wait for the save's copies; its checksums, block-major, and their kind (None:
+        every block was stored already, nothing to commit)."""
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None
@@ -289,7 +330,7 @@ class ArenaTransport:
                 parts = [save.sums[group] for group in range(len(save.groups))]
                 sums = torch.cat(parts).t().contiguous().cpu()  # [n, layers]: block-major
             save.staging, save.sums = None, {}
-            return save.reservation.commit(sums.numpy().tobytes(), kind=WSUM32)
+            return sums.numpy().tobytes(), WSUM32
         save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
         per_layer: dict[int, list[int]] = {}
@@ -298,7 +339,7 @@ class ArenaTransport:
             for index in layers:
                 per_layer[index] = checksums(save.reservation.layer_pieces(index))
         save.copies = []
-        return save.reservation.commit(save.reservation.checksums(per_layer))
+        return save.reservation.checksums(per_layer), XXH3
 
     # ---- loads
     def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:

@@ -34,7 +34,7 @@ from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import torch_dtype, writable_view
 from kvstore_connector.metadata import LoadSpec, SaveSpec
 from kvstore_connector.transfer import BlockMover, PendingCopy
-from kvstore_connector.transport import Committed, Done, Save, open_each
+from kvstore_connector.transport import Committed, Done, Save, commit_each, open_each
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -223,6 +223,9 @@ class GrpcTransport:
 
     def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
         return open_each(self, specs)  # a stream per save: nothing to batch
+
+    def commit_all(self, saves: Sequence[Save]) -> list[Committed | None | Exception]:
+        return commit_each(self, saves)
 
     def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
         """Each of `names` gathered once for all `saves` (`heads` is not used: a request's

@@ -72,6 +72,12 @@ class Transport(Protocol):
         memory released) and the error raised."""
         ...
 
+    def commit_all(self, saves: Sequence[Save]) -> list[Committed | None | Exception]:
+        """commit() of each of a step's saves (in one round trip where the transport can), in
+        order: each what commit() returns, or the KVStoreError (ValueError, RuntimeError) it
+        would raise."""
+        ...
+
     def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
         """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
         Each layer's name leaves `pending` and is reported to `done` as it is written."""
@@ -89,5 +95,16 @@ def open_each(transport: Transport, specs: Sequence[SaveSpec]) -> list[Save | No
         try:
             out.append(transport.open(spec))
         except KVStoreError as exc:
+            out.append(exc)
+    return out
+
+
+def commit_each(transport: Transport, saves: Sequence[Save]) -> list[Committed | None | Exception]:
+    """commit_all, one commit() after another."""
+    out: list[Committed | None | Exception] = []
+    for save in saves:
+        try:
+            out.append(transport.commit(save))
+        except (KVStoreError, ValueError, RuntimeError) as exc:
             out.append(exc)
     return out

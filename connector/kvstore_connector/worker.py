@@ -311,23 +311,22 @@ class WorkerSide:
         saves, self._saves = self._saves, []
         self._saves_opened = False
         self._commits = [f for f in self._commits if not f.done()]
-        for save in saves:
-            self._commits.append(self._sender.submit(self._commit, save))
+        if saves:  # one task, one round trip where the transport can (CommitMany)
+            self._commits.append(self._sender.submit(self._commit_all, saves))
         if self.save_sync:
             self.wait_for_commits()
 
-    def _commit(self, save: Save) -> None:
-        try:
-            if self._transport is None:
-                raise RuntimeError("a save without a transport")
-            result = self._transport.commit(save)
-        except (KVStoreError, ValueError, RuntimeError) as exc:
-            self._add_stats(save_errors=1)
-            self.health.failed("save", exc)
-            return
-        self.health.ok()
-        if result is not None:
-            self._saved(result.blocks_written, result.blocks_sent, save.started)
+    def _commit_all(self, saves: list[Save]) -> None:
+        if self._transport is None:
+            raise RuntimeError("a save without a transport")
+        for save, result in zip(saves, self._transport.commit_all(saves), strict=True):
+            if isinstance(result, Exception):
+                self._add_stats(save_errors=1)
+                self.health.failed("save", result)
+                continue
+            self.health.ok()
+            if result is not None:
+                self._saved(result.blocks_written, result.blocks_sent, save.started)
 
     def _saved(self, blocks_written: int, blocks_sent: int, started: float) -> None:
         """Stats of a committed save: the blocks it made visible (with tensor parallelism, the

@@ -534,6 +534,28 @@ class CommitRequest(_message.Message):
     checksum_kind: str
     def __init__(self, reservation_id: _Optional[int] = ..., checksums: _Optional[bytes] = ..., checksum_kind: _Optional[str] = ...) -> None: ...
 
+class CommitManyRequest(_message.Message):
+    __slots__ = ("commits",)
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    commits: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    def __init__(self, commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
+
+class CommitManyResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[CommitAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[CommitAnswer, _Mapping]]] = ...) -> None: ...
+
+class CommitAnswer(_message.Message):
+    __slots__ = ("result", "refused_code", "refused")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    result: PutResponse
+    refused_code: int
+    refused: str
+    def __init__(self, result: _Optional[_Union[PutResponse, _Mapping]] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("reservation_id",)
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -104,6 +104,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.CommitMany = channel.unary_unary(
+                '/kvstore.v1.KVStore/CommitMany',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvstore.v1.KVStore/Abort',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.AbortRequest.SerializeToString,
@@ -213,6 +218,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CommitMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -309,6 +320,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'CommitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitMany,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.CommitManyResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -709,6 +725,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Commit',
             kvstore_dot_v1_dot_kvstore__pb2.CommitRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/CommitMany',
+            kvstore_dot_v1_dot_kvstore__pb2.CommitManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.CommitManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

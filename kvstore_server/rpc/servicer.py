@@ -422,6 +422,26 @@ class Servicer:
     @translated
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         self._memory_offered()
+        return self._commit(request, context)
+
+    @translated
+    def CommitMany(
+        self, request: pb.CommitManyRequest, context: grpc.ServicerContext
+    ) -> pb.CommitManyResponse:
+        """Commit each (a step's saves): one that Commit would refuse is refused on its own,
+        with that status code, and the others go on."""
+        self._memory_offered()
+        if len(request.commits) > wire.MAX_RESERVE_CHAINS:
+            raise InvalidRequest(f"{len(request.commits)} commits; the limit is {wire.MAX_RESERVE_CHAINS}")
+        answers = []
+        for commit in request.commits:
+            try:
+                answers.append(pb.CommitAnswer(result=self._commit(commit, context)))
+            except REFUSALS as exc:
+                answers.append(pb.CommitAnswer(refused_code=status_of(exc).value[0], refused=str(exc)))
+        return pb.CommitManyResponse(answers=answers)
+
+    def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.PutResponse:
         try:  # kept packed: a commit of 128 blocks of 256 store layers carries 32,768
             checksums = PackedSums(request.checksums)
         except ValueError as exc:
@@ -611,6 +631,7 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
         ("ReserveMany", pb.ReserveManyRequest, pb.ReserveManyResponse),
         ("Commit", pb.CommitRequest, pb.PutResponse),
+        ("CommitMany", pb.CommitManyRequest, pb.CommitManyResponse),
         ("Abort", pb.AbortRequest, pb.AbortResponse),
         ("Pin", pb.PinRequest, pb.PinResponse),
         ("Release", pb.ReleaseRequest, pb.ReleaseResponse),

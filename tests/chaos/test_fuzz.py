@@ -100,6 +100,7 @@ CASES = {
     "Reserve": 160,
     "ReserveMany": 120,
     "Commit": 120,
+    "CommitMany": 100,
     "Abort": 60,
     "Pin": 160,
     "PinStream": 100,
@@ -200,6 +201,15 @@ def unary_seeds() -> dict[str, list[Message]]:
         "Commit": [
             pb.CommitRequest(reservation_id=12345, checksums=bytes(24)),
             pb.CommitRequest(reservation_id=2**64 - 1, checksums=b"\x01\x02\x03", checksum_kind="wsum32"),
+        ],
+        "CommitMany": [
+            pb.CommitManyRequest(
+                commits=[
+                    pb.CommitRequest(reservation_id=12345, checksums=bytes(24)),
+                    pb.CommitRequest(reservation_id=7, checksums=b"\x01\x02", checksum_kind="wsum32"),
+                ]
+            ),
+            pb.CommitManyRequest(),
         ],
         "Abort": [pb.AbortRequest(reservation_id=1), pb.AbortRequest()],
         "Pin": [
@@ -495,6 +505,10 @@ def fill_layer(rng: random.Random, spec: Message, i: int) -> None:
     """A plausible element of a repeated message field: a layer, or a chain of a ReserveMany."""
     if isinstance(spec, pb.ReserveChain):
         spec.block_hashes[:] = [rng.randbytes(32) for _ in range(rng.randint(1, 3))]
+        return
+    if isinstance(spec, pb.CommitRequest):
+        spec.reservation_id = rng.choice([0, 1, i, 2**64 - 1])
+        spec.checksums = rng.randbytes(8 * rng.randint(0, 4))
         return
     if not isinstance(spec, pb.LayerSpec):
         raise AssertionError(f"no plausible {type(spec).__name__}")

@@ -354,9 +354,9 @@ BOTH = pytest.mark.parametrize("transport", ["arena", "grpc"])
 def test_a_steps_saves_are_reserved_together_and_one_refused_save_stops_no_other(
     make_daemon, transport: str
 ) -> None:
-    """Several requests saving in one step: through the arena, one ReserveMany for all of
-    them; a save the store refuses (over max_put_bytes) is counted as an error, and the
-    others are stored all the same."""
+    """Several requests saving in one step: through the arena, one ReserveMany and one
+    CommitMany for all of them; a save the store refuses (over max_put_bytes) is counted
+    as an error, and the others are stored all the same."""
     d = make_daemon(extra_args=["--metrics-port", "0", "--max-put-bytes", "96KiB"])  # 3 blocks of 32 KiB
     prompts = [block_hashes(INFO.hash_root, [t + 100 * k for t in PROMPT], BS) for k in range(3)]
     small, large, other = prompts[0][:2], prompts[1][:5], prompts[2][:3]
@@ -371,7 +371,10 @@ def test_a_steps_saves_are_reserved_together_and_one_refused_save_stops_no_other
     after = scrape(d.metrics_url)
     arena = transport == "arena"
     assert calls(after, "ReserveMany") - calls(before, "ReserveMany") == (1 if arena else 0)
-    assert calls(after, "Reserve") == calls(before, "Reserve")
+    assert calls(after, "CommitMany") - calls(before, "CommitMany") == (1 if arena else 0)
+    assert calls(after, "Reserve") == calls(before, "Reserve") and calls(after, "Commit") == calls(
+        before, "Commit"
+    )
     with KVStoreClient(d.address, arena=False) as kv:
         assert (kv.lookup(NS, small), kv.lookup(NS, large), kv.lookup(NS, other)) == (2, 0, 3)
         got = joined(kv.select(NS, other))[LAYERS[0]]

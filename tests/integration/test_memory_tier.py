@@ -511,7 +511,7 @@ def test_a_save_checksummed_on_a_gpu_is_verified_and_written_behind_with_its_sum
         assert_same(kv.select(NS, hashes), layers)
 
 
-def test_reserve_many_answers_each_chain_as_reserve_would_in_one_round_trip(make_server) -> None:
+def test_reserve_and_commit_many_answer_each_as_one_call_would_in_one_round_trip(make_server) -> None:
     """A step's saves reserved together: each chain gets its own reservation, or its own
     refusal (a cycle, a save over max_put_bytes), and a refused chain reserves nothing
     and stops no other; a chain stored already needs no blocks."""
@@ -539,19 +539,35 @@ def test_reserve_many_answers_each_chain_as_reserve_would_in_one_round_trip(make
         source = make_layers(3, seed=4)
         for i, name in enumerate(layers):
             first.layer(i).copy_(source[name])
-        assert first.commit().blocks_written == 3
+        # committed together: the reservation, one with too few checksums, one never made
+        other = kv.reserve_many(NS, [Chain(chain("many-other", 1))], specs(layers))
+        assert other is not None and not isinstance(other[0], Exception)
+        gone = kv.reserve(NS, chain("many-gone", 1), specs(layers))
+        assert gone is not None
+        gone.abort()
+        gone.done = False  # committed anyway below: the daemon no longer holds it
+        before = scrape(d.metrics_url)
+        committed, short, unknown = kv.commit_many(
+            [(first, None, "xxh3"), (other[0], [1], "xxh3"), (gone, None, "xxh3")]
+        )
+        assert calls(scrape(d.metrics_url), "CommitMany") - calls(before, "CommitMany") == 1
+        assert not isinstance(committed, Exception) and committed.blocks_written == 3
+        assert isinstance(short, errors.InvalidRequest) and "checksums" in str(short)
+        other[0].abort()  # a refused commit's reservation is the client's to give back
+        assert isinstance(unknown, errors.BlockNotFound) and "no reservation" in str(unknown)
         assert kv.lookup(NS, fresh) == 3 and kv.lookup(NS, cyclic) == 0 and kv.lookup(NS, big) == 0
         assert_same(kv.select(NS, fresh), source)
-        assert kv.stats()["reserved_bytes"] == 0  # nothing was held for the refused chains
+        assert kv.stats()["reserved_bytes"] == 0  # nothing held for the refused chains or commits
         with pytest.raises(errors.InvalidRequest, match="chains; the limit"):
             kv.reserve_many(NS, [Chain([h]) for h in chain("many-limit", 1025)], specs(layers))
 
 
-def test_reserve_many_against_a_daemon_without_it_reserves_chain_by_chain(
+def test_reserve_and_commit_many_against_a_daemon_without_them_go_one_by_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A client newer than its daemon (one without ReserveMany: UNIMPLEMENTED) still gets
-    one answer per chain, from a Reserve each."""
+    """A client newer than its daemon (one without ReserveMany and CommitMany:
+    UNIMPLEMENTED) still gets one answer per chain and per commit, from a Reserve or a
+    Commit each."""
     import grpc
 
     import kvstore_server.main as daemon_main
@@ -562,7 +578,7 @@ def test_reserve_many_against_a_daemon_without_it_reserves_chain_by_chain(
         handlers = {
             name: handler
             for name, handler in generic_handler(servicer)._method_handlers.items()
-            if not name.endswith("/ReserveMany")
+            if not name.endswith(("/ReserveMany", "/CommitMany"))
         }
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME, {n.rsplit("/", 1)[1]: h for n, h in handlers.items()}
@@ -582,6 +598,11 @@ def test_reserve_many_against_a_daemon_without_it_reserves_chain_by_chain(
             first, second = answers
             assert isinstance(second, errors.InvalidRequest)
             assert not isinstance(first, Exception) and first.blocks == [0, 1]
-            first.abort()
+            for i, name in enumerate(layers):
+                first.layer(i).copy_(layers[name])
+            (result,) = kv.commit_many([(first, None, "xxh3")])  # a Commit of each
+            assert not isinstance(result, Exception) and result.blocks_written == 2
+            assert calls(scrape(server.metrics_url), "Commit") == 1
+            assert_same(kv.select(NS, a), layers)
     finally:
         server.stop()
