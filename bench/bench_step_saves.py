@@ -8,8 +8,9 @@ Each step saves `--requests` requests of `--blocks` blocks (a store layer per KV
 it: the step's first save_layer opens every save (the forward thread waits for that), then
 a copy per layer, then the commits on the worker's sender thread. Printed per case: the
 forward thread's stall in the opens, the step until every save is committed, and the
-blocks per second; the opens reserved in one round trip (ReserveMany, as the worker does)
-and, for comparison in the same run, one Reserve per save. Figures only, never pass/fail.
+blocks per second; the saves reserved and committed in one round trip each (ReserveMany,
+CommitMany, as the worker does) and, for comparison in the same run, one Reserve and one
+Commit per save. Figures only, never pass/fail.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from daemon import Daemon  # noqa: E402  (tests/daemon.py: a daemon process on a free port)
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo  # noqa: E402
 from kvstore_connector.metadata import KVStoreConnectorMetadata, SaveSpec  # noqa: E402
-from kvstore_connector.transport import open_each  # noqa: E402
+from kvstore_connector.transport import commit_each, open_each  # noqa: E402
 from kvstore_connector.worker import WorkerSide  # noqa: E402
 
 from kvstore_client.hashing import block_hashes  # noqa: E402
@@ -48,8 +49,9 @@ def run(args: argparse.Namespace, address: str, requests: int, batched: bool) ->
     transport = worker._transport
     if transport is None:
         raise SystemExit("the worker has no transport")
-    if not batched:  # one Reserve per save, as before ReserveMany
+    if not batched:  # one Reserve and one Commit per save, as before ReserveMany and CommitMany
         transport.open_all = lambda specs: open_each(transport, specs)  # type: ignore[method-assign]
+        transport.commit_all = lambda saves: commit_each(transport, saves)  # type: ignore[method-assign]
     opens, steps = [], []
     for step in range(args.steps + 1):
         saves = []
@@ -97,8 +99,8 @@ def main() -> None:
         daemon = Daemon(Path(tmp) / "data", capacity="8GiB", memory_size="2GiB", memory_dir=Path(tmp) / "shm")
         daemon.start()
         try:
-            print(f"{'saves/step':>10} | {'opens: Reserve each':>20} {'ReserveMany':>12} | "
-                  f"{'step: Reserve each':>19} {'ReserveMany':>12} | blocks/s each / many")  # fmt: skip
+            print(f"{'saves/step':>10} | {'opens: one by one':>20} {'together':>12} | "
+                  f"{'step: one by one':>19} {'together':>12} | blocks/s one by one / together")  # fmt: skip
             for requests in [int(r) for r in args.requests.split(",")]:
                 each = run(args, daemon.address, requests, batched=False)
                 many = run(args, daemon.address, requests, batched=True)
