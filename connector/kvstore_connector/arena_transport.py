@@ -48,7 +48,7 @@ from kvstore_client.tensors import torch_dtype
 from kvstore_connector.host_memory import prepare
 from kvstore_connector.outage import OUTAGES
 from kvstore_connector.transfer import Write, wsum32_blocks
-from kvstore_connector.transport import Committed, Done, Save, Transport, open_each
+from kvstore_connector.transport import Committed, Done, Opened, Reserved, Save, Transport, open_each
 
 if TYPE_CHECKING:
     from kvstore_client.arena import Reservation
@@ -156,25 +156,36 @@ class ArenaTransport:
             return self._not_reserved(spec, exc)
         return self._reserved(spec, res)
 
-    def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+    def open_all(self, specs: Sequence[SaveSpec]) -> Opened:
         """The step's saves reserved in one round trip (ReserveMany), each then as open()
         makes it; one refused goes to the fallback on its own, an outage fails them all."""
+        return self.open_reserved(specs, self.reserve_all(specs))
+
+    def reserve_all(self, specs: Sequence[SaveSpec]) -> Reserved:
+        """open_all's round trip, with no device work (any thread may run it): an answer per
+        spec (a Reservation, a refusal, or the outage), or None: open them one by one (a
+        single save, no arena, ReserveMany refused as a whole)."""
         if len(specs) < 2:
-            return open_each(self, specs)
+            return None
         chains = [Chain(spec.hashes, spec.parent_hash, spec.token_ids) for spec in specs]
         try:
-            answers = self.client.reserve_many(
+            return self.client.reserve_many(
                 self.namespace, chains, self.stored, timeout=self.reserve_timeout, subset=self.subset
             )
         except OUTAGES as exc:
             return [exc] * len(specs)
         except KVStoreError as exc:  # the request as a whole (each chain fits its own limits)
             log.debug("ReserveMany refused, reserving save by save: %s", exc)
-            return open_each(self, specs)
-        if answers is None:  # the daemon offers no arena (any more)
+            return None
+
+    def open_reserved(
+        self, specs: Sequence[SaveSpec], reserved: Reserved
+    ) -> list[Save | None | KVStoreError]:
+        """The saves of reserve_all's answers (the forward thread: their device tensors)."""
+        if reserved is None:
             return open_each(self, specs)
         out: list[Save | None | KVStoreError] = []
-        for spec, answer in zip(specs, answers, strict=True):
+        for spec, answer in zip(specs, reserved, strict=True):
             try:
                 if isinstance(answer, OUTAGES):
                     raise answer
@@ -183,6 +194,13 @@ class ArenaTransport:
             except KVStoreError as exc:
                 out.append(exc)
         return out
+
+    @staticmethod
+    def unreserve(reserved: Reserved) -> None:
+        """Give back what reserve_all reserved for saves that were never opened."""
+        for answer in reserved or ():
+            if isinstance(answer, Reservation):
+                answer.abort()
 
     def _not_reserved(self, spec: SaveSpec, exc: KVStoreError) -> Save | None:
         """The fallback's save of `spec`, which the arena refused (e.g. it is full of pinned

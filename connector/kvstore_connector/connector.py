@@ -25,7 +25,8 @@ Hooks, by caller (vLLM calls them; see vllm/.../kv_connector/v1/base.py):
 
   Worker side (one per rank):
     register_kv_caches          learn each layer's paged buffer and its block dimension
-    start_load_kv               start streaming this step's loads, layer by layer, in background
+    start_load_kv               start streaming this step's loads, layer by layer, in background;
+                                start reserving its saves (one ReserveMany)
     wait_for_layer_load         wait only for the layer about to run
     save_kv_layer               one indexed copy per layer off the paged buffer -> background sender
     wait_for_save               commit this step's saves (sync mode: wait for the store's ack)
@@ -285,7 +286,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._meta()
-        if meta is not None and self._load:
+        if meta is None:
+            return
+        if self._save:  # the step's saves reserved while the loads start and the first layers run
+            self._work().open_saves_ahead(meta)
+        if self._load:
             self._work().start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

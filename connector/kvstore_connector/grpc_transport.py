@@ -34,7 +34,7 @@ from kvstore_client.errors import KVStoreError
 from kvstore_client.tensors import torch_dtype, writable_view
 from kvstore_connector.metadata import LoadSpec, SaveSpec
 from kvstore_connector.transfer import BlockMover, PendingCopy
-from kvstore_connector.transport import Committed, Done, Save, commit_each, open_each
+from kvstore_connector.transport import Committed, Done, Opened, Reserved, Save, commit_each, open_each
 
 log = logging.getLogger("vllm." + __name__)
 
@@ -221,8 +221,19 @@ class GrpcTransport:
             raise
         return GrpcSave(spec, stream, time.perf_counter(), reserved)
 
-    def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+    def open_all(self, specs: Sequence[SaveSpec]) -> Opened:
         return open_each(self, specs)  # a stream per save: nothing to batch
+
+    def reserve_all(self, specs: Sequence[SaveSpec]) -> Reserved:
+        return None  # nothing to do ahead: a stream opens without a round trip
+
+    def open_reserved(
+        self, specs: Sequence[SaveSpec], reserved: Reserved
+    ) -> list[Save | None | KVStoreError]:
+        return open_each(self, specs)
+
+    def unreserve(self, reserved: Reserved) -> None:
+        return None
 
     def commit_all(self, saves: Sequence[Save]) -> list[Committed | None | Exception]:
         return commit_each(self, saves)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore_client.errors import KVStoreError
 
@@ -38,6 +38,12 @@ class Save(Protocol):
     started: float  # perf_counter() at open: the save's time in the stats
 
 
+Reserved = list[Any] | None
+"""What Transport.reserve_all returns: the transport's own answers per save, or None."""
+Opened = list[Save | None | KVStoreError]
+"""What Transport.open_all returns: per save, a Save, None (dropped) or the refusal."""
+
+
 @dataclass(frozen=True)
 class Committed:
     """What a committed save did: the blocks it made visible (with tensor parallelism, the
@@ -54,9 +60,25 @@ class Transport(Protocol):
         KVStoreError when the store refused or could not be reached."""
         ...
 
-    def open_all(self, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+    def open_all(self, specs: Sequence[SaveSpec]) -> Opened:
         """open() of each of a step's saves, in order (in one round trip where the transport
-        can): each a Save, None (dropped), or the KVStoreError that open() would raise."""
+        can): each a Save, None (dropped), or the KVStoreError that open() would raise.
+        The same as open_reserved(specs, reserve_all(specs))."""
+        ...
+
+    def reserve_all(self, specs: Sequence[SaveSpec]) -> Reserved:
+        """open_all's round trip alone, with no device work: any thread may run it ahead
+        of the step (None: nothing done ahead)."""
+        ...
+
+    def open_reserved(
+        self, specs: Sequence[SaveSpec], reserved: Reserved
+    ) -> list[Save | None | KVStoreError]:
+        """open_all's saves of what reserve_all(specs) returned (the forward thread)."""
+        ...
+
+    def unreserve(self, reserved: Reserved) -> None:
+        """Give back what reserve_all reserved for saves that were never opened."""
         ...
 
     def save_layer(self, saves: Sequence[Save], names: Sequence[str], heads: torch.Tensor | None) -> None:
@@ -88,7 +110,7 @@ class Transport(Protocol):
         ...
 
 
-def open_each(transport: Transport, specs: Sequence[SaveSpec]) -> list[Save | None | KVStoreError]:
+def open_each(transport: Transport, specs: Sequence[SaveSpec]) -> Opened:
     """open_all, one open() after another."""
     out: list[Save | None | KVStoreError] = []
     for spec in specs:

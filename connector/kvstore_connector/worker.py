@@ -116,6 +116,9 @@ class WorkerSide:
         self._errors_lock = threading.Lock()
         self._saves: list[Save] = []  # this step's
         self._saves_opened = False  # this step's saves were opened (or skipped)
+        # this step's saves being reserved ahead (open_saves_ahead), on their own thread
+        self._opener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-open")
+        self._opening: tuple[list[SaveSpec], Future[Any]] | None = None
         self.backlog = SaveBacklog(int(config.save_backlog_mib * 2**20))
         self._commits: list[Future[None]] = []
         self._transport: Transport | None = None  # chosen once, in register_kv_caches
@@ -290,13 +293,34 @@ class WorkerSide:
             # this rank's KV heads of the layer; their paged view: one indexed copy for all
             self._transport.save_layer(self._saves, self.layout.by_layer[layer], self.layout.heads.get(layer))
 
-    def _open_saves(self, specs: list[SaveSpec]) -> None:
-        if not self.health.available():
+    def open_saves_ahead(self, meta: KVStoreConnectorMetadata) -> None:
+        """Start reserving this step's saves (one ReserveMany through the arena) before the
+        forward pass (start_load_kv), on the opener thread: its first saved layer then
+        finds the round trip done instead of waiting for it."""
+        if not meta.saves or not self.save or self.layout is None or self._opening is not None:
             return
+        transport = self._transport
+        if transport is None or not self.health.available():
+            return
+        specs = list(meta.saves)
+        self._opening = (specs, self._opener.submit(transport.reserve_all, specs))
+
+    def _open_saves(self, specs: list[SaveSpec]) -> None:
         transport = self._transport
         if transport is None:
             raise RuntimeError("save before register_kv_caches")
-        for save in transport.open_all(specs):  # one round trip for the step's saves
+        ahead = self._opening
+        if ahead is not None and ahead[0] != specs:  # not this step's (never expected)
+            self._drop_opening()
+            ahead = None
+        self._opening = None
+        if ahead is not None:
+            opened = transport.open_reserved(specs, ahead[1].result())
+        elif self.health.available():
+            opened = transport.open_all(specs)  # one round trip for the step's saves
+        else:
+            return
+        for save in opened:
             if isinstance(save, KVStoreError):  # e.g. the store is down or stalled: skip saves for a while
                 self._add_stats(save_errors=1)
                 self.health.failed("save", save)
@@ -306,8 +330,18 @@ class WorkerSide:
                 continue
             self._saves.append(save)
 
+    def _drop_opening(self) -> None:
+        """Saves reserved ahead that no layer of their step saved (never expected of vLLM):
+        their reservations go back."""
+        ahead, self._opening = self._opening, None
+        if ahead is None or self._transport is None:
+            return
+        log.warning("kvstore: a step's saves were reserved but no layer was saved; giving them back")
+        self._transport.unreserve(ahead[1].result())
+
     def finish_step_saves(self) -> None:
         """Commit this step's saves; in sync mode, wait until the store has them."""
+        self._drop_opening()
         saves, self._saves = self._saves, []
         self._saves_opened = False
         self._commits = [f for f in self._commits if not f.done()]
@@ -348,6 +382,8 @@ class WorkerSide:
             future.result()
 
     def close(self) -> None:
+        self._drop_opening()
+        self._opener.shutdown(wait=True)
         self.wait_for_commits()
         self._sender.shutdown(wait=True)
         self._loader.shutdown(wait=True)

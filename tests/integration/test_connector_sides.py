@@ -290,7 +290,9 @@ def make_worker(
 
 
 def run_step(worker: WorkerSide, meta: KVStoreConnectorMetadata, caches: dict[str, torch.Tensor]) -> set[int]:
-    """What vLLM does per step: start loads, per layer wait/compute/save, then finish."""
+    """What vLLM does per step: start loads (and reserve the saves ahead), per layer
+    wait/compute/save, then finish."""
+    worker.open_saves_ahead(meta)
     worker.start_load(meta)
     for name in LAYERS:
         worker.wait_for_layer(name)
@@ -381,6 +383,29 @@ def test_a_steps_saves_are_reserved_together_and_one_refused_save_stops_no_other
         assert got.view(torch.uint8).equal(caches[LAYERS[0]][8:11].view(torch.uint8))
     stats = worker.take_stats()
     assert stats is not None and stats.data["save_errors"] == 1 and stats.data["blocks_saved"] == 5
+    worker.close()
+
+
+def test_saves_reserved_ahead_are_given_back_when_their_step_saves_no_layer(daemon) -> None:
+    """start_load_kv reserves the step's saves ahead; a step that then saves no layer
+    (never expected of vLLM) gives the reservations back at its end instead of holding
+    arena space until their lease ends, and stores nothing."""
+    worker, caches = make_worker(daemon.address)
+    hashes = [block_hashes(INFO.hash_root, [t + k for t in PROMPT], BS)[:2] for k in (1, 2)]
+    meta = KVStoreConnectorMetadata(
+        saves=[SaveSpec("a", hashes[0], [1, 2], b""), SaveSpec("b", hashes[1], [3, 4], b"")]
+    )
+    worker.open_saves_ahead(meta)
+    worker.finish_step_saves()  # no save_layer this step
+    worker.wait_for_commits()
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        assert kv.stats()["reserved_bytes"] == 0
+        assert kv.lookup(NS, hashes[0]) == 0 and kv.lookup(NS, hashes[1]) == 0
+    run_step(worker, meta, caches)  # the next step saves them, reserved ahead again
+    worker.wait_for_commits()
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        assert kv.lookup(NS, hashes[0]) == 2 and kv.lookup(NS, hashes[1]) == 2
+        assert kv.stats()["reserved_bytes"] == 0
     worker.close()
 
 
