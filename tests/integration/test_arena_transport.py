@@ -113,22 +113,32 @@ def test_layer_groups_follow_block_sizes_and_the_byte_budget(monkeypatch: pytest
     assert groups([4, 4, 4, 8, 8], 10) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
 
 
-def test_a_byte_flipped_after_the_save_fails_the_device_check_and_drops_the_block(make_server) -> None:
+@pytest.mark.parametrize(
+    ("block", "layer"), [(0, 0), (0, 2), (3, 0), (3, 2), (2, 1)],
+    ids=["first-block-first-layer", "first-block-last-layer", "last-block-first-layer", "last-block-last-layer",
+         "middle"],
+)  # fmt: skip
+def test_a_byte_flipped_after_the_save_fails_the_device_check_and_drops_the_block(
+    make_server, block: int, layer: int
+) -> None:
+    """The batched device check (one pass per group of layers over every block) finds a
+    flipped byte wherever it lies: first, middle, last layer; first, last block."""
     d = make_server(write_behind_bytes=1)  # only the arena has them: write-behind would find the flip first
     hashes = chain("staged-flip", 4)
     with KVStoreClient(d.address, timeout=20.0, arena=True) as kv:
         assert save(transport(kv, paged(3)), hashes, [0, 1, 2, 3]) == 4
         pinned = kv.pin(NS, hashes)
         assert pinned is not None
-        pinned.block_view(2, 2)[7] ^= 0x10  # a stray write by any process that maps the arena
+        pinned.block_view(block, layer)[7] ^= 0x10  # a stray write by any process that maps the arena
         pinned.release()
         target = paged(4)
         before = {name: t.clone() for name, t in target.items()}
         with pytest.raises(errors.LocalDataCorrupt, match="on the device"):
             load(transport(kv, target), hashes, [4, 5, 6, 7])
-        assert kv.lookup(NS, hashes) == 2  # the daemon verified the report and dropped block 2
+        assert kv.lookup(NS, hashes) == block  # the daemon verified the report and dropped the block
         # nothing of the failing group reached the paged cache
-        assert torch.equal(target["layer.2"].view(torch.int16), before["layer.2"].view(torch.int16))
+        name = f"layer.{layer}"
+        assert torch.equal(target[name].view(torch.int16), before[name].view(torch.int16))
 
 
 def test_layer_groups_of_a_ranks_layers_are_runs_of_consecutive_ones() -> None:
