@@ -10,7 +10,8 @@ a copy per layer, then the commits on the worker's sender thread. Printed per ca
 forward thread's stall in the opens, the step until every save is committed, and the
 blocks per second; the saves reserved and committed in one round trip each (ReserveMany,
 CommitMany, as the worker does) and, for comparison in the same run, one Reserve and one
-Commit per save. Figures only, never pass/fail.
+Commit per save; and one save of all the step's blocks (the same bytes in one request).
+Figures only, never pass/fail.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ from kvstore_client.hashing import block_hashes  # noqa: E402
 BS = 16
 
 
-def run(args: argparse.Namespace, address: str, requests: int, batched: bool) -> dict[str, float]:
+def run(
+    args: argparse.Namespace, address: str, requests: int, batched: bool, blocks: int = 0, tag: int = 0
+) -> dict[str, float]:
+    """`requests` saves of `blocks` (default --blocks) each a step; `tag` keeps its blocks apart."""
+    blocks = blocks or args.blocks
     info = NamespaceInfo("bench-model", "bfloat16", BS, args.heads, args.head_dim, False, "cpu", tp_size=1,
                          pp_size=1)  # fmt: skip
     names = [f"model.layers.{i}.self_attn.attn" for i in range(args.layers)]
-    pool = requests * args.blocks + 1
+    pool = requests * blocks + 1
     worker = WorkerSide(info.namespace(0), pool, ConnectorConfig(address=address), load=False, save=True,
                         save_sync=False, num_kv_heads=args.heads)  # fmt: skip
     caches = {n: torch.randn((pool, args.heads, BS, 2 * args.head_dim)).to(torch.bfloat16) for n in names}
@@ -56,10 +61,11 @@ def run(args: argparse.Namespace, address: str, requests: int, batched: bool) ->
     for step in range(args.steps + 1):
         saves = []
         for r in range(requests):
-            first = (2 * step + batched) * 1_000_003 + requests * 104_729 + r * 7919  # blocks never stored
-            tokens = [first + t for t in range(args.blocks * BS)]
+            case = requests * 104_729 + blocks * 613 + batched * 31 + tag * 7  # blocks no other case stored
+            first = step * 1_000_003 + case * 1009 + r * 7919
+            tokens = [first + t for t in range(blocks * BS)]
             hashes = block_hashes(info.hash_root, tokens, BS)
-            ids = list(range(1 + r * args.blocks, 1 + (r + 1) * args.blocks))
+            ids = list(range(1 + r * blocks, 1 + (r + 1) * blocks))
             saves.append(SaveSpec(f"s{step}-{r}", hashes, ids, b""))
         meta = KVStoreConnectorMetadata(saves=saves)
         start = time.perf_counter()
@@ -76,11 +82,11 @@ def run(args: argparse.Namespace, address: str, requests: int, batched: bool) ->
     stats = worker.take_stats()
     worker.close()
     saved = stats.data.get("blocks_saved", 0) if stats is not None else 0
-    want = (args.steps + 1) * requests * args.blocks
+    want = (args.steps + 1) * requests * blocks
     if saved != want:
         raise SystemExit(f"{saved} of {want} blocks saved: {stats.data if stats is not None else None}")
     step_s = statistics.median(steps)
-    return {"open": statistics.median(opens), "step": step_s, "blocks_per_s": requests * args.blocks / step_s}
+    return {"open": statistics.median(opens), "step": step_s, "blocks_per_s": requests * blocks / step_s}
 
 
 def main() -> None:
@@ -100,13 +106,17 @@ def main() -> None:
         daemon.start()
         try:
             print(f"{'saves/step':>10} | {'opens: one by one':>20} {'together':>12} | "
-                  f"{'step: one by one':>19} {'together':>12} | blocks/s one by one / together")  # fmt: skip
+                  f"{'step: one by one':>19} {'together':>12} | blocks/s one by one / together "
+                  "| one save of the step's blocks: step, blocks/s (together: % of it)")  # fmt: skip
             for requests in [int(r) for r in args.requests.split(",")]:
                 each = run(args, daemon.address, requests, batched=False)
                 many = run(args, daemon.address, requests, batched=True)
+                large = run(args, daemon.address, 1, batched=True, blocks=requests * args.blocks, tag=1)
                 print(f"{requests:>10} | {each['open'] * 1e3:17.2f} ms {many['open'] * 1e3:9.2f} ms | "
                       f"{each['step'] * 1e3:16.2f} ms {many['step'] * 1e3:9.2f} ms | "
-                      f"{each['blocks_per_s']:8.0f} / {many['blocks_per_s']:.0f}")  # fmt: skip
+                      f"{each['blocks_per_s']:8.0f} / {many['blocks_per_s']:<8.0f} | "
+                      f"{large['step'] * 1e3:8.2f} ms {large['blocks_per_s']:6.0f} "
+                      f"({many['blocks_per_s'] / large['blocks_per_s'] * 100:.0f}%)")  # fmt: skip
         finally:
             daemon.stop()
 
