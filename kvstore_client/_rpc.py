@@ -234,6 +234,7 @@ class Channel:
                 ("CommitMany", pb.CommitManyRequest, pb.CommitManyResponse),
                 ("Abort", pb.AbortRequest, pb.AbortResponse),
                 ("Pin", pb.PinRequest, pb.PinResponse),
+                ("PinMany", pb.PinManyRequest, pb.PinManyResponse),
                 ("Release", pb.ReleaseRequest, pb.ReleaseResponse),
             )
         }

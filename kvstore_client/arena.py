@@ -904,6 +904,46 @@ class Arena:
             return None
         return Pinned(self._call, mapping, resp, self._spec_type, sent)
 
+    def pin_many(
+        self, namespace: bytes, chains: Sequence[Sequence[bytes]], timeout: float | None = None
+    ) -> list[Pinned | errors.KVStoreError] | None:
+        """A pin of each chain (one namespace) in one round trip, in order: each a Pinned
+        (its blocks in place: promoted first where needed), or the error a pin of that
+        chain alone would have raised. None when the arena is off. A daemon without
+        PinMany is asked chain by chain."""
+        mapping = self.mapping()
+        if mapping is None:
+            return None
+        sent = time.monotonic()
+        request = pb.PinManyRequest(namespace=namespace, chains=[pb.PinChain(block_hashes=c) for c in chains])
+        try:
+            resp = self._call("PinMany", request, timeout)
+        except errors.NotOffered:
+            self._off()
+            return None
+        except errors.StoreInternalError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            out: list[Pinned | errors.KVStoreError] = []
+            for hashes in chains:
+                try:
+                    pinned = self.pin(namespace, hashes, timeout)
+                except errors.KVStoreError as refused:
+                    out.append(refused)
+                    continue
+                if pinned is None:
+                    return None
+                out.append(pinned)
+            return out
+        if len(resp.pins) != len(chains):
+            raise errors.StoreInternalError(f"PinMany answered {len(resp.pins)} of {len(chains)} chains")
+        return [
+            errors.from_code(pin.refused_code, pin.refused)
+            if pin.refused_code
+            else Pinned(self._call, mapping, pin, self._spec_type, sent)
+            for pin in resp.pins
+        ]
+
     def _off(self) -> None:
         with self._lock:
             mapping, self._mapping = self._mapping, None

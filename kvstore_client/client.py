@@ -674,6 +674,16 @@ class KVStoreClient:
             raise errors.NotOffered("no arena: nothing was reserved")
         return self._arena.commit_many(items, timeout)
 
+    def pin_many(
+        self, namespace: str | bytes, chains: Sequence[Sequence[bytes]], *, timeout: float | None = None
+    ) -> list[Pinned | errors.KVStoreError] | None:
+        """pin() of several chains of one namespace in one round trip (a step's loads): one
+        answer per chain, in order, each a Pinned (its blocks in place) or the KVStoreError
+        a pin of that chain alone would have raised. None: no arena here (use get_stream)."""
+        if self._arena is None:
+            return None
+        return self._arena.pin_many(_ns(namespace), chains, timeout)
+
     def pin(
         self,
         namespace: str | bytes,

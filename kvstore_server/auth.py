@@ -55,6 +55,7 @@ METHOD_ROLES = {
     "LocalAccess": "reader",
     "ArenaAccess": "reader",
     "Pin": "reader",
+    "PinMany": "reader",
     "PinStream": "reader",
     "Release": "reader",
     "Put": "writer",

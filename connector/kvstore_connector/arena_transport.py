@@ -360,15 +360,31 @@ class ArenaTransport:
         return save.reservation.checksums(per_layer), XXH3
 
     # ---- loads
-    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
+    def pin_all(self, specs: Sequence[LoadSpec], timeout: float) -> list[Any] | None:
+        """Several loads' pins in one round trip (PinMany: their blocks promoted first where
+        needed, not streamed); None for a single load (it streams: see load) or where the
+        loads are not pinned (DropSelect over gRPC, no arena)."""
+        if len(specs) < 2 or (self.consume and self.fallback is not None):
+            return None
+        try:
+            pins = self.client.pin_many(self.namespace, [spec.hashes for spec in specs], timeout=timeout)
+        except KVStoreError as exc:
+            return [exc] * len(specs)
+        return list(pins) if pins is not None else None
+
+    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float, pinned: Any = None) -> int:
         """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
-        `done(layer_name, event)` is called as each layer's copies are issued."""
+        `done(layer_name, event)` is called as each layer's copies are issued. `pinned`:
+        pin_all's answer for this spec (a Pinned, or the error its pin raised)."""
         if self.consume and self.fallback is not None:  # DropSelect: gRPC only
             return self.fallback.load(spec, pending, done, timeout)
-        # stream: the answer comes before blocks only the persistent tier held are read in;
-        # each layer group waits for its layers (wait_layers), so the copies of the first
-        # layers overlap the reads of the rest: a cold load costs about max(disk, H2D)
-        pinned = self.client.pin(self.namespace, spec.hashes, timeout=timeout, stream=True)
+        if isinstance(pinned, Exception):
+            raise pinned
+        if pinned is None:
+            # stream: the answer comes before blocks only the persistent tier held are read
+            # in; each layer group waits for its layers (wait_layers), so the copies of the
+            # first layers overlap the reads of the rest: a cold load costs about max(disk, H2D)
+            pinned = self.client.pin(self.namespace, spec.hashes, timeout=timeout, stream=True)
         if pinned is None:
             raise KVStoreError("the arena is not available")
         prepare(pinned.mapping, cuda=self.mover.cuda)  # a restarted daemon's new arena: once

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -284,7 +285,10 @@ class GrpcTransport:
             self.backlog.release(reserved)
 
     # ---- loads
-    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
+    def pin_all(self, specs: Sequence[LoadSpec], timeout: float) -> list[Any] | None:
+        return None  # streams: nothing is pinned
+
+    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float, pinned: Any = None) -> int:
         """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
         `done(layer_name, event)` is called as each layer is placed."""
         stream = self._open_stream(spec.hashes, timeout)

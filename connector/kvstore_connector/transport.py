@@ -100,9 +100,16 @@ class Transport(Protocol):
         would raise."""
         ...
 
-    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float) -> int:
+    def load(self, spec: LoadSpec, pending: list[str], done: Done, timeout: float, pinned: Any = None) -> int:
         """Load the stored prefix of spec.hashes into its paged blocks; the blocks loaded.
-        Each layer's name leaves `pending` and is reported to `done` as it is written."""
+        Each layer's name leaves `pending` and is reported to `done` as it is written.
+        `pinned`: what pin_all answered for this spec (the load then starts on it)."""
+        ...
+
+    def pin_all(self, specs: Sequence[LoadSpec], timeout: float) -> list[Any] | None:
+        """The step's loads pinned in one round trip where the transport can (each answer
+        for load(pinned=...): a pin, or the KVStoreError its pin alone would raise); None:
+        each load pins its own."""
         ...
 
     def describe(self) -> str:

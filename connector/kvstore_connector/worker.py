@@ -109,7 +109,7 @@ class WorkerSide:
         # one sender thread: a request's layers reach its stream in order
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
         self._gates = _LayerGates([], 0)
-        self._load_jobs: list[tuple[LoadSpec, Future[None]]] = []
+        self._load_jobs: list[tuple[LoadSpec, Future[None], Any]] = []  # (spec, job, its pin_all answer)
         self._abandoned = False  # this step's loads were given up: layers stop waiting
         self._load_errors: set[int] = set()
         self._streams: list[LayerStream] = []  # this step's Get/DropSelect calls
@@ -196,17 +196,29 @@ class WorkerSide:
         loads = [spec for spec in meta.loads if spec.block_ids]
         self._gates = _LayerGates([s.name for s in self._specs], len(loads))
         self._abandoned = False
+        # several loads: pinned together, one round trip (PinMany), before they start
+        pins = self._pin_all(loads)
         if self._load_inline:
             # CPU: the copies and the forward pass share the same cores, so loading
             # beside the forward only slows it (and the two threads fight over the
             # GIL); loading first, in this thread, gave the lowest time to first token.
-            for spec in loads:
-                self._load_one(spec, self._gates)
+            for spec, pinned in zip(loads, pins, strict=True):
+                self._load_one(spec, self._gates, pinned)
             self._load_jobs = []
             return
-        self._load_jobs = [(spec, self._loader.submit(self._load_one, spec, self._gates)) for spec in loads]
+        self._load_jobs = [
+            (spec, self._loader.submit(self._load_one, spec, self._gates, pinned), pinned)
+            for spec, pinned in zip(loads, pins, strict=True)
+        ]
 
-    def _load_one(self, spec: LoadSpec, gates: _LayerGates) -> None:
+    def _pin_all(self, loads: list[LoadSpec]) -> list[Any]:
+        transport = self._transport
+        if transport is None or len(loads) < 2 or not self.health.available():
+            return [None] * len(loads)
+        pins = transport.pin_all(loads, self.config.load_timeout)
+        return pins if pins is not None else [None] * len(loads)
+
+    def _load_one(self, spec: LoadSpec, gates: _LayerGates, pinned: Any = None) -> None:
         pending = [s.name for s in self._specs]
         started = time.perf_counter()
         loaded_blocks = 0
@@ -214,7 +226,7 @@ class WorkerSide:
             transport = self._transport
             if transport is None:
                 raise RuntimeError("load before register_kv_caches")
-            loaded_blocks = transport.load(spec, pending, gates.done, self.config.load_timeout)
+            loaded_blocks = transport.load(spec, pending, gates.done, self.config.load_timeout, pinned)
             self.health.ok()
         except (KVStoreError, RuntimeError, ValueError) as exc:
             self.health.failed("load", exc)
@@ -259,15 +271,17 @@ class WorkerSide:
         # once vLLM starts recomputing those blocks.
         with self._errors_lock:
             self._abandoned = True
-            for spec, job in self._load_jobs:
+            for spec, job, pinned in self._load_jobs:
                 if job.cancel():  # never started: nothing of it reached the paged buffer
                     self._load_errors.update(spec.block_ids)
+                    if pinned is not None and not isinstance(pinned, Exception):
+                        pinned.release()  # pinned ahead (pin_all): not held until its lease ends
             for stream in self._streams:
                 stream.cancel()
 
     def block_ids_with_load_errors(self) -> set[int]:
         deadline = time.monotonic() + self.config.load_timeout
-        for _spec, job in self._load_jobs:
+        for _spec, job, _pinned in self._load_jobs:
             if job.cancelled():
                 continue
             try:

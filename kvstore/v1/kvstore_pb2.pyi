@@ -587,7 +587,7 @@ class ArenaRun(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., extent_blocks: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
-    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds", "stop_reason")
+    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds", "stop_reason", "refused_code", "refused")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -596,6 +596,8 @@ class PinResponse(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_KINDS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     num_blocks: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
@@ -604,7 +606,29 @@ class PinResponse(_message.Message):
     lease_seconds: float
     checksum_kinds: _containers.RepeatedScalarFieldContainer[str]
     stop_reason: StopReason
-    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ...) -> None: ...
+    refused_code: int
+    refused: str
+    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class PinManyRequest(_message.Message):
+    __slots__ = ("namespace", "chains")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    namespace: bytes
+    chains: _containers.RepeatedCompositeFieldContainer[PinChain]
+    def __init__(self, namespace: _Optional[bytes] = ..., chains: _Optional[_Iterable[_Union[PinChain, _Mapping]]] = ...) -> None: ...
+
+class PinChain(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PinManyResponse(_message.Message):
+    __slots__ = ("pins",)
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    pins: _containers.RepeatedCompositeFieldContainer[PinResponse]
+    def __init__(self, pins: _Optional[_Iterable[_Union[PinResponse, _Mapping]]] = ...) -> None: ...
 
 class PinProgress(_message.Message):
     __slots__ = ("pin", "ready_layers", "stop_reason", "ready_blocks")

@@ -119,6 +119,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.PinMany = channel.unary_unary(
+                '/kvstore.v1.KVStore/PinMany',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinManyResponse.FromString,
+                _registered_method=True)
         self.PinStream = channel.unary_stream(
                 '/kvstore.v1.KVStore/PinStream',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
@@ -236,6 +241,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PinStream(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -335,6 +346,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinResponse.SerializeToString,
+            ),
+            'PinMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinMany,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PinManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PinManyResponse.SerializeToString,
             ),
             'PinStream': grpc.unary_stream_rpc_method_handler(
                     servicer.PinStream,
@@ -806,6 +822,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Pin',
             kvstore_dot_v1_dot_kvstore__pb2.PinRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/PinMany',
+            kvstore_dot_v1_dot_kvstore__pb2.PinManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PinManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

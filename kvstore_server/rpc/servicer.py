@@ -472,6 +472,25 @@ class Servicer:
         return _pin_message(pin)
 
     @translated
+    def PinMany(self, request: pb.PinManyRequest, context: grpc.ServicerContext) -> pb.PinManyResponse:
+        """Pin each chain (a step's loads): one that Pin would refuse is refused on its own,
+        with that status code, and the others go on."""
+        self._memory_offered()
+        if len(request.chains) > wire.MAX_RESERVE_CHAINS:
+            raise InvalidRequest(f"{len(request.chains)} chains; the limit is {wire.MAX_RESERVE_CHAINS}")
+        namespace = self._ns(context, request.namespace)
+        prefix = self.scope.prefix(context)
+        pins = []
+        with self.reclaim.busy():
+            for chain in request.chains:
+                try:
+                    hashes = check_hashes(chain.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
+                    pins.append(_pin_message(self.store.pin(prefix, namespace, hashes)))
+                except REFUSALS as exc:
+                    pins.append(pb.PinResponse(refused_code=status_of(exc).value[0], refused=str(exc)))
+        return pb.PinManyResponse(pins=pins)
+
+    @translated
     def PinStream(self, request: pb.PinRequest, context: grpc.ServicerContext) -> Iterator[pb.PinProgress]:
         self._memory_offered()
         namespace = self._ns(context, request.namespace)
@@ -634,6 +653,7 @@ def generic_handler(servicer: Servicer) -> grpc.GenericRpcHandler:
         ("CommitMany", pb.CommitManyRequest, pb.CommitManyResponse),
         ("Abort", pb.AbortRequest, pb.AbortResponse),
         ("Pin", pb.PinRequest, pb.PinResponse),
+        ("PinMany", pb.PinManyRequest, pb.PinManyResponse),
         ("Release", pb.ReleaseRequest, pb.ReleaseResponse),
     ):
         handlers[name] = unary(getattr(servicer, name), _decoder(request), response.SerializeToString)

@@ -103,6 +103,7 @@ CASES = {
     "CommitMany": 100,
     "Abort": 60,
     "Pin": 160,
+    "PinMany": 100,
     "PinStream": 100,
     "Release": 100,
 }
@@ -215,6 +216,10 @@ def unary_seeds() -> dict[str, list[Message]]:
         "Pin": [
             pb.PinRequest(namespace=FUZZ_NS, block_hashes=STORED),
             pb.PinRequest(namespace=FUZZ_NS2, block_hashes=MISSING),
+        ],
+        "PinMany": [
+            pb.PinManyRequest(namespace=FUZZ_NS, chains=[pb.PinChain(block_hashes=STORED), pb.PinChain()]),
+            pb.PinManyRequest(namespace=FUZZ_NS2, chains=[pb.PinChain(block_hashes=MISSING)]),
         ],
         "PinStream": [
             pb.PinRequest(namespace=FUZZ_NS, block_hashes=STORED),
@@ -503,7 +508,7 @@ def fresh_elements(rng: random.Random, f: FieldDescriptor, n: int) -> list[objec
 
 def fill_layer(rng: random.Random, spec: Message, i: int) -> None:
     """A plausible element of a repeated message field: a layer, or a chain of a ReserveMany."""
-    if isinstance(spec, pb.ReserveChain):
+    if isinstance(spec, pb.ReserveChain | pb.PinChain):
         spec.block_hashes[:] = [rng.randbytes(32) for _ in range(rng.randint(1, 3))]
         return
     if isinstance(spec, pb.CommitRequest):

@@ -386,6 +386,34 @@ def test_a_steps_saves_are_reserved_together_and_one_refused_save_stops_no_other
     worker.close()
 
 
+@BOTH
+def test_a_steps_loads_are_pinned_together_and_land_bit_exactly(make_daemon, transport: str) -> None:
+    """Several requests loading in one step: through the arena, one PinMany for all of
+    them (a miss among them loads nothing and is recomputed), then each copied into its
+    own paged blocks."""
+    d = make_daemon(extra_args=["--metrics-port", "0"])
+    prompts = [block_hashes(INFO.hash_root, [t + 100 * k for t in PROMPT], BS)[:3] for k in range(4)]
+    stored = [store_blocks(d.address, hashes, seed=k) for k, hashes in enumerate(prompts[:3])]
+    worker, caches = make_worker(d.address, **TRANSPORTS[transport])
+    loads = [LoadSpec(f"r{k}", hashes, [1 + 3 * k, 2 + 3 * k, 3 + 3 * k]) for k, hashes in enumerate(prompts)]
+    before = scrape(d.metrics_url)
+    errors = run_step(worker, KVStoreConnectorMetadata(loads=loads), caches)
+    after = scrape(d.metrics_url)
+    assert errors == {10, 11, 12}  # the fourth prompt was never stored
+    arena = transport == "arena"
+    assert calls(after, "PinMany") - calls(before, "PinMany") == (1 if arena else 0)
+    assert calls(after, "PinStream") == calls(before, "PinStream") and calls(after, "Pin") == calls(
+        before, "Pin"
+    )
+    for k, layers in enumerate(stored):
+        for name in LAYERS:
+            got = caches[name][1 + 3 * k : 4 + 3 * k]
+            assert got.view(torch.uint8).equal(layers[name].view(torch.uint8))
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["blocks_loaded"] == 9 and stats.data["load_errors"] == 3
+    worker.close()
+
+
 def test_saves_reserved_ahead_are_given_back_when_their_step_saves_no_layer(daemon) -> None:
     """start_load_kv reserves the step's saves ahead; a step that then saves no layer
     (never expected of vLLM) gives the reservations back at its end instead of holding

@@ -565,9 +565,9 @@ def test_reserve_and_commit_many_answer_each_as_one_call_would_in_one_round_trip
 def test_reserve_and_commit_many_against_a_daemon_without_them_go_one_by_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A client newer than its daemon (one without ReserveMany and CommitMany:
-    UNIMPLEMENTED) still gets one answer per chain and per commit, from a Reserve or a
-    Commit each."""
+    """A client newer than its daemon (one without ReserveMany, CommitMany and PinMany:
+    UNIMPLEMENTED) still gets one answer per chain and per commit, from a Reserve, a
+    Commit or a Pin each."""
     import grpc
 
     import kvstore_server.main as daemon_main
@@ -578,7 +578,7 @@ def test_reserve_and_commit_many_against_a_daemon_without_them_go_one_by_one(
         handlers = {
             name: handler
             for name, handler in generic_handler(servicer)._method_handlers.items()
-            if not name.endswith(("/ReserveMany", "/CommitMany"))
+            if not name.endswith(("/ReserveMany", "/CommitMany", "/PinMany"))
         }
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME, {n.rsplit("/", 1)[1]: h for n, h in handlers.items()}
@@ -604,5 +604,38 @@ def test_reserve_and_commit_many_against_a_daemon_without_them_go_one_by_one(
             assert not isinstance(result, Exception) and result.blocks_written == 2
             assert calls(scrape(server.metrics_url), "Commit") == 1
             assert_same(kv.select(NS, a), layers)
+            pins = kv.pin_many(NS, [a, [b"short"]])  # a Pin each
+            assert pins is not None and isinstance(pins[1], errors.InvalidRequest)
+            assert not isinstance(pins[0], Exception) and pins[0].num_blocks == 2
+            pins[0].release()
     finally:
         server.stop()
+
+
+@both_backends
+def test_pin_many_pins_each_chain_promoting_the_cold_ones_and_refuses_a_bad_one_alone(make_daemon) -> None:
+    """A step's loads pinned together: a chain in memory, one only the persistent tier
+    holds (promoted before the answer: all its layers in place), a miss, and a malformed
+    chain refused on its own; each pin holds and releases like a Pin."""
+    d = make_daemon()
+    hashes, layers = chain("many-pins", 6), make_layers(6, seed=5)
+    _only_in_the_persistent_tier(d, hashes[:3], rows(layers, 0, 3))
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes[3:], rows(layers, 3, 6), parent=hashes[2]) == 3
+        pins = kv.pin_many(NS, [hashes[3:], hashes[:3], chain("many-pins-miss", 2), [b"not a hash"]])
+        assert pins is not None and len(pins) == 4
+        hot, cold, miss, bad = pins
+        assert isinstance(bad, errors.InvalidRequest)
+        assert not isinstance(miss, Exception) and miss.num_blocks == 0
+        for pinned, first in ((hot, 3), (cold, 0)):
+            assert not isinstance(pinned, Exception) and pinned.num_blocks == 3
+            assert pinned.ready_layers == len(layers)  # in place: no stream to wait on
+            assert pinned.verify() is None
+            for i, name in enumerate(layers):
+                got = torch.cat([view for _, view in pinned.pieces(i)])
+                assert torch.equal(got.view(torch.int16), layers[name][first : first + 3].view(torch.int16))
+        assert kv.stats()["pinned_bytes"] > 0
+        for pinned in (hot, cold, miss):
+            assert not isinstance(pinned, Exception)
+            pinned.release()
+        assert kv.stats()["pinned_bytes"] == 0
