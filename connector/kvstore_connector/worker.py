@@ -40,6 +40,11 @@ from kvstore_connector.transport import Save, Transport
 log = logging.getLogger("vllm." + __name__)
 
 
+# A step's loads of at most this many bytes in all are pinned together (one PinMany): their
+# per-request round trips cost more than streaming would save; larger ones stream.
+_PIN_TOGETHER_BYTES = 64 << 20
+
+
 class _LayerGates:
     """Per layer: set once every load of this step has written that layer (or given up)."""
 
@@ -212,8 +217,17 @@ class WorkerSide:
         ]
 
     def _pin_all(self, loads: list[LoadSpec]) -> list[Any]:
+        """Pins of a step's small loads made together (what each load then starts from);
+        None each: every load pins its own, streamed (PinStream: a cold load's copies
+        overlap its reads, where PinMany waits for them), as large loads do."""
         transport = self._transport
-        if transport is None or len(loads) < 2 or not self.health.available():
+        blocks = sum(len(spec.block_ids) for spec in loads)
+        if (
+            transport is None
+            or len(loads) < 2
+            or blocks * self._block_bytes > _PIN_TOGETHER_BYTES
+            or not self.health.available()
+        ):
             return [None] * len(loads)
         pins = transport.pin_all(loads, self.config.load_timeout)
         return pins if pins is not None else [None] * len(loads)

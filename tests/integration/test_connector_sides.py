@@ -414,6 +414,27 @@ def test_a_steps_loads_are_pinned_together_and_land_bit_exactly(make_daemon, tra
     worker.close()
 
 
+def test_a_steps_large_loads_each_stream_their_own_pin(make_daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads over the together budget are not pinned together: each streams its own pin
+    (PinStream), so a cold one's copies overlap its reads."""
+    from kvstore_connector import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_PIN_TOGETHER_BYTES", 1)
+    d = make_daemon(extra_args=["--metrics-port", "0"])
+    prompts = [block_hashes(INFO.hash_root, [t + 100 * k for t in PROMPT], BS)[:2] for k in range(2)]
+    for k, hashes in enumerate(prompts):
+        store_blocks(d.address, hashes, seed=k)
+    worker, caches = make_worker(d.address)
+    with KVStoreClient(d.address, arena=False) as kv:
+        pins = kv.stats()["pins"]
+        before = scrape(d.metrics_url)
+        loads = [LoadSpec(f"r{k}", hashes, [1 + 2 * k, 2 + 2 * k]) for k, hashes in enumerate(prompts)]
+        assert run_step(worker, KVStoreConnectorMetadata(loads=loads), caches) == set()
+        assert calls(scrape(d.metrics_url), "PinMany") == calls(before, "PinMany")
+        assert kv.stats()["pins"] - pins == 2  # a pin each (PinStream: counted when it ends)
+    worker.close()
+
+
 def test_saves_reserved_ahead_are_given_back_when_their_step_saves_no_layer(daemon) -> None:
     """start_load_kv reserves the step's saves ahead; a step that then saves no layer
     (never expected of vLLM) gives the reservations back at its end instead of holding
