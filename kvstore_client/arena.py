@@ -836,8 +836,10 @@ class Arena:
             return [_put_result(None) for _ in items]
         try:
             resp = self._call("CommitMany", pb.CommitManyRequest(commits=sent), timeout)
-        except errors.StoreInternalError as exc:
+        except errors.KVStoreError as exc:
             if exc.code != "UNIMPLEMENTED":
+                for res, _, _ in items:
+                    res.done = False  # not committed, as far as we know: abort() may give them back
                 raise
             answers = [_one_commit(self._call, req, timeout) for req in sent]
         else:
@@ -871,7 +873,10 @@ class Arena:
             except errors.KVStoreError as exc:
                 out.append(exc)
                 continue
-            if res is None:
+            if res is None:  # the arena went away meanwhile: the ones made are given back
+                for made in out:
+                    if isinstance(made, Reservation):
+                        made.abort()
                 return None
             out.append(res)
         return out

@@ -324,9 +324,7 @@ class ArenaTransport:
             answers = self.client.commit_many(
                 [(save.reservation, sums, kind) for _, save, sums, kind in batch]
             )
-        except KVStoreError as exc:
-            for _, save, _, _ in batch:
-                save.reservation.done = False  # not committed, as far as we know: abortable
+        except KVStoreError as exc:  # the call as a whole (its reservations stay abortable)
             answers = [exc] * len(batch)
         for (i, save, _, _), answer in zip(batch, answers, strict=True):
             if isinstance(answer, Exception):
