@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_server.errors import InvalidRequest
-from kvstore_server.rpc.validation import check_layers
+from kvstore_server.rpc.validation import check_layers, check_record_size
 
 
 def specs(rows: list[tuple[str, str, list[int]]]) -> list[pb.LayerSpec]:
@@ -27,3 +27,14 @@ def test_a_layout_sent_again_is_the_one_checked_before_and_a_bad_one_is_refused_
             check_layers(bad)
     with pytest.raises(InvalidRequest, match="unsupported dtype"):
         check_layers(specs([("x", "complex32", [4])]))
+
+
+def test_a_record_larger_than_its_data_is_refused_each_time_and_a_fitting_one_never() -> None:
+    small = check_layers(specs([(f"l{i}", "bfloat16", [16, 128]) for i in range(8)]))
+    bloated = check_layers(specs([(f"{'n' * 200}.{i}", "bool", [1]) for i in range(64)]))
+    for _ in range(2):  # the second time from what the first measured
+        check_record_size(b"ns", b"h" * 32, small)
+        with pytest.raises(InvalidRequest, match="names and specs take .* bytes per block"):
+            check_record_size(b"ns", b"h" * 32, bloated)
+    with pytest.raises(InvalidRequest, match="names and specs"):  # a longer namespace: measured anew
+        check_record_size(b"n" * 200, b"h" * 32, bloated)
