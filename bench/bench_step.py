@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from daemon import Daemon  # noqa: E402  (tests/daemon.py: a daemon process on a free port)
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo  # noqa: E402
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
-from kvstore_connector.transport import commit_each, open_each  # noqa: E402
+from kvstore_connector.transport import commit_each  # noqa: E402
 from kvstore_connector.worker import WorkerSide  # noqa: E402
 
 from kvstore_client.hashing import block_hashes  # noqa: E402
@@ -61,8 +61,7 @@ def run(args: argparse.Namespace, address: str, requests: int, how: str) -> dict
     if transport is None:
         raise SystemExit("the worker has no transport")
     if how == ONE_BY_ONE:  # a Reserve, a Commit and a Pin per request, as before the *Many calls
-        transport.reserve_all = lambda specs: None  # type: ignore[method-assign]
-        transport.open_all = lambda specs: open_each(transport, specs)  # type: ignore[method-assign]
+        transport.reserve_all = lambda specs: None  # type: ignore[method-assign]  (then opened one by one)
         transport.commit_all = lambda saves: commit_each(transport, saves)  # type: ignore[method-assign]
         transport.pin_all = lambda specs, timeout: None  # type: ignore[method-assign]
     opens, saves_s, loads_s = [], [], []

@@ -30,7 +30,7 @@ MAX_SHAPE_DIMS: Final = 8
 MAX_BLOCKS_PER_LOOKUP: Final = 65536
 MAX_LOOKUP_NAMESPACES: Final = 64
 MAX_BLOCKS_PER_PUT: Final = 8192
-MAX_RESERVE_CHAINS: Final = 1024  # chains of one ReserveMany or PinMany, commits of one CommitMany
+MAX_MANY: Final = 1024  # chains of one ReserveMany or PinMany, commits of one CommitMany
 MAX_TOKENS_PER_BLOCK: Final = 4096  # token ids a put may give per block (KV events)
 # A block's metadata record may be as large as its data, or this when the data is smaller.
 MAX_RECORD_FLOOR: Final = 4096

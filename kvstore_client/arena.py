@@ -275,11 +275,31 @@ def _put_result(resp: Any) -> Any:
     return PutResult(resp.blocks_written, resp.blocks_skipped, resp.bytes_written, resp.blocks_evicted)
 
 
-def _one_commit(call: Call, req: Any, timeout: float | None) -> Any:
-    try:
-        return _put_result(call("Commit", req, timeout))
-    except errors.KVStoreError as exc:
-        return exc
+def _answered(answer: Any, make: Callable[[Any], Any]) -> Any:
+    """One item's answer of a *Many call: make(answer), or the error it was refused with."""
+    return errors.from_code(answer.refused_code, answer.refused) if answer.refused_code else make(answer)
+
+
+def _each(
+    items: Sequence[Any], one: Callable[[Any], Any], undo: Callable[[Any], Any] | None
+) -> list[Any] | None:
+    """one(item) for each item (a daemon without the *Many call): each result, or the
+    KVStoreError it raised; None when one answered None (no arena any more), after undo()
+    of the results made before."""
+    out: list[Any] = []
+    for item in items:
+        try:
+            result = one(item)
+        except errors.KVStoreError as exc:
+            out.append(exc)
+            continue
+        if result is None:
+            for made in out:
+                if undo is not None and not isinstance(made, errors.KVStoreError):
+                    undo(made)
+            return None
+        out.append(result)
+    return out
 
 
 class Reservation:
@@ -802,24 +822,17 @@ class Arena:
             ],  # fmt: skip
         )
         try:
-            resp = self._call("ReserveMany", req, timeout)
+            answers = self._many("ReserveMany", req, "reservations", len(chains), timeout)
         except errors.NotOffered:
             self._off()
             return None
-        except errors.StoreInternalError as exc:
-            if exc.code != "UNIMPLEMENTED":
-                raise
-            return self._reserve_each(namespace, chains, layers, timeout, subset)
-        if len(resp.reservations) != len(chains):
-            raise errors.StoreInternalError(
-                f"ReserveMany answered {len(resp.reservations)} of {len(chains)} chains"
-            )
-        return [
-            Reservation(self._call, mapping, answer, held)
-            if not answer.refused_code
-            else errors.from_code(answer.refused_code, answer.refused)
-            for answer in resp.reservations
-        ]
+        if answers is None:
+
+            def one(c: Chain) -> Reservation | None:
+                return self.reserve(namespace, c.hashes, layers, c.parent_hash, timeout, c.token_ids, subset)
+
+            return _each(chains, one, Reservation.abort)
+        return [_answered(answer, lambda a: Reservation(self._call, mapping, a, held)) for answer in answers]
 
     def commit_many(
         self,
@@ -835,51 +848,39 @@ class Arena:
         if not sent:
             return [_put_result(None) for _ in items]
         try:
-            resp = self._call("CommitMany", pb.CommitManyRequest(commits=sent), timeout)
-        except errors.KVStoreError as exc:
-            if exc.code != "UNIMPLEMENTED":
-                for res, _, _ in items:
-                    res.done = False  # not committed, as far as we know: abort() may give them back
-                raise
-            answers = [_one_commit(self._call, req, timeout) for req in sent]
+            answers = self._many(
+                "CommitMany", pb.CommitManyRequest(commits=sent), "answers", len(sent), timeout
+            )
+        except errors.KVStoreError:
+            for res, _, _ in items:
+                res.done = False  # not committed, as far as we know: abort() may give them back
+            raise
+        if answers is None:
+            results = _each(sent, lambda req: _put_result(self._call("Commit", req, timeout)), None) or []
         else:
-            if len(resp.answers) != len(sent):
-                raise errors.StoreInternalError(
-                    f"CommitMany answered {len(resp.answers)} of {len(sent)} commits"
-                )
-            answers = [
-                errors.from_code(a.refused_code, a.refused) if a.refused_code else _put_result(a.result)
-                for a in resp.answers
-            ]
-        got = iter(answers)
+            results = [_answered(answer, lambda a: _put_result(a.result)) for answer in answers]
+        got = iter(results)
         out = [next(got) if req is not None else _put_result(None) for req in requests]
         for (res, _, _), answer in zip(items, out, strict=True):
             if isinstance(answer, errors.KVStoreError):
                 res.done = False  # not committed: abort() gives the extent back
         return out
 
-    def _reserve_each(
-        self,
-        namespace: bytes,
-        chains: Sequence[Chain],
-        layers: Sequence[Any],
-        timeout: float | None,
-        subset: Sequence[int],
-    ) -> list[Reservation | errors.KVStoreError] | None:
-        out: list[Reservation | errors.KVStoreError] = []
-        for c in chains:
-            try:
-                res = self.reserve(namespace, c.hashes, layers, c.parent_hash, timeout, c.token_ids, subset)
-            except errors.KVStoreError as exc:
-                out.append(exc)
-                continue
-            if res is None:  # the arena went away meanwhile: the ones made are given back
-                for made in out:
-                    if isinstance(made, Reservation):
-                        made.abort()
-                return None
-            out.append(res)
-        return out
+    def _many(
+        self, method: str, request: Any, field: str, count: int, timeout: float | None
+    ) -> list[Any] | None:
+        """The answers of a *Many call (its response's `field`), one per item, in order;
+        None from a daemon that predates the call (UNIMPLEMENTED): ask item by item."""
+        try:
+            resp = self._call(method, request, timeout)
+        except errors.StoreInternalError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            return None
+        answers = list(getattr(resp, field))
+        if len(answers) != count:
+            raise errors.StoreInternalError(f"{method} answered {len(answers)} of {count}")
+        return answers
 
     def pin(
         self, namespace: bytes, hashes: Sequence[bytes], timeout: float | None = None, *, stream: bool = False
@@ -922,31 +923,14 @@ class Arena:
         sent = time.monotonic()
         request = pb.PinManyRequest(namespace=namespace, chains=[pb.PinChain(block_hashes=c) for c in chains])
         try:
-            resp = self._call("PinMany", request, timeout)
+            answers = self._many("PinMany", request, "pins", len(chains), timeout)
         except errors.NotOffered:
             self._off()
             return None
-        except errors.StoreInternalError as exc:
-            if exc.code != "UNIMPLEMENTED":
-                raise
-            out: list[Pinned | errors.KVStoreError] = []
-            for hashes in chains:
-                try:
-                    pinned = self.pin(namespace, hashes, timeout)
-                except errors.KVStoreError as refused:
-                    out.append(refused)
-                    continue
-                if pinned is None:
-                    return None
-                out.append(pinned)
-            return out
-        if len(resp.pins) != len(chains):
-            raise errors.StoreInternalError(f"PinMany answered {len(resp.pins)} of {len(chains)} chains")
+        if answers is None:
+            return _each(chains, lambda hashes: self.pin(namespace, hashes, timeout), Pinned.release)
         return [
-            errors.from_code(pin.refused_code, pin.refused)
-            if pin.refused_code
-            else Pinned(self._call, mapping, pin, self._spec_type, sent)
-            for pin in resp.pins
+            _answered(pin, lambda a: Pinned(self._call, mapping, a, self._spec_type, sent)) for pin in answers
         ]
 
     def _off(self) -> None:

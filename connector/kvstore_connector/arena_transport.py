@@ -156,15 +156,11 @@ class ArenaTransport:
             return self._not_reserved(spec, exc)
         return self._reserved(spec, res)
 
-    def open_all(self, specs: Sequence[SaveSpec]) -> Opened:
-        """The step's saves reserved in one round trip (ReserveMany), each then as open()
-        makes it; one refused goes to the fallback on its own, an outage fails them all."""
-        return self.open_reserved(specs, self.reserve_all(specs))
-
     def reserve_all(self, specs: Sequence[SaveSpec]) -> Reserved:
-        """open_all's round trip, with no device work (any thread may run it): an answer per
-        spec (a Reservation, a refusal, or the outage), or None: open them one by one (a
-        single save, no arena, ReserveMany refused as a whole)."""
+        """The step's saves reserved in one round trip (ReserveMany), with no device work
+        (any thread may run it): an answer per spec (a Reservation, a refusal, or the
+        outage), or None: open them one by one (a single save, no arena, ReserveMany
+        refused as a whole)."""
         if len(specs) < 2:
             return None
         chains = [Chain(spec.hashes, spec.parent_hash, spec.token_ids) for spec in specs]
@@ -178,10 +174,9 @@ class ArenaTransport:
             log.debug("ReserveMany refused, reserving save by save: %s", exc)
             return None
 
-    def open_reserved(
-        self, specs: Sequence[SaveSpec], reserved: Reserved
-    ) -> list[Save | None | KVStoreError]:
-        """The saves of reserve_all's answers (the forward thread: their device tensors)."""
+    def open_reserved(self, specs: Sequence[SaveSpec], reserved: Reserved) -> Opened:
+        """The saves of reserve_all's answers (the forward thread: their device tensors);
+        one refused goes to the fallback on its own, an outage fails them all."""
         if reserved is None:
             return open_each(self, specs)
         out: list[Save | None | KVStoreError] = []
@@ -290,13 +285,15 @@ class ArenaTransport:
             if self.fallback is None:
                 raise TypeError("a save the arena transport did not open")
             return self.fallback.commit(save)
+        sums = self._sums(save)
+        if sums is None:
+            return None
         try:
-            sums = self._sums(save)
-            result = None if sums is None else save.reservation.commit(sums[0], kind=sums[1])
+            result = save.reservation.commit(sums[0], kind=sums[1])
         except Exception:
             save.reservation.abort()
             raise
-        return None if result is None else Committed(result.blocks_written, save.reservation.num_blocks)
+        return Committed(result.blocks_written, save.reservation.num_blocks)
 
     def commit_all(self, saves: Sequence[Save]) -> list[Committed | None | Exception]:
         """commit() of each of a step's saves, the arena's in one round trip (CommitMany)."""
@@ -307,11 +304,7 @@ class ArenaTransport:
                 if not isinstance(save, ArenaSave):
                     out[i] = self.commit(save)  # the fallback's
                     continue
-                try:
-                    sums = self._sums(save)
-                except Exception:
-                    save.reservation.abort()
-                    raise
+                sums = self._sums(save)
             except (KVStoreError, ValueError, RuntimeError) as exc:
                 out[i] = exc
                 continue
@@ -336,7 +329,15 @@ class ArenaTransport:
 
     def _sums(self, save: ArenaSave) -> tuple[Any, str] | None:
         """Wait for the save's copies; its checksums, block-major, and their kind (None:
-        every block was stored already, nothing to commit)."""
+        every block was stored already, nothing to commit). When they cannot be taken, the
+        reservation is given back and the error raised."""
+        try:
+            return self._checksums(save)
+        except Exception:
+            save.reservation.abort()
+            raise
+
+    def _checksums(self, save: ArenaSave) -> tuple[Any, str] | None:
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None

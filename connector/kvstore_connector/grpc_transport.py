@@ -222,16 +222,11 @@ class GrpcTransport:
             raise
         return GrpcSave(spec, stream, time.perf_counter(), reserved)
 
-    def open_all(self, specs: Sequence[SaveSpec]) -> Opened:
-        return open_each(self, specs)  # a stream per save: nothing to batch
-
     def reserve_all(self, specs: Sequence[SaveSpec]) -> Reserved:
         return None  # nothing to do ahead: a stream opens without a round trip
 
-    def open_reserved(
-        self, specs: Sequence[SaveSpec], reserved: Reserved
-    ) -> list[Save | None | KVStoreError]:
-        return open_each(self, specs)
+    def open_reserved(self, specs: Sequence[SaveSpec], reserved: Reserved) -> Opened:
+        return open_each(self, specs)  # a stream per save: nothing to batch
 
     def unreserve(self, reserved: Reserved) -> None:
         return None

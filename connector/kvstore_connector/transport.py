@@ -41,7 +41,7 @@ class Save(Protocol):
 Reserved = list[Any] | None
 """What Transport.reserve_all returns: the transport's own answers per save, or None."""
 Opened = list[Save | None | KVStoreError]
-"""What Transport.open_all returns: per save, a Save, None (dropped) or the refusal."""
+"""What Transport.open_reserved returns: per save, a Save, None (dropped) or the refusal."""
 
 
 @dataclass(frozen=True)
@@ -60,21 +60,15 @@ class Transport(Protocol):
         KVStoreError when the store refused or could not be reached."""
         ...
 
-    def open_all(self, specs: Sequence[SaveSpec]) -> Opened:
-        """open() of each of a step's saves, in order (in one round trip where the transport
-        can): each a Save, None (dropped), or the KVStoreError that open() would raise.
-        The same as open_reserved(specs, reserve_all(specs))."""
-        ...
-
     def reserve_all(self, specs: Sequence[SaveSpec]) -> Reserved:
-        """open_all's round trip alone, with no device work: any thread may run it ahead
-        of the step (None: nothing done ahead)."""
+        """A step's saves reserved (in one round trip where the transport can), with no
+        device work: any thread may run it ahead of the step (None: nothing done ahead)."""
         ...
 
-    def open_reserved(
-        self, specs: Sequence[SaveSpec], reserved: Reserved
-    ) -> list[Save | None | KVStoreError]:
-        """open_all's saves of what reserve_all(specs) returned (the forward thread)."""
+    def open_reserved(self, specs: Sequence[SaveSpec], reserved: Reserved) -> Opened:
+        """open() of each of a step's saves, in order, from what reserve_all(specs)
+        returned (the forward thread: their device tensors): each a Save, None (dropped),
+        or the KVStoreError that open() would raise."""
         ...
 
     def unreserve(self, reserved: Reserved) -> None:
@@ -118,7 +112,7 @@ class Transport(Protocol):
 
 
 def open_each(transport: Transport, specs: Sequence[SaveSpec]) -> Opened:
-    """open_all, one open() after another."""
+    """open_reserved, one open() after another."""
     out: list[Save | None | KVStoreError] = []
     for spec in specs:
         try:

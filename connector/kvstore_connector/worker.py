@@ -345,7 +345,7 @@ class WorkerSide:
         if ahead is not None:
             opened = transport.open_reserved(specs, ahead[1].result())
         elif self.health.available():
-            opened = transport.open_all(specs)  # one round trip for the step's saves
+            opened = transport.open_reserved(specs, transport.reserve_all(specs))  # one round trip
         else:
             return
         for save in opened:

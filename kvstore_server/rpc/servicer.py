@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -371,18 +371,13 @@ class Servicer:
         """Reserve for each chain (one layout, a step's saves): a chain that Reserve would
         refuse is refused on its own, with that status code, and the others go on."""
         self._memory_offered()
-        if len(request.chains) > wire.MAX_RESERVE_CHAINS:
-            raise InvalidRequest(f"{len(request.chains)} chains; the limit is {wire.MAX_RESERVE_CHAINS}")
         namespace = self._ns(context, request.namespace)
         layers = check_layers(request.layers)
         subset = check_layer_subset(request.layer_subset, len(layers))
-        answers = []
-        for chain in request.chains:
-            try:
-                answers.append(self._reserve(context, namespace, layers, subset, chain))
-            except REFUSALS as exc:
-                code = status_of(exc)
-                answers.append(pb.ReserveResponse(refused_code=code.value[0], refused=str(exc)))
+        answers = _each(
+            request.chains, "chains", lambda chain: self._reserve(context, namespace, layers, subset, chain),
+            lambda code, why: pb.ReserveResponse(refused_code=code, refused=why),
+        )  # fmt: skip
         return pb.ReserveManyResponse(reservations=answers)
 
     def _reserve(
@@ -431,14 +426,10 @@ class Servicer:
         """Commit each (a step's saves): one that Commit would refuse is refused on its own,
         with that status code, and the others go on."""
         self._memory_offered()
-        if len(request.commits) > wire.MAX_RESERVE_CHAINS:
-            raise InvalidRequest(f"{len(request.commits)} commits; the limit is {wire.MAX_RESERVE_CHAINS}")
-        answers = []
-        for commit in request.commits:
-            try:
-                answers.append(pb.CommitAnswer(result=self._commit(commit, context)))
-            except REFUSALS as exc:
-                answers.append(pb.CommitAnswer(refused_code=status_of(exc).value[0], refused=str(exc)))
+        answers = _each(
+            request.commits, "commits", lambda commit: pb.CommitAnswer(result=self._commit(commit, context)),
+            lambda code, why: pb.CommitAnswer(refused_code=code, refused=why),
+        )  # fmt: skip
         return pb.CommitManyResponse(answers=answers)
 
     def _commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.PutResponse:
@@ -466,29 +457,27 @@ class Servicer:
     def Pin(self, request: pb.PinRequest, context: grpc.ServicerContext) -> pb.PinResponse:
         self._memory_offered()
         namespace = self._ns(context, request.namespace)
-        hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
         with self.reclaim.busy():
-            pin = self.store.pin(self.scope.prefix(context), namespace, hashes)
-        return _pin_message(pin)
+            return self._pin(context, namespace, request)
 
     @translated
     def PinMany(self, request: pb.PinManyRequest, context: grpc.ServicerContext) -> pb.PinManyResponse:
         """Pin each chain (a step's loads): one that Pin would refuse is refused on its own,
         with that status code, and the others go on."""
         self._memory_offered()
-        if len(request.chains) > wire.MAX_RESERVE_CHAINS:
-            raise InvalidRequest(f"{len(request.chains)} chains; the limit is {wire.MAX_RESERVE_CHAINS}")
         namespace = self._ns(context, request.namespace)
-        prefix = self.scope.prefix(context)
-        pins = []
         with self.reclaim.busy():
-            for chain in request.chains:
-                try:
-                    hashes = check_hashes(chain.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
-                    pins.append(_pin_message(self.store.pin(prefix, namespace, hashes)))
-                except REFUSALS as exc:
-                    pins.append(pb.PinResponse(refused_code=status_of(exc).value[0], refused=str(exc)))
+            pins = _each(
+                request.chains, "chains", lambda chain: self._pin(context, namespace, chain),
+                lambda code, why: pb.PinResponse(refused_code=code, refused=why),
+            )  # fmt: skip
         return pb.PinManyResponse(pins=pins)
+
+    def _pin(
+        self, context: grpc.ServicerContext, namespace: bytes, chain: pb.PinRequest | pb.PinChain
+    ) -> pb.PinResponse:
+        hashes = check_hashes(chain.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
+        return _pin_message(self.store.pin(self.scope.prefix(context), namespace, hashes))
 
     @translated
     def PinStream(self, request: pb.PinRequest, context: grpc.ServicerContext) -> Iterator[pb.PinProgress]:
@@ -597,6 +586,27 @@ def _block_info(info: Any, prefix: bytes = b"") -> pb.BlockInfo:
         last_access_at=info.entry.last_access,
         num_children=info.num_children,
     )
+
+
+T = TypeVar("T")
+A = TypeVar("A")
+
+
+def _each(
+    items: Sequence[T], what: str, answer: Callable[[T], A], refused: Callable[[int, str], A]
+) -> list[A]:
+    """A *Many call's answers: answer(item) for each item (at most wire.MAX_MANY), and for
+    an item that fails as its own call would, refused(that status code, why); the others
+    go on."""
+    if len(items) > wire.MAX_MANY:
+        raise InvalidRequest(f"{len(items)} {what}; the limit is {wire.MAX_MANY}")
+    out = []
+    for item in items:
+        try:
+            out.append(answer(item))
+        except REFUSALS as exc:
+            out.append(refused(status_of(exc).value[0], str(exc)))
+    return out
 
 
 def _pin_message(pin: PinResult) -> pb.PinResponse:
