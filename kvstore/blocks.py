@@ -191,19 +191,18 @@ class PackedSums(Sequence[int]):
         if len(packed) % 8:
             raise ValueError(f"{len(packed)} bytes of checksums: not a whole number of uint64s")
         self.packed = packed
-        self._view = memoryview(packed).cast("Q") if _LITTLE_ENDIAN else None
+        # a big-endian host (none that runs this yet) unpacks them at once
+        self._view: Sequence[int] = memoryview(packed).cast("Q") if _LITTLE_ENDIAN else _unpacked(packed)
 
     def __len__(self) -> int:
         return len(self.packed) // 8
 
     def __getitem__(self, index: Any) -> Any:
-        if self._view is None:
-            return tuple(_unpacked(self.packed))[index]
         found = self._view[index]
-        return tuple(found.tolist()) if isinstance(found, memoryview) else found
+        return tuple(found) if isinstance(found, memoryview | tuple) else found
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._view) if self._view is not None else iter(_unpacked(self.packed))
+        return iter(self._view)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedSums):
