@@ -890,7 +890,9 @@ class Daemon:
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if "ready" not in line:
             self.proc.kill()
-            raise SystemExit(f"the daemon did not start: {line!r}")
+            self.proc.wait()
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise SystemExit(f"the daemon did not start: {line!r}\n{tail}")
         self.address = line.split()[3]
         found = re.search(r"metrics=(\S+?)\)", line)
         self.metrics_url = found.group(1) if found else ""
