@@ -329,6 +329,9 @@ STOP_EVICTED = "evicted"
 STOP_NO_ROOM = "no_room"
 """A load through the memory tier: no room there to bring the block in from the
 persistent tier (a Get would read it)."""
+STOP_NOT_IN_MEMORY = "not_in_memory"
+"""A lease taken at lookup (LookupRequest.lease): the block is stored below the memory
+tier, and a lookup never waits for a promotion (the load's own Pin brings it in)."""
 STOP_UNKNOWN = "unknown"
 """The daemon (or the source of the read) did not say."""
 

@@ -31,6 +31,7 @@ MAX_BLOCKS_PER_LOOKUP: Final = 65536
 MAX_LOOKUP_NAMESPACES: Final = 64
 MAX_BLOCKS_PER_PUT: Final = 8192
 MAX_MANY: Final = 1024  # chains of one ReserveMany or PinMany, commits of one CommitMany
+MAX_LEASE_HOLDERS: Final = 1024  # LookupRequest.lease_holders
 MAX_TOKENS_PER_BLOCK: Final = 4096  # token ids a put may give per block (KV events)
 # A block's metadata record may be as large as its data, or this when the data is smaller.
 MAX_RECORD_FLOOR: Final = 4096
@@ -84,6 +85,7 @@ STOP_REASONS: Final[dict[str, pb.StopReason]] = {
     "checksum_failed": pb.STOP_REASON_CHECKSUM_FAILED,
     "evicted": pb.STOP_REASON_EVICTED,
     "no_room": pb.STOP_REASON_NO_ROOM,
+    "not_in_memory": pb.STOP_REASON_NOT_IN_MEMORY,
 }
 _STOP_NAMES: Final[dict[int, str]] = {value: name for name, value in STOP_REASONS.items()}
 

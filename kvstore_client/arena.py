@@ -910,6 +910,16 @@ class Arena:
             return None
         return Pinned(self._call, mapping, resp, self._spec_type, sent)
 
+    def leased(self, pin: pb.PinResponse, store_id: str, taken: float) -> Pinned | None:
+        """A lookup's lease of one namespace (kvstore_client.Lease: `pin`, its daemon run
+        and when it was taken) as a Pinned, to load from like a Pin's answer and release
+        after; None when this client cannot use it (no arena, or another daemon run's
+        arena mapped: the caller gives its share back, e.g. with release_lease)."""
+        mapping = self.mapping()
+        if mapping is None or mapping.store_id != store_id or not pin.pin_id:
+            return None
+        return Pinned(self._call, mapping, pin, self._spec_type, taken)
+
     def pin_many(
         self, namespace: bytes, chains: Sequence[Sequence[bytes]], timeout: float | None = None
     ) -> list[Pinned | errors.KVStoreError] | None:

@@ -47,7 +47,7 @@ from kvstore_client.arena import Arena, ArenaPutStream, ArenaSource, Pinned, Res
 from kvstore_client.arena import Mapping as ArenaMapping
 from kvstore_client.local import LocalReads
 from kvstore_client.streams import CallSource, LayerStream, PutStream, WatchStream
-from kvstore_client.types import Chain, EvictResult, LayerSpec, PutResult, Selection, Where
+from kvstore_client.types import Chain, EvictResult, LayerSpec, Lease, PutResult, Selection, Where
 
 if TYPE_CHECKING:
     import torch
@@ -211,23 +211,50 @@ class KVStoreClient:
         block_hashes: Sequence[bytes],
         *,
         timeout: float | None = None,
+        lease_from: int | None = None,
+        lease_holders: int = 1,
     ) -> Where:
         """lookup, and where the prefix lives: the tier each of its blocks is read from and
         how fast the tiers below memory read (what a loader weighs against recomputing).
-        One round trip, always (the daemon alone knows what is in its memory tier)."""
+        One round trip, always (the daemon alone knows what is in its memory tier).
+
+        `lease_from`: also lease the prefix's blocks from there on that the memory tier
+        holds (Where.lease: the pins a load would otherwise ask for, made in the same
+        round trip), until `lease_holders` releases (each loader of it releases its share)
+        or the daemon's lease runs out. A daemon that offers no arena, or predates leases,
+        leases nothing (Where.lease is None)."""
+        if lease_from is not None and lease_from < 0:
+            raise ValueError("lease_from must be >= 0")
+        if not 1 <= lease_holders <= wire.MAX_LEASE_HOLDERS:
+            raise ValueError(f"lease_holders must be in 1..{wire.MAX_LEASE_HOLDERS}")
+        leasing = lease_from is not None and lease_from < len(block_hashes)
+        req = pb.LookupRequest(
+            block_hashes=block_hashes, tiers=True, lease=leasing,
+            lease_from=lease_from or 0, lease_holders=lease_holders if leasing else 0,
+        )  # fmt: skip
         if isinstance(namespace, (str, bytes)):
-            req = pb.LookupRequest(namespace=_ns(namespace), block_hashes=block_hashes, tiers=True)
+            req.namespace = _ns(namespace)
         else:
-            req = pb.LookupRequest(
-                namespaces=[_ns(ns) for ns in namespace], block_hashes=block_hashes, tiers=True
-            )
+            req.namespaces.extend(_ns(ns) for ns in namespace)
+        taken = time.monotonic()
         resp = self._unary(self._rpc.lookup, req, timeout)
         tiers = (
             resp.tiers
             if len(resp.tiers) == resp.num_blocks
             else bytes([wire.TIER_PERSISTENT]) * resp.num_blocks
         )
-        return Where(resp.num_blocks, tiers, resp.persistent_read_rate, resp.fleet_read_rate)
+        lease = Lease(tuple(resp.leases), resp.store_id, taken) if resp.leases else None
+        return Where(resp.num_blocks, tiers, resp.persistent_read_rate, resp.fleet_read_rate, lease)
+
+    def release_lease(self, lease: Lease, *, index: int | None = None, all_holders: bool = True) -> None:
+        """Give a lease back (Where.lease) without waiting for the daemon's answer: every
+        namespace's pin, or namespace `index`'s; for every holder (a lease its asker will
+        not hand on), or one holder's share. Best effort: a Release that does not arrive is
+        ended by the lease's expiry."""
+        pins = lease.pins if index is None else lease.pins[index : index + 1]
+        for pin_id in (pin.pin_id for pin in pins if pin.pin_id):
+            request = pb.ReleaseRequest(pin_id=pin_id, all_holders=all_holders)
+            self._send_later(self._rpc.arena["Release"], request, self.timeout)
 
     def _send_later(self, method: Any, request: Any, timeout: float) -> None:
         """Queue a unary call for the background sender (started on first use)."""
@@ -699,6 +726,17 @@ class KVStoreClient:
         if self._arena is None:
             return None
         return self._arena.pin(_ns(namespace), block_hashes, timeout, stream=stream)
+
+    def leased(self, lease: Lease, index: int = 0) -> Pinned | None:
+        """The pin of namespace `index` (the lookup's order) of a lookup's lease (possibly
+        taken by another process of this host: the scheduler side of an engine), to load
+        like pin()'s answer; its release() gives back this holder's share. None: not usable
+        here (no arena, another daemon run, nothing leased in that namespace): give the
+        share back with release_lease(lease, index=index, all_holders=False) and pin()
+        instead."""
+        if self._arena is None or not 0 <= index < len(lease.pins):
+            return None
+        return self._arena.leased(lease.pins[index], lease.store_id, lease.taken)
 
     @property
     def local_data_dir(self) -> Path | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvstore.blocks import LayerSpec, PutResult
 
@@ -26,6 +26,7 @@ __all__ = [
     "Event",
     "EvictResult",
     "LayerSpec",
+    "Lease",
     "PutResult",
     "Selection",
 ]
@@ -61,6 +62,33 @@ class Where:
     tiers: bytes
     persistent_read_rate: float
     fleet_read_rate: float
+    lease: Lease | None = None
+    """Asked with lease_from: the blocks it pinned for the load that follows (None: none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Blocks a lookup pinned in the memory tier for the load after it (KVStoreClient.where
+    with `lease_from`): a Pin answer per namespace, in the lookup's order, each covering
+    the leading blocks from lease_from that were in memory (`num_blocks` of them in every
+    namespace). Whoever loads uses it in place of a Pin (the arena client's `leased`) and
+    releases its share; whoever does not hand it on gives it back (release_lease).
+
+    A lease holds from `taken` (time.monotonic() when the lookup was sent: one clock for
+    every process of the host) for the daemon's lease_seconds, and only in the daemon run
+    `store_id`."""
+
+    pins: tuple[Any, ...]  # kvstore.v1.PinResponse, one per namespace
+    store_id: str
+    taken: float
+
+    @property
+    def num_blocks(self) -> int:
+        return min((pin.num_blocks for pin in self.pins), default=0)
+
+    @property
+    def pin_ids(self) -> list[int]:
+        return [pin.pin_id for pin in self.pins if pin.pin_id]
 
 
 @dataclass(frozen=True, slots=True)

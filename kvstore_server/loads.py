@@ -5,7 +5,8 @@ read         a gRPC Get: the stored prefix, each block from the first tier that 
 take         DropSelect: wait for the whole prefix, read it and remove it
 pin          the same-host load: pin the prefix in the arena (promoting blocks only
              the persistent tier holds), the client reads it, then `release`s;
-             `pin_stream` answers before the promotion's reads land
+             `pin_stream` answers before the promotion's reads land; `lease` pins
+             what a Lookup found in memory, for the load that follows it
 _from_fleet  before a read or pin: the blocks the fleet holds past the local prefix,
              stored here like a save (admission)
 """
@@ -25,6 +26,7 @@ from kvstore.blocks import (
     STOP_LAYER_SET_DIFFERS,
     STOP_NO_ROOM,
     STOP_NONE,
+    STOP_NOT_IN_MEMORY,
     STOP_NOT_STORED,
     BlockPrefix,
     PutResult,
@@ -286,6 +288,20 @@ class Loading(Admitting):
         started = self._started(self.tiers.promote(keys, now)) if cold else Started()
         return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out, {})
 
+    def lease(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes], holders: int) -> PinResult:
+        """A Lookup's lease: pin the leading blocks of `hashes` (a found prefix, the lookup
+        touched them) that the memory tier holds, until `holders` Releases or the lease
+        ends. Never promotes nor asks the fleet: a lookup does not wait for reads."""
+        memory = self._tier()
+        keys = [(namespace, h) for h in hashes]
+        with self._lock:
+            memory.expire(time.monotonic())
+        result = self._pinned(memory, prefix, namespace, hashes, keys, [], time.time(), STOP_NONE, None, {},
+                              holders)  # fmt: skip
+        if result.stop == STOP_NO_ROOM:  # not brought into memory: a lease never does
+            result = dataclasses.replace(result, stop=STOP_NOT_IN_MEMORY)
+        return result
+
     def pin_stream(
         self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]
     ) -> Generator[PinResult | Ready | str, None, None]:
@@ -370,6 +386,7 @@ class Loading(Admitting):
         stop: str,
         left_out: tuple[BlockKey, str] | None,
         pending: dict[BlockKey, Placed],
+        holders: int = 1,
     ) -> PinResult:
         """Pin the leading `keys` that are still stored and resident (or `pending`: a
         promotion's, still being read) with one layer set, for the lease."""
@@ -377,7 +394,7 @@ class Loading(Admitting):
             stored = 0
             while stored < len(keys) and self._index.get(*keys[stored]) is not None:
                 stored += 1
-            pinned = memory.pin(prefix, namespace, keys[:stored], pending, now)
+            pinned = memory.pin(prefix, namespace, keys[:stored], pending, now, holders)
             got = pinned.num_blocks
             queued = memory.reused(keys[:got])
             if got < len(keys):
@@ -399,9 +416,12 @@ class Loading(Admitting):
         return PinResult(pinned.pin_id, pinned.layers, pinned.runs, pinned.sums, got, memory.lease_seconds,
                          pinned.kinds, stop)  # fmt: skip
 
-    def release(self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = ()) -> bool:
-        """End a pin; `corrupt`: blocks the client found failing their checksum (verified
-        here again, and removed if so). False: the pin had already expired."""
+    def release(
+        self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = (), *, all_holders: bool = False
+    ) -> bool:
+        """End a pin (one holder's share of a lease, or with `all_holders` all of it);
+        `corrupt`: blocks the client found failing their checksum (verified here again, and
+        removed if so). False: the pin had already expired."""
         memory = self._tier()
         namespace = memory.pin_owner(pin_id, prefix)
         with self._lock:
@@ -421,5 +441,5 @@ class Loading(Admitting):
                     self.counters.checksum_failures += 1
                 self._remove_corrupt(key)
         with self._lock:
-            memory.release_pin(pin_id, prefix)
+            memory.release_pin(pin_id, prefix, all_holders=all_holders)
         return namespace is not None

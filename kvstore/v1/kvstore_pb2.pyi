@@ -16,6 +16,7 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_CHECKSUM_FAILED: _ClassVar[StopReason]
     STOP_REASON_EVICTED: _ClassVar[StopReason]
     STOP_REASON_NO_ROOM: _ClassVar[StopReason]
+    STOP_REASON_NOT_IN_MEMORY: _ClassVar[StopReason]
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_NONE: StopReason
 STOP_REASON_NOT_STORED: StopReason
@@ -23,6 +24,7 @@ STOP_REASON_LAYER_SET_DIFFERS: StopReason
 STOP_REASON_CHECKSUM_FAILED: StopReason
 STOP_REASON_EVICTED: StopReason
 STOP_REASON_NO_ROOM: StopReason
+STOP_REASON_NOT_IN_MEMORY: StopReason
 
 class LayerSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
@@ -35,30 +37,40 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers")
+    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers", "lease", "lease_from", "lease_holders")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     PROBE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FROM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
     probe: bool
     tiers: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ...) -> None: ...
+    lease: bool
+    lease_from: int
+    lease_holders: int
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ..., lease: _Optional[bool] = ..., lease_from: _Optional[int] = ..., lease_holders: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers", "persistent_read_rate", "fleet_read_rate")
+    __slots__ = ("num_blocks", "tiers", "persistent_read_rate", "fleet_read_rate", "leases", "store_id")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_READ_RATE_FIELD_NUMBER: _ClassVar[int]
     FLEET_READ_RATE_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     tiers: bytes
     persistent_read_rate: float
     fleet_read_rate: float
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., persistent_read_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ...) -> None: ...
+    leases: _containers.RepeatedCompositeFieldContainer[PinResponse]
+    store_id: str
+    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., persistent_read_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[PinResponse, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset")
@@ -643,12 +655,14 @@ class PinProgress(_message.Message):
     def __init__(self, pin: _Optional[_Union[PinResponse, _Mapping]] = ..., ready_layers: _Optional[int] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., ready_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("pin_id", "corrupt_block_hashes")
+    __slots__ = ("pin_id", "corrupt_block_hashes", "all_holders")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ALL_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     corrupt_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, pin_id: _Optional[int] = ..., corrupt_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    all_holders: bool
+    def __init__(self, pin_id: _Optional[int] = ..., corrupt_block_hashes: _Optional[_Iterable[bytes]] = ..., all_holders: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("was_pinned",)

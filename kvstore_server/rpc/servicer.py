@@ -106,17 +106,30 @@ class Servicer:
             spaces = [self._ns(context, ns) for ns in request.namespaces]
         else:
             spaces = [self._ns(context, request.namespace)]
+        if request.lease:
+            if request.probe:
+                raise InvalidRequest("a probe lookup takes no lease")
+            if request.lease_from > len(hashes):
+                raise InvalidRequest(f"lease_from {request.lease_from} is past the {len(hashes)} block_hashes")
+            if request.lease_holders > wire.MAX_LEASE_HOLDERS:
+                raise InvalidRequest(f"at most {wire.MAX_LEASE_HOLDERS} lease_holders")
         n = min(self.store.lookup(ns, hashes, probe=request.probe) for ns in spaces)
-        if not request.tiers:
-            return pb.LookupResponse(num_blocks=n)
-        where = [self.store.tiers_of(ns, hashes, n) for ns in spaces]
-        rates = self.store.tiers.rates()
-        return pb.LookupResponse(
-            num_blocks=n,
-            tiers=bytes(max(codes) for codes in zip(*where, strict=True)) if len(where) > 1 else where[0],
-            persistent_read_rate=float(rates["persistent_read_rate"]),
-            fleet_read_rate=float(rates["fleet_read_rate"]),
-        )
+        resp = pb.LookupResponse(num_blocks=n)
+        if request.tiers:
+            where = [self.store.tiers_of(ns, hashes, n) for ns in spaces]
+            rates = self.store.tiers.rates()
+            resp.tiers = bytes(max(codes) for codes in zip(*where, strict=True)) if len(where) > 1 else where[0]
+            resp.persistent_read_rate = float(rates["persistent_read_rate"])
+            resp.fleet_read_rate = float(rates["fleet_read_rate"])
+        if request.lease and request.lease_from < n and self.store.memory is not None and self.config.offers_memory():
+            prefix, leased = self.scope.prefix(context), hashes[request.lease_from : n]
+            with self.reclaim.busy():
+                resp.leases.extend(
+                    _pin_message(self.store.lease(prefix, ns, leased, max(1, request.lease_holders)))
+                    for ns in spaces
+                )
+            resp.store_id = self.run_id
+        return resp
 
     @translated
     def Put(self, requests: Iterator[Any], context: grpc.ServicerContext) -> pb.PutResponse:
@@ -503,7 +516,8 @@ class Servicer:
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         self._memory_offered()
         corrupt = check_hashes(request.corrupt_block_hashes, wire.MAX_BLOCKS_PER_LOOKUP, allow_empty=True)
-        found = self.store.release(self.scope.prefix(context), request.pin_id, corrupt)
+        found = self.store.release(self.scope.prefix(context), request.pin_id, corrupt,
+                                   all_holders=request.all_holders)  # fmt: skip
         return pb.ReleaseResponse(was_pinned=found)
 
     # ---- routers and observers

@@ -351,3 +351,15 @@ def test_metadata_larger_than_the_data_it_describes_is_refused(server, kv: KVSto
     small = {f"l{i}": torch.zeros((1, 1), dtype=torch.bool) for i in range(16)}
     assert kv.put(NS, H[:1], small).blocks_written == 1
     assert_intact(kv, seeded)
+
+
+def test_lease_requests_the_client_cannot_build_are_refused(server, kv: KVStoreClient) -> None:
+    seeded = seed_store(kv)
+    hashes = seeded[0]
+    for fields in ({"probe": True}, {"lease_from": len(hashes) + 1}, {"lease_holders": 1025}):
+        request = pb.LookupRequest(namespace=NS.encode(), block_hashes=hashes, lease=True, **fields)
+        assert rpc_code(lambda r=request: raw_unary(server.address, "Lookup", r, pb.LookupResponse)) == INVALID
+    with pytest.raises(ValueError, match="lease_holders"):
+        kv.where(NS, hashes, lease_from=0, lease_holders=0)
+    assert kv.stats()["pinned_bytes"] == 0  # nothing leased
+    assert_intact(kv, seeded)

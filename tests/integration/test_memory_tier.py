@@ -18,6 +18,7 @@ from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
+from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
 from kvstore_server.auth import tenant_prefix
 
@@ -639,3 +640,90 @@ def test_pin_many_pins_each_chain_promoting_the_cold_ones_and_refuses_a_bad_one_
             assert not isinstance(pinned, Exception)
             pinned.release()
         assert kv.stats()["pinned_bytes"] == 0
+
+
+# ---- leases taken at lookup: the load's pin, made by the lookup before it
+def test_a_lookup_leases_what_it_found_in_memory_for_another_process_to_load(make_daemon) -> None:
+    """The scheduler side looks up and leases; a worker (another client) loads from the
+    lease without a Pin of its own; each of the two holders releases its share, and the
+    lease ends with the last. Blocks only the persistent tier holds are not leased (a
+    lookup never waits for a promotion) and the lease says why it stops."""
+    d = make_daemon()
+    hashes, layers = chain("leased", 6), make_layers(6, seed=9)
+    _only_in_the_persistent_tier(d, hashes[4:], rows(layers, 4, 6))  # hashes[4:] hang off hashes[3]
+    with KVStoreClient(d.address, arena=False) as asker, KVStoreClient(d.address, arena=True) as loader:
+        assert save(loader, hashes[:4], rows(layers, 0, 4)) == 4
+        before = loader.stats()
+        where = asker.where(NS, hashes, lease_from=1, lease_holders=2)
+        assert where.num_blocks == 6 and where.tiers == bytes([0, 0, 0, 0, 1, 1])
+        lease = where.lease
+        assert lease is not None and lease.num_blocks == 3 and len(lease.pin_ids) == 1
+        assert lease.pins[0].stop_reason == pb.STOP_REASON_NOT_IN_MEMORY
+        assert loader.stats()["memory_used_bytes"] == before["memory_used_bytes"]  # nothing promoted
+        pinned = loader.leased(lease)
+        assert pinned is not None and pinned.held() and pinned.num_blocks == 3
+        assert pinned.verify() is None
+        for i, name in enumerate(layers):
+            got = torch.cat([view for _, view in pinned.pieces(i)])
+            assert torch.equal(got.view(torch.int16), layers[name][1:4].view(torch.int16))
+        assert loader.stats()["pins"] == before["pins"] + 1  # the lease was the only pin
+        assert pinned.release()  # one holder's share...
+        assert loader.stats()["pinned_bytes"] > 0  # ...the other's still holds it
+        second = loader.leased(lease)
+        assert second is not None and second.release()
+        assert loader.stats()["pinned_bytes"] == 0
+        assert not loader.leased(lease).release()  # ended: a third release finds nothing
+
+
+def test_a_lease_given_back_unused_ends_for_every_holder(make_server) -> None:
+    d = make_server()
+    hashes, layers = chain("lease-back", 3), make_layers(3)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 3
+        where = kv.where([NS, NS], hashes, lease_from=0, lease_holders=4)
+        lease = where.lease
+        assert lease is not None and len(lease.pin_ids) == 2 and lease.num_blocks == 3
+        assert kv.stats()["pinned_bytes"] > 0
+        kv.release_lease(lease)  # in the background, for all four holders of both pins
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+        assert kv.lookup(NS, hashes) == 3  # a lease ending leaves the blocks stored
+        assert kv.where(NS, hashes, lease_from=3).lease is None  # nothing past the prefix to lease
+        assert kv.where(NS, chain("lease-none", 2), lease_from=0).lease is None  # a miss leases nothing
+
+
+def test_leased_blocks_are_not_evicted_before_the_load_and_a_dead_askers_lease_expires(make_server) -> None:
+    """Between the lookup and the load, memory pressure evicts other blocks, never leased
+    ones; the asker is then SIGKILLed before it hands the lease on: the lease runs out and
+    nothing stays pinned."""
+    d = make_server(memory=16 * fmt.ALIGN, lease_seconds=1.5)  # room for two extents of 7 pages
+    layers = make_layers(7, num_layers=1, shape=(fmt.ALIGN,), dtype=torch.uint8)
+    a, b, c = chain("lease-a", 7), chain("lease-b", 7), chain("lease-c", 7)
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from helpers import NS, chain
+        from kvstore_client import KVStoreClient
+        kv = KVStoreClient({d.address!r}, arena=False)
+        lease = kv.where(NS, chain("lease-a", 7), lease_from=0).lease
+        print("leased", lease.num_blocks, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, a, layers) == 7
+        eventually(lambda: kv.stats()["write_behind_blocks"] == 0)
+        assert save(kv, b, make_layers(7, num_layers=1, shape=(fmt.ALIGN,), dtype=torch.uint8, seed=2)) == 7
+        eventually(lambda: kv.stats()["write_behind_blocks"] == 0)  # both may leave the arena now
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == -signal.SIGKILL and "leased 7" in proc.stdout, proc.stderr
+        assert save(kv, c, layers) == 7  # room made by evicting b: a is leased
+        assert kv.where(NS, a).tiers == bytes(7)  # a is still in memory...
+        assert kv.where(NS, b).tiers == bytes([1]) * 7  # ...b is not
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)  # the dead asker's lease ran out
+        assert kv.stats()["leases_expired"] >= 1
+        pinned = kv.pin(NS, a)
+        assert pinned is not None and pinned.verify() is None
+        assert torch.equal(pinned.pieces(0)[0][1], layers["layer.0"])
+        assert pinned.release()
+

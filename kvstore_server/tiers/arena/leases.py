@@ -58,6 +58,7 @@ class Pin:
     namespace: bytes
     extents: list[int]
     expires: float
+    holders: int = 1  # Releases that end it (a lease taken at Lookup for several loaders)
 
 
 @dataclass(frozen=True, slots=True)

@@ -616,9 +616,11 @@ class MemoryTier:
         keys: Sequence[BlockKey],
         pending: dict[BlockKey, Placed],
         now: float,
+        holders: int = 1,
     ) -> Pinned:
         """Pin the leading `keys` that are resident (or `pending`: a promotion's, still being
-        read) with one layer set, for the lease (caller holds the lock)."""
+        read) with one layer set, for the lease, until `holders` Releases (caller holds the
+        lock)."""
         # runs of consecutive positions in one extent, as [extent, extent_blocks, first, count]
         spans: list[list[int]] = []
         sums: list[bytes] = []  # each block's, packed (Placed.sums)
@@ -649,7 +651,7 @@ class MemoryTier:
         extents = list(dict.fromkeys(run.extent for run in runs))
         self.pin_extents(extents, now)
         pin_id = self.new_id()
-        self.pins[pin_id] = Pin(pin_id, prefix, namespace, extents, time.monotonic() + self.lease_seconds)
+        self.pins[pin_id] = Pin(pin_id, prefix, namespace, extents, time.monotonic() + self.lease_seconds, holders)
         self.counters.pins += 1
         return Pinned(pin_id, layers, runs, b"".join(sums), kinds, differs)
 
@@ -659,11 +661,15 @@ class MemoryTier:
             pin = self.pins.get(pin_id)
             return pin.namespace if pin is not None and pin.prefix == prefix else None
 
-    def release_pin(self, pin_id: int, prefix: bytes) -> Pin | None:
-        """Caller holds the lock."""
+    def release_pin(self, pin_id: int, prefix: bytes, *, all_holders: bool = False) -> Pin | None:
+        """One holder's Release (or every holder's); the pin ends with its last (caller holds
+        the lock)."""
         pin = self.pins.get(pin_id)
         if pin is None or pin.prefix != prefix:
             return None
+        pin.holders = 0 if all_holders else pin.holders - 1
+        if pin.holders > 0:
+            return pin
         del self.pins[pin_id]
         self.unpin_extents(pin.extents)
         return pin
