@@ -110,7 +110,9 @@ class Servicer:
             if request.probe:
                 raise InvalidRequest("a probe lookup takes no lease")
             if request.lease_from > len(hashes):
-                raise InvalidRequest(f"lease_from {request.lease_from} is past the {len(hashes)} block_hashes")
+                raise InvalidRequest(
+                    f"lease_from {request.lease_from} is past the {len(hashes)} block_hashes"
+                )
             if request.lease_holders > wire.MAX_LEASE_HOLDERS:
                 raise InvalidRequest(f"at most {wire.MAX_LEASE_HOLDERS} lease_holders")
         n = min(self.store.lookup(ns, hashes, probe=request.probe) for ns in spaces)
@@ -118,10 +120,17 @@ class Servicer:
         if request.tiers:
             where = [self.store.tiers_of(ns, hashes, n) for ns in spaces]
             rates = self.store.tiers.rates()
-            resp.tiers = bytes(max(codes) for codes in zip(*where, strict=True)) if len(where) > 1 else where[0]
+            resp.tiers = (
+                bytes(max(codes) for codes in zip(*where, strict=True)) if len(where) > 1 else where[0]
+            )
             resp.persistent_read_rate = float(rates["persistent_read_rate"])
             resp.fleet_read_rate = float(rates["fleet_read_rate"])
-        if request.lease and request.lease_from < n and self.store.memory is not None and self.config.offers_memory():
+        if (
+            request.lease
+            and request.lease_from < n
+            and self.store.memory is not None
+            and self.config.offers_memory()
+        ):
             prefix, leased = self.scope.prefix(context), hashes[request.lease_from : n]
             with self.reclaim.busy():
                 resp.leases.extend(

@@ -358,7 +358,9 @@ def test_lease_requests_the_client_cannot_build_are_refused(server, kv: KVStoreC
     hashes = seeded[0]
     for fields in ({"probe": True}, {"lease_from": len(hashes) + 1}, {"lease_holders": 1025}):
         request = pb.LookupRequest(namespace=NS.encode(), block_hashes=hashes, lease=True, **fields)
-        assert rpc_code(lambda r=request: raw_unary(server.address, "Lookup", r, pb.LookupResponse)) == INVALID
+        assert (
+            rpc_code(lambda r=request: raw_unary(server.address, "Lookup", r, pb.LookupResponse)) == INVALID
+        )
     with pytest.raises(ValueError, match="lease_holders"):
         kv.where(NS, hashes, lease_from=0, lease_holders=0)
     assert kv.stats()["pinned_bytes"] == 0  # nothing leased

@@ -726,4 +726,3 @@ def test_leased_blocks_are_not_evicted_before_the_load_and_a_dead_askers_lease_e
         assert pinned is not None and pinned.verify() is None
         assert torch.equal(pinned.pieces(0)[0][1], layers["layer.0"])
         assert pinned.release()
-

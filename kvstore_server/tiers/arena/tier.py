@@ -651,7 +651,9 @@ class MemoryTier:
         extents = list(dict.fromkeys(run.extent for run in runs))
         self.pin_extents(extents, now)
         pin_id = self.new_id()
-        self.pins[pin_id] = Pin(pin_id, prefix, namespace, extents, time.monotonic() + self.lease_seconds, holders)
+        self.pins[pin_id] = Pin(
+            pin_id, prefix, namespace, extents, time.monotonic() + self.lease_seconds, holders
+        )
         self.counters.pins += 1
         return Pinned(pin_id, layers, runs, b"".join(sums), kinds, differs)
 
