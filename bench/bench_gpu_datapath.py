@@ -342,8 +342,23 @@ def arena_save(transport: Any, probe: Probe, d: Device, caches: dict, hashes: li
     }
 
 
-def arena_load(transport: Any, probe: Probe, d: Device, hashes: list, block_ids: list) -> dict:
-    spec = LoadSpec("bench", hashes, block_ids)
+def arena_load(
+    transport: Any, probe: Probe, d: Device, hashes: list, block_ids: list, *, leased: bool = False
+) -> dict:
+    """One load, split. `leased`: as the connector loads after its scheduler side's lookup
+    leased the blocks: the Lookup (timed apart, as "lookup_rpc": the scheduler's, a step
+    ahead) then the load from its lease, with no pin RPC."""
+    lookup = 0.0
+    lease = None
+    if leased:
+        t = now()
+        lease = transport.client.where(transport.namespace, hashes, lease_from=0).lease
+        lookup = now() - t
+        if lease is None or lease.num_blocks != len(hashes):
+            raise RuntimeError(
+                f"the lookup leased {lease.num_blocks if lease else 0} of {len(hashes)} blocks"
+            )
+    spec = LoadSpec("bench", hashes, block_ids, lease)
     pending = list(transport.caches)  # the store layers
     issued: list[float] = []
 
@@ -354,12 +369,15 @@ def arena_load(transport: Any, probe: Probe, d: Device, hashes: list, block_ids:
     d.sync()
     probe.reset()
     t0 = now()
-    n = transport.load(spec, pending, done, timeout=60)
+    pinned = transport.leased(spec) if leased else None
+    if leased and pinned is None:
+        raise RuntimeError("the transport could not load from the lease")
+    n = transport.load(spec, pending, done, 60, pinned)
     t1 = now()
     d.sync()
     if n != len(hashes):
         raise RuntimeError(f"arena load got {n} of {len(hashes)} blocks")
-    pin_end = probe.span("Pin")[1]
+    pin_end = t0 if leased else probe.span("Pin")[1]
     release_start = probe.span("Release")[0]
     verify = probe.total("xxh3")
     ready = [end for what, _, end in probe.events if what == "Ready"]
@@ -369,6 +387,7 @@ def arena_load(transport: Any, probe: Probe, d: Device, hashes: list, block_ids:
         # answer, the last (everything read) after the pin was sent
         "first_ready": (ready[0] - pin_end) if ready else 0.0,
         "last_ready": (ready[-1] - t0) if ready else 0.0,
+        "lookup_rpc": lookup,
         "pin_rpc": probe.total("Pin"),
         "verify": verify,
         "issue": (issued[-1] - pin_end) - verify,
@@ -560,7 +579,7 @@ def ceilings(args, d: Device, mover, caches, ids, shm, nblk, per_block, row: Row
 def arena_part(
     args, d: Device, transport, probe, side, caches, block_ids, ids, bs, tokens, row: Row, res
 ) -> None:
-    saves, loads, behind = [], [], []
+    saves, loads, leased, behind = [], [], [], []
     served: dict[str, tuple[float, float]] = {}
     for i in range(args.repeat + 1):
         if i == 1:  # after the warm-up: the daemon's time per call over the repeats
@@ -586,24 +605,30 @@ def arena_part(
         else:
             saves.append(s)
             loads.append(r)
+            leased.append(arena_load(transport, probe, d, hashes, block_ids, leased=True))
     server = per_call(served, side.server_time())
     for i in range(1 + args.cold_repeat + args.disk_repeat):  # for the cold child
         arena_save(transport, probe, d, caches, hashes_for("cold", bs, tokens, i), block_ids)
     behind.append(side.quiesce())
-    ms, ml = medians(saves), medians(loads)
-    res["save"], res["hot"] = ms, ml
+    ms, ml, mll = medians(saves), medians(loads), medians(leased)
+    res["save"], res["hot"], res["hot_leased"] = ms, ml, mll
     res["write_behind_s"] = med(behind[1:-1])
     print(f"(arena) through ArenaTransport and the daemon's arena, median of {args.repeat}")
     print_split(row, "save end to end: reserve .. Commit returned", ms, SAVE_PARTS,
                 res["gather_ceiling"], "gather ceiling")  # fmt: skip
     print_split(row, "load, hot (memory tier): pin .. release returned", ml, LOAD_PARTS,
                 res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
+    print_split(row, "load, hot, from the lookup's lease: no pin RPC .. release", mll, LOAD_PARTS,
+                res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
+    part("(a step before: the scheduler side's Lookup + lease)", mll["lookup_rpc"], mll["total"])
     row("(daemon) write-behind to LMDB after a save, until idle", res["write_behind_s"], "(not in the save)")
     if server:
         res["server_ms"] = server
-        client = {"Reserve": ms["reserve_rpc"], "Commit": ms["commit_rpc"], "PinStream": ml["pin_rpc"]}
+        client = {"Reserve": ms["reserve_rpc"], "Commit": ms["commit_rpc"], "PinStream": ml["pin_rpc"],
+                  "Lookup": mll["lookup_rpc"]}  # fmt: skip
         print("  each RPC in the daemon (its handler, mean of the repeats) / at the client (median):")
-        for method in ("Reserve", "Commit", "PinStream", "Pin", "Release"):
+        print("  (Lookup: with a lease of every block, as the connector's scheduler side asks)")
+        for method in ("Reserve", "Commit", "PinStream", "Pin", "Lookup", "Release"):
             if method in server:
                 at_client = f" / {client[method] * 1e3:.2f} ms" if method in client else ""
                 print(f"    {method:<10} {server[method]:6.2f} ms{at_client}")

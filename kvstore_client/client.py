@@ -232,10 +232,11 @@ class KVStoreClient:
             block_hashes=block_hashes, tiers=True, lease=leasing,
             lease_from=lease_from or 0, lease_holders=lease_holders if leasing else 0,
         )  # fmt: skip
-        if isinstance(namespace, (str, bytes)):
-            req.namespace = _ns(namespace)
+        spaces = [_ns(namespace)] if isinstance(namespace, (str, bytes)) else [_ns(ns) for ns in namespace]
+        if len(spaces) == 1:
+            req.namespace = spaces[0]
         else:
-            req.namespaces.extend(_ns(ns) for ns in namespace)
+            req.namespaces.extend(spaces)
         taken = time.monotonic()
         resp = self._unary(self._rpc.lookup, req, timeout)
         tiers = (
@@ -243,16 +244,24 @@ class KVStoreClient:
             if len(resp.tiers) == resp.num_blocks
             else bytes([wire.TIER_PERSISTENT]) * resp.num_blocks
         )
-        lease = Lease(tuple(resp.leases), resp.store_id, taken) if resp.leases else None
+        lease = None
+        if resp.leases:
+            if len(resp.leases) != len(spaces):
+                raise errors.StoreInternalError(
+                    f"Lookup answered {len(resp.leases)} leases for {len(spaces)} namespaces"
+                )
+            lease = Lease(tuple(spaces), tuple(resp.leases), resp.store_id, taken)
         return Where(resp.num_blocks, tiers, resp.persistent_read_rate, resp.fleet_read_rate, lease)
 
-    def release_lease(self, lease: Lease, *, index: int | None = None, all_holders: bool = True) -> None:
+    def release_lease(
+        self, lease: Lease, *, namespace: str | bytes | None = None, all_holders: bool = True
+    ) -> None:
         """Give a lease back (Where.lease) without waiting for the daemon's answer: every
-        namespace's pin, or namespace `index`'s; for every holder (a lease its asker will
-        not hand on), or one holder's share. Best effort: a Release that does not arrive is
-        ended by the lease's expiry."""
-        pins = lease.pins if index is None else lease.pins[index : index + 1]
-        for pin_id in (pin.pin_id for pin in pins if pin.pin_id):
+        namespace's pin, or `namespace`'s; for every holder (a lease its asker will not hand
+        on), or one holder's share. Best effort: a Release that does not arrive is ended by
+        the lease's expiry."""
+        pins = lease.pins if namespace is None else [lease.pin(_ns(namespace))]
+        for pin_id in (pin.pin_id for pin in pins if pin is not None and pin.pin_id):
             request = pb.ReleaseRequest(pin_id=pin_id, all_holders=all_holders)
             self._send_later(self._rpc.arena["Release"], request, self.timeout)
 
@@ -727,16 +736,16 @@ class KVStoreClient:
             return None
         return self._arena.pin(_ns(namespace), block_hashes, timeout, stream=stream)
 
-    def leased(self, lease: Lease, index: int = 0) -> Pinned | None:
-        """The pin of namespace `index` (the lookup's order) of a lookup's lease (possibly
-        taken by another process of this host: the scheduler side of an engine), to load
-        like pin()'s answer; its release() gives back this holder's share. None: not usable
-        here (no arena, another daemon run, nothing leased in that namespace): give the
-        share back with release_lease(lease, index=index, all_holders=False) and pin()
-        instead."""
-        if self._arena is None or not 0 <= index < len(lease.pins):
+    def leased(self, lease: Lease, namespace: str | bytes) -> Pinned | None:
+        """The pin of `namespace` of a lookup's lease (possibly taken by another process of
+        this host: the scheduler side of an engine), to load like pin()'s answer; its
+        release() gives back this holder's share. None: not usable here (no arena, another
+        daemon run, nothing leased in that namespace): give the share back with
+        release_lease(lease, namespace=namespace, all_holders=False) and pin() instead."""
+        pin = lease.pin(_ns(namespace))
+        if self._arena is None or pin is None:
             return None
-        return self._arena.leased(lease.pins[index], lease.store_id, lease.taken)
+        return self._arena.leased(pin, lease.store_id, lease.taken)
 
     @property
     def local_data_dir(self) -> Path | None:

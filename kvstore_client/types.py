@@ -78,9 +78,17 @@ class Lease:
     every process of the host) for the daemon's lease_seconds, and only in the daemon run
     `store_id`."""
 
+    namespaces: tuple[bytes, ...]  # the lookup's
     pins: tuple[Any, ...]  # kvstore.v1.PinResponse, one per namespace
     store_id: str
     taken: float
+
+    def pin(self, namespace: bytes) -> Any | None:
+        """The pin of `namespace` (None: not one of the lookup's)."""
+        for name, pin in zip(self.namespaces, self.pins, strict=True):
+            if name == namespace:
+                return pin
+        return None
 
     @property
     def num_blocks(self) -> int:

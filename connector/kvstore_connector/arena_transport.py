@@ -359,6 +359,24 @@ class ArenaTransport:
         return save.reservation.checksums(per_layer), XXH3
 
     # ---- loads
+    def leased(self, spec: LoadSpec) -> Pinned | None:
+        """spec.lease's pin of this namespace, which covers exactly the spec's blocks, or
+        None (this rank's share given back): a consuming load (DropSelect), no arena
+        mapped here, another daemon run's lease, or a pin of other blocks."""
+        lease = spec.lease
+        if lease is None:
+            return None
+        pinned = (
+            None if self.consume and self.fallback is not None else self.client.leased(lease, self.namespace)
+        )
+        if pinned is not None and pinned.num_blocks == len(spec.hashes):
+            return pinned
+        if pinned is not None:
+            pinned.release()
+        else:
+            self.client.release_lease(lease, namespace=self.namespace, all_holders=False)
+        return None
+
     def pin_all(self, specs: Sequence[LoadSpec], timeout: float) -> list[Any] | None:
         """Several loads' pins in one round trip (PinMany: their blocks promoted first where
         needed, not streamed); None for a single load (it streams: see load) or where the

@@ -280,6 +280,11 @@ class GrpcTransport:
             self.backlog.release(reserved)
 
     # ---- loads
+    def leased(self, spec: LoadSpec) -> Any | None:
+        if spec.lease is not None:  # streams read no pin: this rank's share goes back
+            self.client.release_lease(spec.lease, namespace=self.namespace, all_holders=False)
+        return None
+
     def pin_all(self, specs: Sequence[LoadSpec], timeout: float) -> list[Any] | None:
         return None  # streams: nothing is pinned
 

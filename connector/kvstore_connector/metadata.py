@@ -6,14 +6,20 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore_client import Lease
+
 
 @dataclass
 class LoadSpec:
-    """Load `hashes` from the store into the paged blocks `block_ids` (same length)."""
+    """Load `hashes` from the store into the paged blocks `block_ids` (same length).
+    `lease`: the scheduler side's lookup pinned exactly these blocks in the memory tier
+    (each namespace's pin, for every tensor-parallel rank of it): the load starts on it
+    without a Pin of its own, and each rank releases its share (Transport.leased)."""
 
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
+    lease: Lease | None = None
 
 
 @dataclass

@@ -6,11 +6,12 @@ One instance per engine, in the engine-core process. It never touches tensors.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore_client import KVStoreClient
+from kvstore_client import KVStoreClient, Lease
 from kvstore_client.errors import KVStoreError
 from kvstore_client.hashing import MultiModalInput, block_hashes
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
@@ -56,6 +57,7 @@ class _Tracked:
     stored: int = 0  # leading blocks known to be in the store (hit or saved)
     pending_local: int = 0  # local prefix-cache tokens of the last lookup
     pending_hit: int = 0  # store blocks of the last lookup
+    lease: Lease | None = None  # the last lookup's lease of blocks [local, hit), until handed on
 
 
 class SchedulerSide:
@@ -78,6 +80,9 @@ class SchedulerSide:
         self.hits = HitLog(log)  # "N of M prompt tokens loaded from kvstore", in the engine's log
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
+        # lookups lease the blocks they find in memory for the load that follows (its
+        # workers then need no Pin): where loads go through the arena, seen from here
+        self._leasing: bool | None = None if load and config.arena and not config.consume else False
         # vLLM's KV events for the blocks the store holds for this engine (--kv-events-config)
         self.events = StoreEvents(self.client, info.namespace(0), self.block_size) if kv_events else None
 
@@ -88,14 +93,37 @@ class SchedulerSide:
             tracked = self._requests[request.request_id] = _Tracked(hashes, request)
         return tracked
 
-    def _lookup(self, hashes: list[bytes]) -> int:
+    def _leases(self) -> bool:
+        """Whether lookups take leases: the daemon offers its arena and this process sees
+        the file (the workers, on this host, then load through it). Asked once."""
+        if self._leasing is None:
+            try:
+                self._leasing = os.path.exists(
+                    self.client.arena_access(timeout=self.config.lookup_timeout).path
+                )
+            except KVStoreError as exc:
+                self._leasing = False
+                log.debug("kvstore: lookups take no leases: %s", exc)
+        return self._leasing
+
+    def _lookup(self, hashes: list[bytes], local: int) -> tuple[int, Lease | None]:
         """The stored prefix worth loading: where a load of its blocks is estimated slower
-        than recomputing them (kvstore_connector.costs), those are left to recompute."""
+        than recomputing them (kvstore_connector.costs), those are left to recompute. And
+        the lease of blocks [local, hit) where the lookup could take one for all of them
+        (every tensor-parallel rank of each namespace holds a share)."""
         if not hashes or not self.health.available():
-            return 0
+            return 0, None
+        lease_from = local if local < len(hashes) and self._leases() else None
+        lease = None
         try:
+            if lease_from is not None or (self._recompute_rate > 0 and self._block_bytes > 0):
+                where = self.client.where(
+                    self.namespaces, hashes, timeout=self.config.lookup_timeout, lease_from=lease_from,
+                    lease_holders=self.info.tp_size,
+                )  # fmt: skip
+                lease = where.lease
+                hit = where.num_blocks
             if self._recompute_rate > 0 and self._block_bytes > 0:
-                where = self.client.where(self.namespaces, hashes, timeout=self.config.lookup_timeout)
                 hit = worth_loading(
                     where.tiers, self.block_size, self._block_bytes, where.persistent_read_rate,
                     where.fleet_read_rate, self._recompute_rate,
@@ -108,15 +136,25 @@ class SchedulerSide:
                         where.num_blocks - hit, where.num_blocks, where.tiers[hit:hit + 8].hex(),
                         where.persistent_read_rate / 1e9, self._recompute_rate,
                     )  # fmt: skip
-            else:
+            elif lease_from is None:
                 hit = self.client.lookup(self.namespaces, hashes, timeout=self.config.lookup_timeout)
         except KVStoreError as exc:
             self.stats.add(lookup_errors=1)
             self.health.failed("lookup", exc)
-            return 0
+            return 0, None
         self.health.ok()
         self.stats.add(lookups=1)
-        return hit
+        if lease is not None and lease.num_blocks != hit - local:  # covers other blocks: of no use
+            self.client.release_lease(lease)
+            lease = None
+        return hit, lease
+
+    def _give_back(self, tracked: _Tracked) -> None:
+        """A lease this side took and will not hand on (looked up again, allocated no
+        blocks, finished): every holder's share goes back."""
+        if tracked.lease is not None:
+            self.client.release_lease(tracked.lease)
+            tracked.lease = None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Store hits beyond vLLM's own prefix cache, whole blocks, always leaving one token to compute.
@@ -125,12 +163,15 @@ class SchedulerSide:
         after a preemption): each call asks the store afresh, which is harmless.
         """
         tracked = self._tracked(request)
+        self._give_back(tracked)  # an earlier call's: this one leases afresh
         usable = min(len(tracked.hashes), (request.num_tokens - 1) // self.block_size)
-        hit = self._lookup(tracked.hashes[:usable])
+        hit, lease = self._lookup(tracked.hashes[:usable], num_computed_tokens // self.block_size)
         tracked.stored = max(tracked.stored, hit)
         tracked.pending_local = num_computed_tokens
         tracked.pending_hit = hit
+        tracked.lease = lease
         if not self.load or hit * self.block_size <= num_computed_tokens:
+            self._give_back(tracked)
             return 0, False
         return hit * self.block_size - num_computed_tokens, False
 
@@ -138,7 +179,10 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         tracked = self._tracked(request)
+        lease, tracked.lease = tracked.lease, None
         if num_external_tokens <= 0:
+            if lease is not None:
+                self.client.release_lease(lease)
             return
         self.stats.add(hit_tokens=num_external_tokens)
         block_ids = blocks.get_block_ids()[0]
@@ -147,8 +191,11 @@ class SchedulerSide:
         # the request's tokens now: its prompt, and after a preemption what it generated too
         self.hits.hit(request.request_id, num_external_tokens, request.num_tokens, last - first,
                       tracked.pending_local)  # fmt: skip
+        if lease is not None and lease.num_blocks != last - first:
+            self.client.release_lease(lease)
+            lease = None
         self._loads.append(
-            LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last]))
+            LoadSpec(request.request_id, tracked.hashes[first:last], list(block_ids[first:last]), lease)
         )
         if self.events is not None:
             self.events.held(request, tracked.hashes[first:last], first)
@@ -227,7 +274,9 @@ class SchedulerSide:
         )
 
     def request_finished(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None:
+            self._give_back(tracked)
 
     def take_stats(self) -> KVStoreConnectorStats | None:
         return self.stats.take()
@@ -236,6 +285,8 @@ class SchedulerSide:
         return self.events.take() if self.events is not None else []
 
     def close(self) -> None:
+        for tracked in self._requests.values():
+            self._give_back(tracked)
         self.hits.flush(force=True)
         if self.events is not None:
             self.events.close()

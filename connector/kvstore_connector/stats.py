@@ -13,6 +13,7 @@ COUNTERS = (
     "hit_tokens",
     "blocks_declined",
     "loads",
+    "leased_loads",
     "blocks_loaded",
     "bytes_loaded",
     "load_seconds",
@@ -65,6 +66,8 @@ class KVStoreConnectorStats(KVConnectorStats):
             # stored blocks left to recompute: loading them was estimated slower
             "Blocks declined (slower than recompute)": d["blocks_declined"],
             "Blocks loaded": d["blocks_loaded"],
+            # loads that started on the pin the scheduler's lookup leased (no Pin round trip)
+            "Loads from a lookup's lease": d["leased_loads"],
             "Load GB/s": round(d["bytes_loaded"] / load_s / 1e9, 3) if load_s else 0.0,
             "Load errors (blocks)": d["load_errors"],
             "Blocks saved": d["blocks_saved"],

@@ -100,6 +100,12 @@ class Transport(Protocol):
         `pinned`: what pin_all answered for this spec (the load then starts on it)."""
         ...
 
+    def leased(self, spec: LoadSpec) -> Any | None:
+        """The pin of spec.lease (the scheduler side's lookup took it) for load(pinned=...),
+        or None: the transport cannot load from it (no arena here, another daemon run,
+        other blocks), and this rank's share of it is given back (the load pins its own)."""
+        ...
+
     def pin_all(self, specs: Sequence[LoadSpec], timeout: float) -> list[Any] | None:
         """The step's loads pinned in one round trip where the transport can (each answer
         for load(pinned=...): a pin, or the KVStoreError its pin alone would raise); None:

@@ -217,20 +217,24 @@ class WorkerSide:
         ]
 
     def _pin_all(self, loads: list[LoadSpec]) -> list[Any]:
-        """Pins of a step's small loads made together (what each load then starts from);
-        None each: every load pins its own, streamed (PinStream: a cold load's copies
-        overlap its reads, where PinMany waits for them), as large loads do."""
+        """What each of a step's loads starts from: the pin the scheduler side's lookup
+        leased for it (no round trip here); for the rest, where they are small, pins made
+        together (one PinMany). None: that load pins its own, streamed (PinStream: a cold
+        load's copies overlap its reads, where PinMany waits for them), as large loads do."""
         transport = self._transport
-        blocks = sum(len(spec.block_ids) for spec in loads)
-        if (
-            transport is None
-            or len(loads) < 2
-            or blocks * self._block_bytes > _PIN_TOGETHER_BYTES
-            or not self.health.available()
-        ):
+        if transport is None:
             return [None] * len(loads)
-        pins = transport.pin_all(loads, self.config.load_timeout)
-        return pins if pins is not None else [None] * len(loads)
+        pins = [transport.leased(spec) for spec in loads]
+        rest = [i for i, pinned in enumerate(pins) if pinned is None]
+        if pins.count(None) < len(pins):
+            self._add_stats(leased_loads=len(pins) - len(rest))
+        blocks = sum(len(loads[i].block_ids) for i in rest)
+        if len(rest) < 2 or blocks * self._block_bytes > _PIN_TOGETHER_BYTES or not self.health.available():
+            return pins
+        together = transport.pin_all([loads[i] for i in rest], self.config.load_timeout)
+        for i, pinned in zip(rest, together or (), strict=False):
+            pins[i] = pinned
+        return pins
 
     def _load_one(self, spec: LoadSpec, gates: _LayerGates, pinned: Any = None) -> None:
         pending = [s.name for s in self._specs]

@@ -868,3 +868,84 @@ def test_hits_that_would_load_slower_than_recompute_are_left_to_recompute(daemon
     always = SchedulerSide(info, config(daemon.address, recompute_tokens_per_s=0), load=True, save=False)
     assert always.get_num_new_matched_tokens(request("r2", PROMPT), 0) == (5 * BS, False)
     assert always.stats.data["blocks_declined"] == 0
+
+
+# ---- leases: the scheduler side's lookup pins what the workers then load
+def saved_by_a_worker(address: str, hashes: list[bytes]) -> dict[str, torch.Tensor]:
+    """Save `hashes` through the arena (they stay in the memory tier): what TP=1 held."""
+    saver, src = make_worker(address)
+    for name in LAYERS:
+        src[name].copy_(torch.randn(src[name].shape).to(torch.bfloat16))
+    ids = list(range(1, 1 + len(hashes)))
+    run_step(saver, KVStoreConnectorMetadata(saves=[SaveSpec("s", hashes, ids, b"")]), src)
+    saver.wait_for_commits()
+    saver.close()
+    return {name: src[name][ids].clone() for name in LAYERS}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_lookups_lease_is_the_loads_pin_and_each_rank_gives_back_its_share(make_daemon, tp: int) -> None:
+    """The scheduler's lookup leases the hit beyond vLLM's own cache; every rank loads its
+    heads from the lease with no Pin call of its own, bit-exact, and the pin ends with
+    the last rank's release."""
+    d = make_daemon(extra_args=["--metrics-port", "0"])
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
+    full = saved_by_a_worker(d.address, hashes)
+    side = SchedulerSide(dataclasses.replace(INFO, tp_size=tp), config(d.address), load=True, save=False)
+    req = request("r", PROMPT)
+    assert side.get_num_new_matched_tokens(req, BS) == (3 * BS, False)  # vLLM had block 0
+    side.update_state_after_alloc(req, blocks([5, 6, 7, 8, 9, 10, 11]), 3 * BS)
+    meta = side.build_connector_meta(step())
+    (load,) = meta.loads
+    assert load.lease is not None and load.lease.num_blocks == 3 and load.block_ids == [6, 7, 8]
+    ranks = [tp_worker(d.address, tp, r) for r in range(tp)]
+    with KVStoreClient(d.address, arena=False) as kv:
+        before = scrape(d.metrics_url)
+        for rank, (worker, caches) in enumerate(ranks):
+            assert kv.stats()["pinned_bytes"] > 0  # held for this rank (and those after it)
+            assert run_step(worker, meta, caches) == set()
+            for name in LAYERS:
+                want = rank_heads(full[name], tp, rank)[1:4]
+                assert caches[name][6:9].view(torch.uint8).equal(want.contiguous().view(torch.uint8))
+            stats = worker.take_stats()
+            assert stats is not None and stats.data["leased_loads"] == 1 and stats.data["blocks_loaded"] == 3
+        after = scrape(d.metrics_url)
+        for method in ("Pin", "PinMany", "PinStream"):
+            assert calls(after, method) == calls(before, method)
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)  # the last rank's release ended it
+    for worker, _ in ranks:
+        worker.close()
+    side.close()
+
+
+def test_a_lease_that_is_not_loaded_goes_back(daemon) -> None:
+    """Leases the scheduler side does not hand on are given back: a lookup asked again
+    (the request waited for blocks), no blocks allocated, a request finished, and a
+    worker whose loads go over gRPC gives back its share."""
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:4]
+    saved_by_a_worker(daemon.address, hashes)
+    side = SchedulerSide(INFO, config(daemon.address), load=True, save=False)
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        req = request("r", PROMPT)
+        assert side.get_num_new_matched_tokens(req, 0) == (4 * BS, False)
+        held = kv.stats()["pins"]
+        assert side.get_num_new_matched_tokens(req, 0) == (4 * BS, False)  # asked again: leased afresh
+        assert kv.stats()["pins"] == held + 1
+        side.update_state_after_alloc(req, blocks([]), 0)  # no room: nothing loads
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+
+        side.get_num_new_matched_tokens(req, 0)
+        assert kv.stats()["pinned_bytes"] > 0
+        side.request_finished(req)
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+
+        other = request("o", PROMPT)
+        side.get_num_new_matched_tokens(other, 0)
+        side.update_state_after_alloc(other, blocks([1, 2, 3, 4, 5, 6, 7]), 4 * BS)
+        meta = side.build_connector_meta(step())
+        assert meta.loads[0].lease is not None
+        worker, caches = make_worker(daemon.address, **TRANSPORTS["grpc"])
+        assert run_step(worker, meta, caches) == set()  # loaded over gRPC
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+        worker.close()
+    side.close()

@@ -660,7 +660,7 @@ def test_a_lookup_leases_what_it_found_in_memory_for_another_process_to_load(mak
         assert lease is not None and lease.num_blocks == 3 and len(lease.pin_ids) == 1
         assert lease.pins[0].stop_reason == pb.STOP_REASON_NOT_IN_MEMORY
         assert loader.stats()["memory_used_bytes"] == before["memory_used_bytes"]  # nothing promoted
-        pinned = loader.leased(lease)
+        pinned = loader.leased(lease, NS)
         assert pinned is not None and pinned.held() and pinned.num_blocks == 3
         assert pinned.verify() is None
         for i, name in enumerate(layers):
@@ -669,10 +669,10 @@ def test_a_lookup_leases_what_it_found_in_memory_for_another_process_to_load(mak
         assert loader.stats()["pins"] == before["pins"] + 1  # the lease was the only pin
         assert pinned.release()  # one holder's share...
         assert loader.stats()["pinned_bytes"] > 0  # ...the other's still holds it
-        second = loader.leased(lease)
+        second = loader.leased(lease, NS)
         assert second is not None and second.release()
         assert loader.stats()["pinned_bytes"] == 0
-        assert not loader.leased(lease).release()  # ended: a third release finds nothing
+        assert not loader.leased(lease, NS).release()  # ended: a third release finds nothing
 
 
 def test_a_lease_given_back_unused_ends_for_every_holder(make_server) -> None:
