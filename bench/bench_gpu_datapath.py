@@ -77,6 +77,7 @@ class Spec:
     block_ids: list[int]
     parent_hash: bytes = b""
     token_ids: list[int] = field(default_factory=list)
+    lease: Any = None  # LoadSpec's
 
 
 try:
@@ -358,7 +359,7 @@ def arena_load(
             raise RuntimeError(
                 f"the lookup leased {lease.num_blocks if lease else 0} of {len(hashes)} blocks"
             )
-    spec = LoadSpec("bench", hashes, block_ids, lease)
+    spec = LoadSpec("bench", hashes, block_ids, lease=lease)
     pending = list(transport.caches)  # the store layers
     issued: list[float] = []
 
