@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client import KVStoreClient, Lease
-from kvstore_client.errors import KVStoreError
+from kvstore_client.errors import KVStoreError, NotOffered
 from kvstore_client.hashing import MultiModalInput, block_hashes
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.costs import DEFAULT_RECOMPUTE_TOKENS_PER_S, worth_loading
@@ -95,15 +95,18 @@ class SchedulerSide:
 
     def _leases(self) -> bool:
         """Whether lookups take leases: the daemon offers its arena and this process sees
-        the file (the workers, on this host, then load through it). Asked once."""
+        the file (the workers, on this host, then load through it). Asked until answered."""
         if self._leasing is None:
             try:
                 self._leasing = os.path.exists(
                     self.client.arena_access(timeout=self.config.lookup_timeout).path
                 )
-            except KVStoreError as exc:
+            except NotOffered as exc:  # no arena: for good
                 self._leasing = False
                 log.debug("kvstore: lookups take no leases: %s", exc)
+            except KVStoreError as exc:  # asked again at the next lookup
+                log.debug("kvstore: could not ask where the arena is: %s", exc)
+                return False
         return self._leasing
 
     def _lookup(self, hashes: list[bytes], local: int) -> tuple[int, Lease | None]:

@@ -949,3 +949,16 @@ def test_a_lease_that_is_not_loaded_goes_back(daemon) -> None:
         eventually(lambda: kv.stats()["pinned_bytes"] == 0)
         worker.close()
     side.close()
+
+
+def test_without_an_arena_lookups_take_no_lease(make_daemon) -> None:
+    d = make_daemon(extra_args=["--memory", "0"])
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)[:3]
+    store_blocks(d.address, hashes)
+    side = SchedulerSide(INFO, config(d.address), load=True, save=False)
+    req = request("r", PROMPT)
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    side.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5, 6, 7]), 3 * BS)
+    (load,) = side.build_connector_meta(step()).loads
+    assert load.lease is None and load.hashes == hashes
+    side.close()
