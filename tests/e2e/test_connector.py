@@ -90,6 +90,8 @@ def _prefill_then_decodes(tmp_path, model, prompts, baseline, store: Daemon, hos
     metrics = re.search(r"KV Transfer metrics: (.*)", out["_log"]["text"])
     assert metrics is not None, "no KV Transfer metrics line in vLLM's log"
     assert f"Blocks loaded={full_blocks(prompts)}" in metrics.group(1)
+    # its scheduler side's lookups leased the blocks: the workers loaded with no Pin of their own
+    assert f"Loads from a lookup's lease={len(prompts)}" in metrics.group(1)
     log = out["_log"]["text"]
     assert re.search(r"kvstore connector: KV moves through the daemon's arena \S+", log)
     assert re.search(r"kvstore connector: loads read the daemon's files in \S+ \(same host\)", log)
