@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gpu_datapath as g  # noqa: E402  (its path setup, Daemon, timing and the arena save/load)
 
 BS = 16
+ANSWER = "@answer "  # a rank's answers on its stdout, apart from what else it prints
 
 
 def content(d: g.Device, tokens: int, seed: int) -> list[torch.Tensor]:
@@ -162,13 +163,13 @@ def rank_main(args: argparse.Namespace) -> None:
     """A rank process: 'ready <seconds to map and register the arena>', then one JSON answer
     per command line on stdin (save|load|ceiling TOKENS SEED/REPEAT, or quit)."""
     rank = Rank(args)
-    print(f"ready {rank.register_s:.3f}", flush=True)
+    print(f"{ANSWER}ready {rank.register_s:.3f}", flush=True)
     for line in sys.stdin:
         what, tokens, arg = (line.split() + ["", "", ""])[:3]
         if what == "quit":
             break
         method = {"save": rank.save, "load": rank.load, "ceiling": rank.ceiling}[what]
-        print(json.dumps(method(int(tokens), int(arg))), flush=True)
+        print(ANSWER + json.dumps(method(int(tokens), int(arg))), flush=True)
     rank.kv.close()
 
 
@@ -203,7 +204,7 @@ class Ranks:
         ]
         self.register_s = []
         for proc in self.procs:
-            line = proc.stdout.readline() if proc.stdout else ""
+            line = _answer(proc)
             if not line.startswith("ready"):
                 raise SystemExit(f"a rank process did not start: {line!r}")
             self.register_s.append(float(line.split()[1]))
@@ -218,7 +219,7 @@ class Ranks:
             proc.stdin.flush()
         answers = []
         for proc in procs:
-            line = proc.stdout.readline() if proc.stdout else ""
+            line = _answer(proc)
             if not line:
                 raise SystemExit(f"a rank process died during {command!r}")
             answers.append(json.loads(line))
@@ -230,6 +231,15 @@ class Ranks:
                 proc.stdin.write("quit\n")
                 proc.stdin.close()
             proc.wait(60)
+
+
+def _answer(proc: subprocess.Popen) -> str:
+    """A rank's next answer (its other output is passed on); "" when it ended."""
+    while proc.stdout is not None and (line := proc.stdout.readline()):
+        if line.startswith(ANSWER):
+            return line[len(ANSWER) :]
+        print(line, end="")
+    return ""
 
 
 def span(answers: list[dict[str, Any]]) -> float:
