@@ -297,7 +297,7 @@ class Loading(Admitting):
         with self._lock:
             memory.expire(time.monotonic())
         result = self._pinned(memory, prefix, namespace, hashes, keys, [], time.time(), STOP_NONE, None, {},
-                              holders)  # fmt: skip
+                              holders, lease=True)  # fmt: skip
         if result.stop == STOP_NO_ROOM:  # not brought into memory: a lease never does
             result = dataclasses.replace(result, stop=STOP_NOT_IN_MEMORY)
         return result
@@ -387,6 +387,8 @@ class Loading(Admitting):
         left_out: tuple[BlockKey, str] | None,
         pending: dict[BlockKey, Placed],
         holders: int = 1,
+        *,
+        lease: bool = False,
     ) -> PinResult:
         """Pin the leading `keys` that are still stored and resident (or `pending`: a
         promotion's, still being read) with one layer set, for the lease."""
@@ -407,9 +409,11 @@ class Loading(Admitting):
                     stop = STOP_EVICTED if self._index.get(*key) is None else STOP_NO_ROOM
             if got:
                 promoted = len(set(cold).intersection(keys[:got]))
-                memory.counters.memory_hit_blocks += got - promoted
-                memory.counters.persistent_hit_blocks += promoted
-                self.counters.bytes_read += got * sum(layer.nbytes for layer in pinned.layers)
+                hits = (got - promoted, promoted, got * sum(layer.nbytes for layer in pinned.layers))
+                if lease:  # counted when a loader releases its share (release)
+                    memory.pins[pinned.pin_id].hits = hits
+                else:
+                    self._count_hits(hits)
         if queued and self._writer is not None:
             self._writer.wake()
         _log_short("pin", namespace, hashes, got, stop)
@@ -441,5 +445,15 @@ class Loading(Admitting):
                     self.counters.checksum_failures += 1
                 self._remove_corrupt(key)
         with self._lock:
-            memory.release_pin(pin_id, prefix, all_holders=all_holders)
+            pin = memory.release_pin(pin_id, prefix, all_holders=all_holders)
+            if pin is not None and pin.hits is not None and not all_holders:  # a lease, loaded
+                self._count_hits(pin.hits)
+                pin.hits = None
         return namespace is not None
+
+    def _count_hits(self, hits: tuple[int, int, int]) -> None:
+        """A load's blocks served (from memory, promoted) and bytes (caller holds the lock)."""
+        memory = self._tier()
+        memory.counters.memory_hit_blocks += hits[0]
+        memory.counters.persistent_hit_blocks += hits[1]
+        self.counters.bytes_read += hits[2]

@@ -667,11 +667,14 @@ def test_a_lookup_leases_what_it_found_in_memory_for_another_process_to_load(mak
             got = torch.cat([view for _, view in pinned.pieces(i)])
             assert torch.equal(got.view(torch.int16), layers[name][1:4].view(torch.int16))
         assert loader.stats()["pins"] == before["pins"] + 1  # the lease was the only pin
+        assert loader.stats()["memory_hit_blocks"] == before["memory_hit_blocks"]  # nothing served yet
         assert pinned.release()  # one holder's share...
         assert loader.stats()["pinned_bytes"] > 0  # ...the other's still holds it
+        assert loader.stats()["memory_hit_blocks"] == before["memory_hit_blocks"] + 3  # served once
         second = loader.leased(lease, NS)
         assert second is not None and second.release()
         assert loader.stats()["pinned_bytes"] == 0
+        assert loader.stats()["memory_hit_blocks"] == before["memory_hit_blocks"] + 3  # counted once
         assert not loader.leased(lease, NS).release()  # ended: a third release finds nothing
 
 
@@ -684,8 +687,10 @@ def test_a_lease_given_back_unused_ends_for_every_holder(make_server) -> None:
         lease = where.lease
         assert lease is not None and len(lease.pin_ids) == 2 and lease.num_blocks == 3
         assert kv.stats()["pinned_bytes"] > 0
+        hits = kv.stats()["memory_hit_blocks"]
         kv.release_lease(lease)  # in the background, for all four holders of both pins
         eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+        assert kv.stats()["memory_hit_blocks"] == hits  # a lease given back served nothing
         assert kv.lookup(NS, hashes) == 3  # a lease ending leaves the blocks stored
         assert kv.where(NS, hashes, lease_from=3).lease is None  # nothing past the prefix to lease
         assert kv.where(NS, chain("lease-none", 2), lease_from=0).lease is None  # a miss leases nothing

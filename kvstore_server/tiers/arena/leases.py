@@ -59,6 +59,9 @@ class Pin:
     extents: list[int]
     expires: float
     holders: int = 1  # Releases that end it (a lease taken at Lookup for several loaders)
+    # a lease's hits (memory blocks, promoted blocks, bytes), counted when a loader releases
+    # its share: a lease given back unused served nothing
+    hits: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
