@@ -88,10 +88,20 @@ def _chained(parent_hash: bytes, hashes: Sequence[bytes]) -> list[bytes]:
 
 def _runs(whole: Sequence[Whole]) -> list[list[Whole]]:
     """Blocks made whole, split into runs that are chains (each block's parent is the one
-    before it) lying in one place (an arena extent, or the heap): each run is one put."""
+    before it) lying in one place (an arena extent, or the heap) with one checksum kind:
+    each run is one put."""
     runs: list[list[Whole]] = []
     for block in whole:
-        if runs and runs[-1][-1].block_hash == block.parent and runs[-1][-1].extent == block.extent:
+        last = runs[-1][-1] if runs else None
+        if (
+            last is not None
+            and last.block_hash == block.parent
+            and (last.extent, last.kind)
+            == (
+                block.extent,
+                block.kind,
+            )
+        ):
             runs[-1].append(block)
         else:
             runs.append([block])
@@ -293,10 +303,11 @@ class Admitting(Ledger):
         token_ids: Sequence[int] = (),
         parents: Sequence[bytes] | None = None,
         sums: Callable[[int, int], int] | None = None,
+        kind: str = XXH3,
     ) -> PutResult:
         """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k];
-        `sums(k, i)`: its xxh3, when the caller has it). `parents`: each block's parent,
-        where they are not a chain from `parent_hash`.
+        `sums(k, i)`: its checksum of `kind`, when the caller has it). `parents`: each
+        block's parent, where they are not a chain from `parent_hash`.
         Blocks already stored are skipped; the others wait in `parts` (in place in the
         arena when it has room) until puts have covered all their layers, then are stored
         (the result counts those this part completed).
@@ -312,7 +323,7 @@ class Admitting(Ledger):
             try:
                 whole = self.parts.add(
                     namespace, hashes, parents, tuple(layers), subset, data, indices=fresh, tokens=tokens,
-                    sums=sums,
+                    sums=sums, kind=kind,
                 )  # fmt: skip
             except PartError as exc:
                 raise InvalidPart(str(exc)) from exc
@@ -335,7 +346,7 @@ class Admitting(Ledger):
             try:
                 with self._commit_lock:
                     return self._admit_in_place(admission, first.extent, first.extent_blocks,
-                                                [w.position for w in run], sums, XXH3)  # fmt: skip
+                                                [w.position for w in run], sums, first.kind)  # fmt: skip
             finally:
                 for _ in run:
                     self._let_go(first.extent)
@@ -545,7 +556,9 @@ class Admitting(Ledger):
         result = self.put_part(
             res.namespace, res.parent_hash, res.hashes, res.full_layers, res.subset, lambda k, i: view(i, k),
             token_ids=tokens, parents=res.parents,
-            sums=(lambda k, i: checksums[i * width + k]) if kind == XXH3 else None,  # verified above
+            # the client's sums, of its kind (xxh3: verified above; wsum32, a GPU's: as a
+            # whole commit's, verified by every reader)
+            sums=lambda k, i: checksums[i * width + k], kind=kind,
         )  # fmt: skip
         return _sum([result], res.skipped)
 

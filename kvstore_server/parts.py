@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import BlockKey, LayerSpec, checksum, selected_layers
+from kvstore.blocks import XXH3, BlockKey, LayerSpec, checksum, selected_layers
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class _Block:
     checksums: list[int | None]
     started: float
     offsets: list[int]  # each layer's start in `view`
+    kinds: list[str | None]  # each layer's checksum kind (its part's)
     tokens: list[int] | None = None
     extent: int | None = None  # in the arena: the extent (of `extent_blocks`) and position
     extent_blocks: int = 0
@@ -85,6 +86,7 @@ class Whole:
     extent: int | None = None
     extent_blocks: int = 0
     position: int = 0
+    kind: str = XXH3  # of its checksums
 
     def layer(self, k: int) -> memoryview:
         start = self.offsets[k]
@@ -94,6 +96,21 @@ class Whole:
     def data(self) -> bytes:
         """The block's layers back to back."""
         return b"".join(self.layer(k) for k in range(len(self.layers)))
+
+
+def _one_kind(block: _Block) -> tuple[tuple[int, ...], str]:
+    """A whole block's checksums, all of one kind: its parts' where they agree and it lies
+    in the arena (committed there as a commit of that kind is); else xxh3, summed here for
+    the layers whose parts brought another kind."""
+    kinds = set(block.kinds)
+    if len(kinds) == 1 and block.extent is not None:
+        (kind,) = kinds
+        return tuple(c for c in block.checksums if c is not None), kind or XXH3
+    sums = tuple(
+        c if k == XXH3 and c is not None else checksum(block.view[start : start + layer.nbytes])
+        for c, k, start, layer in zip(block.checksums, block.kinds, block.offsets, block.layers, strict=True)
+    )
+    return sums, XXH3
 
 
 def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | None:
@@ -144,12 +161,17 @@ class PartAssembler:
         indices: Sequence[int] | None = None,
         tokens: Sequence[Sequence[int]] | None = None,
         sums: Callable[[int, int], int] | None = None,
+        kind: str = XXH3,
     ) -> list[Whole]:
         """Take one put's parts: for block `i` of `hashes` (those in `indices`, default
-        all), layer `subset[k]`'s bytes are `data(k, i)`, and their xxh3 `sums(k, i)` where
-        the caller has it already (else it is computed). Returns the blocks this made whole,
-        in put order. All or nothing: a part that conflicts with what is held raises
-        PartError, a put that would go beyond the bound PartsFull, and nothing is taken."""
+        all), layer `subset[k]`'s bytes are `data(k, i)`, and their checksums of `kind`
+        `sums(k, i)` where the caller has them already (else their xxh3 is computed).
+        Returns the blocks this made whole, in put order: with the parts' kind where every
+        part had it (a TP engine's GPU sums, kept), else xxh3. All or nothing: a part that
+        conflicts with what is held raises PartError, a put that would go beyond the bound
+        PartsFull, and nothing is taken."""
+        if sums is None and kind != XXH3:
+            raise ValueError(f"parts of checksum kind {kind!r} come with their sums")
         self.expire()
         todo = range(len(hashes)) if indices is None else indices
         new_bytes = 0
@@ -189,16 +211,17 @@ class PartAssembler:
                 start = block.offsets[layer_index]
                 target = block.view[start : start + sizes[layer_index]]
                 target[:] = data(k, i)
-                # xxh3 of what it holds (the persistent tier's kind): summed once, here or by the caller
+                # what it holds, summed once: by the caller (its kind), or xxh3 here
                 block.checksums[layer_index] = checksum(target) if sums is None else sums(k, i)
+                block.kinds[layer_index] = kind
             if block.complete:
                 del self._blocks[key]
                 self.nbytes -= block_bytes
                 self.completed += 1
-                whole = tuple(c for c in block.checksums if c is not None)
+                whole, whole_kind = _one_kind(block)
                 done.append(Whole(i, hashes[i], block.parent, layers, block.view, whole, block.tokens,
-                                  block.offsets, block.extent, block.extent_blocks,
-                                  block.position))  # fmt: skip
+                                  block.offsets, block.extent, block.extent_blocks, block.position,
+                                  whole_kind))  # fmt: skip
         return done
 
     def _new_block(
@@ -215,12 +238,15 @@ class PartAssembler:
         """A block's first part: where it will lie (block `position` of the extent of
         `blocks`, laid out as a commit's; or a heap buffer, layers back to back)."""
         unset: list[int | None] = [None] * len(layers)
+        kinds: list[str | None] = [None] * len(layers)
         if extent is None or self.arena is None:
-            return _Block(layers, parent, memoryview(bytearray(sum(sizes))), unset, now, starts)
+            return _Block(layers, parent, memoryview(bytearray(sum(sizes))), unset, now, starts, kinds)
         offsets = [
             extent + blocks * start + position * size for start, size in zip(starts, sizes, strict=True)
         ]
-        return _Block(layers, parent, self.arena.view, unset, now, offsets, None, extent, blocks, position)
+        return _Block(
+            layers, parent, self.arena.view, unset, now, offsets, kinds, None, extent, blocks, position
+        )
 
     def expire(self) -> list[BlockKey]:
         """Drop blocks whose parts have waited longer than timeout_s; their keys."""

@@ -188,3 +188,32 @@ def test_drop_select_of_parts_removes_a_block_once_all_its_layers_are_taken(kv) 
     got = kv.take_stream(NS, hashes, wait=5, layers=RANK1).read_all()
     assert as_bytes(got[names[3]]) == as_bytes(layers[names[3]])
     assert kv.lookup(NS, hashes) == 0 and kv.stats()["blocks"] == 0
+
+
+@pytest.mark.parametrize(
+    ("kinds", "stored"), [(("wsum32", "wsum32"), "wsum32"), (("wsum32", "xxh3"), "xxh3")]
+)
+def test_parts_keep_the_ranks_gpu_checksums_when_they_agree(arena_kv, kinds, stored: str) -> None:
+    """Each rank commits its part with its own sums (a CUDA rank: wsum32, summed on its GPU):
+    parts that agree keep them, as a whole commit would, and parts of two kinds are stored
+    with xxh3, summed by the daemon. Either way every reader verifies the block."""
+    from kvstore.blocks import wsum32
+
+    hashes, layers = chain(f"part-kinds-{'-'.join(kinds)}", 3), per_head_layers(3, seed=7)
+    names = list(layers)
+    for subset, kind in zip((RANK0, RANK1), kinds, strict=True):
+        res = arena_kv.reserve(NS, hashes, specs(layers), subset=subset)
+        assert res is not None
+        for position, k in enumerate(subset):
+            res.layer(position).copy_(layers[names[k]])
+        if kind == "wsum32":
+            res.commit(
+                [wsum32(res.layer_pieces(p)[b]) for b in range(3) for p in range(len(subset))], kind=kind
+            )
+        else:
+            res.commit()
+    pinned = arena_kv.pin(NS, hashes)
+    assert pinned is not None and pinned.num_blocks == 3 and pinned.kinds == [stored] * 3
+    assert pinned.verify() is None
+    pinned.release()
+    assert_same(arena_kv.select(NS, hashes), layers)
