@@ -304,9 +304,11 @@ class Admitting(Ledger):
         parents: Sequence[bytes] | None = None,
         sums: Callable[[int, int], int] | None = None,
         kind: str = XXH3,
+        runs: Callable[[int], memoryview] | None = None,
     ) -> PutResult:
         """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k];
-        `sums(k, i)`: its checksum of `kind`, when the caller has it). `parents`: each
+        `sums(k, i)`: its checksum of `kind`, when the caller has it; `runs(k)`: layer
+        subset[k] of every block, back to back, when the caller has that). `parents`: each
         block's parent, where they are not a chain from `parent_hash`.
         Blocks already stored are skipped; the others wait in `parts` (in place in the
         arena when it has room) until puts have covered all their layers, then are stored
@@ -323,7 +325,7 @@ class Admitting(Ledger):
             try:
                 whole = self.parts.add(
                     namespace, hashes, parents, tuple(layers), subset, data, indices=fresh, tokens=tokens,
-                    sums=sums, kind=kind,
+                    sums=sums, kind=kind, runs=runs,
                 )  # fmt: skip
             except PartError as exc:
                 raise InvalidPart(str(exc)) from exc
@@ -559,6 +561,7 @@ class Admitting(Ledger):
             # the client's sums, of its kind (xxh3: verified above; wsum32, a GPU's: as a
             # whole commit's, verified by every reader)
             sums=lambda k, i: checksums[i * width + k], kind=kind,
+            runs=memory.layer_runs(res.extent, res.layers, n),  # a copy per layer, not per block
         )  # fmt: skip
         return _sum([result], res.skipped)
 

@@ -162,6 +162,7 @@ class PartAssembler:
         tokens: Sequence[Sequence[int]] | None = None,
         sums: Callable[[int, int], int] | None = None,
         kind: str = XXH3,
+        runs: Callable[[int], memoryview] | None = None,
     ) -> list[Whole]:
         """Take one put's parts: for block `i` of `hashes` (those in `indices`, default
         all), layer `subset[k]`'s bytes are `data(k, i)`, and their checksums of `kind`
@@ -169,7 +170,9 @@ class PartAssembler:
         Returns the blocks this made whole, in put order: with the parts' kind where every
         part had it (a TP engine's GPU sums, kept), else xxh3. All or nothing: a part that
         conflicts with what is held raises PartError, a put that would go beyond the bound
-        PartsFull, and nothing is taken."""
+        PartsFull, and nothing is taken. `runs(k)`: layer subset[k] of every block of the
+        put, back to back (a reservation's extent): where the put's blocks are all new and
+        land in one arena extent, each layer is one copy instead of one per block."""
         if sums is None and kind != XXH3:
             raise ValueError(f"parts of checksum kind {kind!r} come with their sums")
         self.expire()
@@ -201,6 +204,15 @@ class PartAssembler:
                 layers, parents[i], now, sizes, starts, extent, len(new), position
             )
             self.nbytes += block_bytes
+        # the put's blocks lie side by side in both extents, in the same order: a copy per layer
+        whole_layers = (
+            runs is not None and extent is not None and list(todo) == list(range(len(hashes))) == new
+        )
+        if whole_layers and runs is not None:
+            first = self._blocks[(namespace, hashes[0])]
+            for k, layer_index in enumerate(subset):
+                start = first.offsets[layer_index]
+                first.view[start : start + len(new) * sizes[layer_index]] = runs(k)
         done: list[Whole] = []
         for n, i in enumerate(todo):
             key = (namespace, hashes[i])
@@ -210,7 +222,8 @@ class PartAssembler:
             for k, layer_index in enumerate(subset):
                 start = block.offsets[layer_index]
                 target = block.view[start : start + sizes[layer_index]]
-                target[:] = data(k, i)
+                if not whole_layers:
+                    target[:] = data(k, i)
                 # what it holds, summed once: by the caller (its kind), or xxh3 here
                 block.checksums[layer_index] = checksum(target) if sums is None else sums(k, i)
                 block.kinds[layer_index] = kind

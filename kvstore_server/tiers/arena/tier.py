@@ -538,6 +538,16 @@ class MemoryTier:
 
         return view
 
+    def layer_runs(
+        self, extent: int, layers: Sequence[LayerSpec], blocks: int
+    ) -> Callable[[int], memoryview]:
+        """run(layer): that layer of every block of an extent of `blocks` blocks of `layers`,
+        back to back (an extent is laid out layer by layer)."""
+        sizes = [spec.nbytes for spec in layers]
+        starts = [extent + blocks * start for start in fmt.layer_starts(sizes)]
+        arena = self.file.view
+        return lambda layer: arena[starts[layer] : starts[layer] + blocks * sizes[layer]]
+
     def fill(self, res: Reservation, data: Callable[[int, int], memoryview | bytes]) -> None:
         """Copy `data(block, layer)` into the reservation's extent (the daemon's own saves)."""
         view = self.views(res.extent, res.layers, len(res.hashes))
