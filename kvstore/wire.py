@@ -32,6 +32,10 @@ MAX_LOOKUP_NAMESPACES: Final = 64
 MAX_BLOCKS_PER_PUT: Final = 8192
 MAX_MANY: Final = 1024  # chains of one ReserveMany or PinMany, commits of one CommitMany
 MAX_LEASE_HOLDERS: Final = 1024  # LookupRequest.lease_holders
+# A Lookup's leases answer with where each block lies and its checksums: beyond this many
+# bytes in all, none is taken (the loads pin their own), so a long prompt's lookup never
+# grows past the message limit
+MAX_LEASE_ANSWER_BYTES: Final = 16 << 20
 MAX_TOKENS_PER_BLOCK: Final = 4096  # token ids a put may give per block (KV events)
 # A block's metadata record may be as large as its data, or this when the data is smaller.
 MAX_RECORD_FLOOR: Final = 4096

@@ -133,11 +133,17 @@ class Servicer:
         ):
             prefix, leased = self.scope.prefix(context), hashes[request.lease_from : n]
             with self.reclaim.busy():
-                resp.leases.extend(
+                leases = [
                     _pin_message(self.store.lease(prefix, ns, leased, max(1, request.lease_holders)))
                     for ns in spaces
-                )
-            resp.store_id = self.run_id
+                ]
+            if sum(lease.ByteSize() for lease in leases) > wire.MAX_LEASE_ANSWER_BYTES:
+                for lease in leases:  # too large to answer: the loads pin their own
+                    if lease.pin_id:
+                        self.store.release(prefix, lease.pin_id, all_holders=True)
+            else:
+                resp.leases.extend(leases)
+                resp.store_id = self.run_id
         return resp
 
     @translated

@@ -731,3 +731,16 @@ def test_leased_blocks_are_not_evicted_before_the_load_and_a_dead_askers_lease_e
         assert pinned is not None and pinned.verify() is None
         assert torch.equal(pinned.pieces(0)[0][1], layers["layer.0"])
         assert pinned.release()
+
+
+def test_a_lease_too_large_to_answer_is_not_taken(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore import wire
+
+    d = make_server()
+    hashes, layers = chain("lease-large", 3), make_layers(3)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 3
+        monkeypatch.setattr(wire, "MAX_LEASE_ANSWER_BYTES", 64)  # the in-process server's limit
+        where = kv.where(NS, hashes, lease_from=0, lease_holders=2)
+        assert where.num_blocks == 3 and where.lease is None  # the lookup answers all the same
+        assert kv.stats()["pinned_bytes"] == 0  # and holds nothing
