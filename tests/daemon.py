@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 READY_TIMEOUT = 30.0
 
@@ -142,3 +143,9 @@ def eventually(check: Callable[[], bool], deadline_s: float = 20.0) -> None:
     end = time.monotonic() + deadline_s
     while not check():
         assert time.monotonic() < end, "condition not reached"
+
+
+def settled(kv: Any) -> None:
+    """Write-behind holds the extents it writes out: before asserting that nothing is
+    pinned, wait until it has written what was saved and let go."""
+    eventually(lambda: (s := kv.stats())["write_behind_blocks"] == 0 and s["pinned_bytes"] == 0)

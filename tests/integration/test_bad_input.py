@@ -11,6 +11,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
+from daemon import settled
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, LayerSpec, errors
@@ -355,6 +356,7 @@ def test_metadata_larger_than_the_data_it_describes_is_refused(server, kv: KVSto
 
 def test_lease_requests_the_client_cannot_build_are_refused(server, kv: KVStoreClient) -> None:
     seeded = seed_store(kv)
+    settled(kv)
     hashes = seeded[0]
     for fields in ({"probe": True}, {"lease_from": len(hashes) + 1}, {"lease_holders": 1025}):
         request = pb.LookupRequest(namespace=NS.encode(), block_hashes=hashes, lease=True, **fields)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import eventually
+from daemon import eventually, settled
 from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt
@@ -623,6 +623,7 @@ def test_pin_many_pins_each_chain_promoting_the_cold_ones_and_refuses_a_bad_one_
     _only_in_the_persistent_tier(d, hashes[:3], rows(layers, 0, 3))
     with KVStoreClient(d.address, arena=True) as kv:
         assert save(kv, hashes[3:], rows(layers, 3, 6), parent=hashes[2]) == 3
+        settled(kv)
         pins = kv.pin_many(NS, [hashes[3:], hashes[:3], chain("many-pins-miss", 2), [b"not a hash"]])
         assert pins is not None and len(pins) == 4
         hot, cold, miss, bad = pins
@@ -653,6 +654,7 @@ def test_a_lookup_leases_what_it_found_in_memory_for_another_process_to_load(mak
     _only_in_the_persistent_tier(d, hashes[4:], rows(layers, 4, 6))  # hashes[4:] hang off hashes[3]
     with KVStoreClient(d.address, arena=False) as asker, KVStoreClient(d.address, arena=True) as loader:
         assert save(loader, hashes[:4], rows(layers, 0, 4)) == 4
+        settled(loader)
         before = loader.stats()
         where = asker.where(NS, hashes, lease_from=1, lease_holders=2)
         assert where.num_blocks == 6 and where.tiers == bytes([0, 0, 0, 0, 1, 1])
@@ -740,6 +742,7 @@ def test_a_lease_too_large_to_answer_is_not_taken(make_server, monkeypatch: pyte
     hashes, layers = chain("lease-large", 3), make_layers(3)
     with KVStoreClient(d.address, arena=True) as kv:
         assert save(kv, hashes, layers) == 3
+        settled(kv)
         monkeypatch.setattr(wire, "MAX_LEASE_ANSWER_BYTES", 64)  # the in-process server's limit
         where = kv.where(NS, hashes, lease_from=0, lease_holders=2)
         assert where.num_blocks == 3 and where.lease is None  # the lookup answers all the same
