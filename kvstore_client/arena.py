@@ -311,17 +311,33 @@ class Reservation:
     commit; `abort()` gives the space back (so does the lease running out).
     """
 
-    def __init__(self, call: Call, mapping: Mapping, resp: pb.ReserveResponse, layers: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        call: Call,
+        mapping: Mapping,
+        resp: pb.ReserveResponse,
+        layers: Sequence[Any],
+        subset: Sequence[int] = (),
+    ) -> None:
         self._call = call
         self.mapping = mapping
         self.reservation_id: int = resp.reservation_id
         self.blocks: list[int] = list(resp.blocks)
         self.offset: int = resp.offset
         self.lease_seconds: float = resp.lease_seconds
-        self.layers = list(layers)
+        self.layers = [layers[k] for k in subset] if subset else list(layers)
         self._index = {spec.name: i for i, spec in enumerate(self.layers)}
         self._sizes = _layer_sizes(self.layers)
-        self._starts = fmt.layer_offsets(self._sizes, len(self.blocks))
+        # where each layer's run of these blocks starts, relative to `offset`: layers back
+        # to back, or, written in place (a partial save into its blocks' one extent: see
+        # ReserveResponse.extent_blocks), where the subset's layers lie among all layers
+        self.in_place = bool(resp.extent_blocks)
+        if self.in_place:
+            full = _layer_sizes(layers)
+            starts = fmt.layer_offsets(full, resp.extent_blocks)
+            self._starts = [starts[k] + resp.position * full[k] for k in subset]
+        else:
+            self._starts = fmt.layer_offsets(self._sizes, len(self.blocks))
         self.done = False
 
     @property
@@ -333,7 +349,10 @@ class Reservation:
         return _typed(self.mapping, self.offset + self._starts[i], len(self.blocks), self.layers[i])
 
     def layer_start(self, layer: int) -> int:
-        """Where `layer`'s blocks start, relative to the extent (layers lie back to back)."""
+        """Where `layer`'s blocks start, relative to `offset` (back to back with the
+        layer before it, unless `in_place`: then where the layout puts it among the other
+        ranks' layers; a rank's consecutive layers of one attention layer still lie back to
+        back)."""
         return self._starts[layer]
 
     def layer_pieces(self, layer: int) -> list[memoryview]:
@@ -789,13 +808,14 @@ class Arena:
             layers=_wire_layers(layers),
             token_ids=token_ids,
             layer_subset=subset,
+            in_place=bool(subset),
         )
         try:
             resp = self._call("Reserve", req, timeout)
         except errors.NotOffered:
             self._off()
             return None
-        return Reservation(self._call, mapping, resp, [layers[k] for k in subset] if subset else layers)
+        return Reservation(self._call, mapping, resp, layers, subset)
 
     def reserve_many(
         self,
@@ -811,11 +831,11 @@ class Arena:
         mapping = self.mapping()
         if mapping is None:
             return None
-        held = [layers[k] for k in subset] if subset else layers
         req = pb.ReserveManyRequest(
             namespace=namespace,
             layers=_wire_layers(layers),
             layer_subset=subset,
+            in_place=bool(subset),
             chains=[
                 pb.ReserveChain(block_hashes=c.hashes, parent_hash=c.parent_hash, token_ids=c.token_ids)
                 for c in chains
@@ -832,7 +852,10 @@ class Arena:
                 return self.reserve(namespace, c.hashes, layers, c.parent_hash, timeout, c.token_ids, subset)
 
             return _each(chains, one, Reservation.abort)
-        return [_answered(answer, lambda a: Reservation(self._call, mapping, a, held)) for answer in answers]
+        return [
+            _answered(answer, lambda a: Reservation(self._call, mapping, a, layers, subset))
+            for answer in answers
+        ]
 
     def commit_many(
         self,

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import CHECKSUMS, XXH3, PackedSums, PutResult
@@ -37,7 +38,7 @@ from kvstore_server.errors import (
     ShuttingDown,
 )
 from kvstore_server.ledger import Ledger
-from kvstore_server.parts import PartError, PartsFull, Whole
+from kvstore_server.parts import PartError, PartsFull, Whole, block_major, layer_major
 from kvstore_server.tiers import (
     BlockKey,
     BlockMeta,
@@ -146,7 +147,7 @@ class Admitting(Ledger):
         if subset is not None:
             return self.put_part(
                 namespace, parent_hash, hashes, layers, subset, lambda k, i: data[k][i], token_ids=token_ids,
-                sums=None if checksums is None else lambda k, i: checksums[k][i],
+                sums=None if checksums is None else layer_major(checksums),
             )  # fmt: skip
         spec = tuple(layers)
         parents = _chained(parent_hash, hashes)
@@ -302,13 +303,15 @@ class Admitting(Ledger):
         *,
         token_ids: Sequence[int] = (),
         parents: Sequence[bytes] | None = None,
-        sums: Callable[[int, int], int] | None = None,
+        sums: Any = None,
         kind: str = XXH3,
         runs: Callable[[int], memoryview] | None = None,
+        lies_at: tuple[int, int] | None = None,
     ) -> PutResult:
         """Put layers `subset` of blocks `hashes` (`data(k, i)`: block i's layer subset[k];
-        `sums(k, i)`: its checksum of `kind`, when the caller has it; `runs(k)`: layer
-        subset[k] of every block, back to back, when the caller has that). `parents`: each
+        `sums[i][k]`: its checksum of `kind`, when the caller has them; `runs(k)`: layer
+        subset[k] of every block, back to back, when the caller has that; `lies_at`: where
+        block 0 was written in place in its part group's extent, see PartAssembler.add). `parents`: each
         block's parent, where they are not a chain from `parent_hash`.
         Blocks already stored are skipped; the others wait in `parts` (in place in the
         arena when it has room) until puts have covered all their layers, then are stored
@@ -325,7 +328,7 @@ class Admitting(Ledger):
             try:
                 whole = self.parts.add(
                     namespace, hashes, parents, tuple(layers), subset, data, indices=fresh, tokens=tokens,
-                    sums=sums, kind=kind, runs=runs,
+                    sums=sums, kind=kind, runs=runs, lies_at=lies_at,
                 )  # fmt: skip
             except PartError as exc:
                 raise InvalidPart(str(exc)) from exc
@@ -468,10 +471,13 @@ class Admitting(Ledger):
         *,
         token_ids: Sequence[int] = (),
         subset: tuple[int, ...] | None = None,
+        in_place: bool = False,
     ) -> Reservation | None:
         """Reserve an extent for the blocks of `hashes` not stored yet (None: all are).
         The caller writes them, layer-major, then commits within the lease. `subset`: a
-        partial save of these layers of `layers` (the extent holds only them; see put_part)."""
+        partial save of these layers of `layers` (the extent holds only them; see put_part),
+        or, with `in_place` where the blocks' parts can take it, their part group's extent
+        (Reservation.extent_blocks: the caller writes its layers where they lie in it)."""
         memory = self._tier()
         full = tuple(layers)
         carried = full if subset is None else tuple(full[k] for k in subset)
@@ -492,18 +498,44 @@ class Admitting(Ledger):
                 f"a save of {nbytes} bytes does not fit the memory tier ({memory.allocator.total} bytes)"
             )
         parents = _chained(parent_hash, hashes)
+        new_hashes, new_parents = [hashes[i] for i in todo], [parents[i] for i in todo]
+        in_group = None
+        if subset is not None and in_place:
+            in_group = self._in_group(memory, namespace, new_hashes, new_parents, full, subset)
         with self._commit_lock:
             try:
                 return memory.reserve(
                     prefix=prefix, namespace=namespace, parent_hash=parent_hash,
-                    hashes=[hashes[i] for i in todo], parents=[parents[i] for i in todo], layers=carried,
+                    hashes=new_hashes, parents=new_parents, layers=carried,
                     request_index=todo, skipped=len(hashes) - len(todo),
                     token_ids=_block_tokens(token_ids, len(hashes), todo), subset=subset, full_layers=full,
+                    in_group=in_group,
                 )  # fmt: skip
             except NoRoom as exc:
                 raise CapacityError(str(exc)) from exc
             finally:
                 self._drop_evicted()
+
+    def _in_group(
+        self,
+        memory: MemoryTier,
+        namespace: bytes,
+        hashes: list[bytes],
+        parents: list[bytes],
+        layers: tuple[LayerSpec, ...],
+        subset: tuple[int, ...],
+    ) -> tuple[int, int, int] | None:
+        """Where a partial save can be written in place (PartAssembler.place_in_arena): its
+        blocks' part group's (extent, blocks, first position), held once more for the
+        reservation; None: it gets an extent of its own."""
+        with self._parts_lock:
+            at = self.parts.place_in_arena(namespace, hashes, parents, layers, subset)
+            if at is None:
+                return None
+            extent, position = at
+            with self._lock:  # before the parts lock is let go: an expiry cannot free it now
+                memory.pin_extents([extent], time.time())
+            return extent, self.parts.extent_blocks(namespace, hashes[0]), position
 
     def commit(
         self, prefix: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
@@ -540,10 +572,14 @@ class Admitting(Ledger):
     def _commit_part(
         self, memory: MemoryTier, res: Reservation, checksums: Sequence[int], kind: str
     ) -> PutResult:
-        """A partial save's reservation: its layers are copied into their blocks' one extent
-        (parts, in place), and the blocks they complete are committed there."""
+        """A partial save's reservation: its layers, written in their blocks' one extent
+        (in place) or copied into it, are added to the blocks' parts, and the blocks they
+        complete are committed there."""
         n, width = len(res.hashes), len(res.layers)
-        view = memory.views(res.extent, res.layers, n)
+        if res.extent_blocks:  # written in place: block i's layer subset[k] where it lies
+            view = _in_group(memory.views(res.extent, res.full_layers, res.extent_blocks), res)
+        else:
+            view = memory.views(res.extent, res.layers, n)
         if kind == XXH3:  # what the client summed is what the arena holds (a torn write fails)
             for i in range(n):
                 for k in range(width):
@@ -560,14 +596,23 @@ class Admitting(Ledger):
             token_ids=tokens, parents=res.parents,
             # the client's sums, of its kind (xxh3: verified above; wsum32, a GPU's: as a
             # whole commit's, verified by every reader)
-            sums=lambda k, i: checksums[i * width + k], kind=kind,
-            runs=memory.layer_runs(res.extent, res.layers, n),  # a copy per layer, not per block
+            sums=block_major(checksums, n), kind=kind,
+            # in place: nothing to copy; else a copy per layer, not per block
+            runs=None if res.extent_blocks else memory.layer_runs(res.extent, res.layers, n),
+            lies_at=(res.extent, res.position) if res.extent_blocks else None,
         )  # fmt: skip
         return _sum([result], res.skipped)
 
     def abort(self, prefix: bytes, reservation_id: int) -> None:
         if not self._tier().abort(reservation_id, prefix):
             raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
+
+
+def _in_group(whole: Callable[[int, int], memoryview], res: Reservation) -> Callable[[int, int], memoryview]:
+    """view(block, k) of a reservation written in place: block i of the reservation is at
+    res.position + i in its group's extent, layer k of the reservation is subset[k] there."""
+    subset, first = res.subset or (), res.position
+    return lambda i, k: whole(first + i, subset[k])
 
 
 def _per_block(checksums: Sequence[int], n: int, width: int) -> list[Sequence[int]]:

@@ -11,8 +11,10 @@ parts to be dropped, never half a block visible.
 
 Where the parts wait: in the memory tier when it has room (`ArenaRoom`: the new
 blocks of a put get one arena extent, laid out as a commit's, and every part is
-written into it in place, so the block made whole is committed there without
-another copy), else in the daemon's heap (then stored like a put's blocks).
+written into it, so the block made whole is committed there without another
+copy), else in the daemon's heap (then stored like a put's blocks). A rank that
+saves through the arena writes its layers straight into that extent
+(`place_in_arena`, then `add(..., lies_at=...)`): no copy at all on the daemon.
 
 Not thread-safe: the store calls it under a lock of its own (never the commit lock:
 the blocks it makes whole are then stored, in the arena like a commit's or as a Put, which
@@ -25,9 +27,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import XXH3, BlockKey, LayerSpec, checksum, selected_layers
+from kvstore.blocks import CHECKSUMS, XXH3, BlockKey, LayerSpec, PackedSums, checksum, selected_layers
 
 log = logging.getLogger(__name__)
 
@@ -51,23 +54,47 @@ class ArenaRoom:
     let_go: Callable[[int], None]
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """A layout's per-layer sizes and starts (fmt.layer_starts), made once per layout."""
+
+    sizes: list[int]
+    starts: list[int]
+    block_bytes: int
+
+
 @dataclass
 class _Block:
+    """A block some of whose layers are in. Per layer, numpy arrays (a block of the per-head
+    layout has 256 layers, a TP save brings 512 blocks of them: a Python value per
+    block-layer was most of a commit's time): its checksum, whether it is in, the kind of
+    its checksum (an index of _KINDS, -1 not yet) and whether a reservation writes it."""
+
     layers: tuple[LayerSpec, ...]
+    shape: _Shape
     parent: bytes
     view: memoryview  # where the block lies: its own heap buffer, or the arena
-    checksums: list[int | None]
     started: float
-    offsets: list[int]  # each layer's start in `view`
-    kinds: list[str | None]  # each layer's checksum kind (its part's)
+    sums: Any  # uint64 [layers]
+    have: Any  # bool [layers]
+    kinds: Any  # int8 [layers]
+    claimed: Any  # bool [layers]
     tokens: list[int] | None = None
     extent: int | None = None  # in the arena: the extent (of `extent_blocks`) and position
-    extent_blocks: int = 0
+    extent_blocks: int = 1
     position: int = 0
 
-    @property
-    def complete(self) -> bool:
-        return all(c is not None for c in self.checksums)
+    def at(self, k: int) -> int:
+        """Where layer k lies in `view` (an extent is layer-major; a heap buffer one block)."""
+        base = self.extent or 0
+        return base + self.extent_blocks * self.shape.starts[k] + self.position * self.shape.sizes[k]
+
+    def layer(self, k: int) -> memoryview:
+        start = self.at(k)
+        return self.view[start : start + self.shape.sizes[k]]
+
+
+_KINDS = tuple(CHECKSUMS)  # a checksum kind's code in _Block.kinds: its index here
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +106,25 @@ class Whole:
     block_hash: bytes
     parent: bytes
     layers: tuple[LayerSpec, ...]
-    view: memoryview
-    checksums: tuple[int, ...]
+    checksums: Sequence[int]  # of `kind`, one per layer (packed)
     tokens: list[int] | None
-    offsets: list[int]
-    extent: int | None = None
-    extent_blocks: int = 0
-    position: int = 0
-    kind: str = XXH3  # of its checksums
+    where: _Block
+    kind: str = XXH3
+
+    @property
+    def extent(self) -> int | None:
+        return self.where.extent
+
+    @property
+    def extent_blocks(self) -> int:
+        return self.where.extent_blocks
+
+    @property
+    def position(self) -> int:
+        return self.where.position
 
     def layer(self, k: int) -> memoryview:
-        start = self.offsets[k]
-        return self.view[start : start + self.layers[k].nbytes]
+        return self.where.layer(k)
 
     @property
     def data(self) -> bytes:
@@ -98,19 +132,19 @@ class Whole:
         return b"".join(self.layer(k) for k in range(len(self.layers)))
 
 
-def _one_kind(block: _Block) -> tuple[tuple[int, ...], str]:
+def _one_kind(block: _Block) -> tuple[PackedSums, str]:
     """A whole block's checksums, all of one kind: its parts' where they agree and it lies
     in the arena (committed there as a commit of that kind is); else xxh3, summed here for
     the layers whose parts brought another kind."""
-    kinds = set(block.kinds)
-    if len(kinds) == 1 and block.extent is not None:
-        (kind,) = kinds
-        return tuple(c for c in block.checksums if c is not None), kind or XXH3
-    sums = tuple(
-        c if k == XXH3 and c is not None else checksum(block.view[start : start + layer.nbytes])
-        for c, k, start, layer in zip(block.checksums, block.kinds, block.offsets, block.layers, strict=True)
-    )
-    return sums, XXH3
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    code = int(block.kinds[0])
+    if block.extent is not None and bool((block.kinds == code).all()):
+        return PackedSums(block.sums.astype("<u8").tobytes()), _KINDS[code]
+    sums = block.sums.copy()
+    for k in np.flatnonzero(block.kinds != _KINDS.index(XXH3)).tolist():
+        sums[k] = checksum(block.layer(k))
+    return PackedSums(sums.astype("<u8").tobytes()), XXH3
 
 
 def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | None:
@@ -123,6 +157,28 @@ def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | No
     except ValueError as exc:
         raise PartError(str(exc)) from exc
     return None if len(chosen) == num_layers else tuple(chosen)
+
+
+def block_major(checksums: Sequence[int], blocks: int) -> Any:
+    """Checksums block-major (a commit's: PackedSums, or ints) as add()'s `sums`."""
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    if isinstance(checksums, PackedSums):
+        return np.frombuffer(checksums.packed, "<u8").reshape(blocks, -1)
+    return np.asarray(checksums, dtype=np.uint64).reshape(blocks, -1)
+
+
+def layer_major(checksums: Sequence[Sequence[int]]) -> Any:
+    """Checksums layer-major (a Put's: checksums[k][i]) as add()'s `sums`."""
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    return np.asarray(checksums, dtype=np.uint64).T
+
+
+def _indices(subset: Sequence[int]) -> Any:
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    return np.asarray(subset, dtype=np.intp)
 
 
 class PartAssembler:
@@ -142,12 +198,66 @@ class PartAssembler:
         self.nbytes = 0
         self.completed = 0
         self.expired = 0
+        self.layers_in_place = 0  # block-layers a rank wrote where the block lies
+        self.layers_copied = 0  # block-layers copied here from where a put brought them
+        self._shapes: dict[tuple[LayerSpec, ...], _Shape] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def pending(self, key: BlockKey) -> bool:
         return key in self._blocks
+
+    def place_in_arena(
+        self,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        parents: Sequence[bytes],
+        layers: tuple[LayerSpec, ...],
+        subset: Sequence[int],
+    ) -> tuple[int, int] | None:
+        """Where a rank may write layers `subset` of new blocks `hashes` in place: (extent,
+        position of the first) of the arena extent their parts lie in, blocks side by side
+        from there (the extent holds `len(hashes)` blocks when this makes it; the caller
+        reads its size with `extent_blocks`). Those layers are claimed for the writer: no
+        other reservation gets them; its commit brings them with `add(..., lies_at=...)`.
+        None, nothing changed, where they cannot be written in place: no arena room, some
+        of the blocks held elsewhere or apart, a layer already put or claimed, another
+        layout or parent, or beyond the bound (the rank then writes an extent of its own,
+        copied in at commit, which meets the same checks)."""
+        if self.arena is None or not hashes:
+            return None
+        self.expire()
+        held = [self._blocks.get((namespace, h)) for h in hashes]
+        if all(block is None for block in held):
+            shape = self._shape(layers)
+            if self.nbytes + shape.block_bytes * len(hashes) > self.limit_bytes:
+                return None
+            extent = self.arena.hold(layers, len(hashes))
+            if extent is None:
+                return None
+            self._new_blocks(namespace, hashes, parents, layers, shape, extent)
+            held = [self._blocks[(namespace, h)] for h in hashes]
+        first = held[0]
+        if first is None or first.extent is None:
+            return None
+        chosen = _indices(subset)
+        for n, (block, parent) in enumerate(zip(held, parents, strict=True)):
+            if (
+                block is None or block.extent != first.extent or block.position != first.position + n
+                or block.layers != layers or block.parent != parent
+                or block.have[chosen].any() or block.claimed[chosen].any()
+            ):  # fmt: skip
+                return None
+        for block in held:
+            if block is not None:
+                block.claimed[chosen] = True
+        return first.extent, first.position
+
+    def extent_blocks(self, namespace: bytes, block_hash: bytes) -> int:
+        """How many blocks the extent holds that the pending block lies in (0: none)."""
+        block = self._blocks.get((namespace, block_hash))
+        return block.extent_blocks if block is not None and block.extent is not None else 0
 
     def add(
         self,
@@ -160,29 +270,33 @@ class PartAssembler:
         *,
         indices: Sequence[int] | None = None,
         tokens: Sequence[Sequence[int]] | None = None,
-        sums: Callable[[int, int], int] | None = None,
+        sums: Any = None,
         kind: str = XXH3,
         runs: Callable[[int], memoryview] | None = None,
+        lies_at: tuple[int, int] | None = None,
     ) -> list[Whole]:
         """Take one put's parts: for block `i` of `hashes` (those in `indices`, default
         all), layer `subset[k]`'s bytes are `data(k, i)`, and their checksums of `kind`
-        `sums(k, i)` where the caller has them already (else their xxh3 is computed).
+        `sums[i][k]` (an array [len(hashes), len(subset)], e.g. numpy's) where the caller
+        has them already (else their xxh3 is computed).
         Returns the blocks this made whole, in put order: with the parts' kind where every
         part had it (a TP engine's GPU sums, kept), else xxh3. All or nothing: a part that
         conflicts with what is held raises PartError, a put that would go beyond the bound
         PartsFull, and nothing is taken. `runs(k)`: layer subset[k] of every block of the
         put, back to back (a reservation's extent): where the put's blocks are all new and
-        land in one arena extent, each layer is one copy instead of one per block."""
+        land in one arena extent, each layer is one copy instead of one per block.
+        `lies_at`: (extent, position) where block 0 of `hashes` lies, the others beside it
+        (place_in_arena's answer): a block still held there is not copied at all."""
         if sums is None and kind != XXH3:
             raise ValueError(f"parts of checksum kind {kind!r} come with their sums")
         self.expire()
         todo = range(len(hashes)) if indices is None else indices
+        shape = self._shape(layers)
         new_bytes = 0
-        block_bytes = sum(layer.nbytes for layer in layers)
         for i in todo:
             held = self._blocks.get((namespace, hashes[i]))
             if held is None:
-                new_bytes += block_bytes
+                new_bytes += shape.block_bytes
             elif held.layers != layers:
                 raise PartError(
                     f"block {hashes[i].hex()}: another layer layout than the parts of it already put"
@@ -194,72 +308,90 @@ class PartAssembler:
                 f"blocks waiting for their other parts would hold {self.nbytes + new_bytes} bytes "
                 f"(max_partial_bytes {self.limit_bytes}); retry once their other ranks have put them"
             )
-        now = self._clock()
-        sizes = [layer.nbytes for layer in layers]
-        starts = fmt.layer_starts(sizes)
         new = [i for i in todo if (namespace, hashes[i]) not in self._blocks]
         extent = self.arena.hold(layers, len(new)) if self.arena is not None and new else None
-        for position, i in enumerate(new):  # all placed first: a part that fails to copy expires
-            self._blocks[(namespace, hashes[i])] = self._new_block(
-                layers, parents[i], now, sizes, starts, extent, len(new), position
-            )
-            self.nbytes += block_bytes
+        # all placed first: a part that fails to copy expires
+        self._new_blocks(
+            namespace, [hashes[i] for i in new], [parents[i] for i in new], layers, shape, extent
+        )
+        sizes = shape.sizes
         # the put's blocks lie side by side in both extents, in the same order: a copy per layer
         whole_layers = (
             runs is not None and extent is not None and list(todo) == list(range(len(hashes))) == new
         )
         if whole_layers and runs is not None:
+            self.layers_copied += len(subset) * len(new)
             first = self._blocks[(namespace, hashes[0])]
             for k, layer_index in enumerate(subset):
-                start = first.offsets[layer_index]
+                start = first.at(layer_index)
                 first.view[start : start + len(new) * sizes[layer_index]] = runs(k)
+        chosen, code = _indices(subset), _KINDS.index(kind)
         done: list[Whole] = []
         for n, i in enumerate(todo):
             key = (namespace, hashes[i])
             block = self._blocks[key]
             if tokens is not None and block.tokens is None:
                 block.tokens = list(tokens[n])
-            for k, layer_index in enumerate(subset):
-                start = block.offsets[layer_index]
-                target = block.view[start : start + sizes[layer_index]]
-                if not whole_layers:
-                    target[:] = data(k, i)
-                # what it holds, summed once: by the caller (its kind), or xxh3 here
-                block.checksums[layer_index] = checksum(target) if sums is None else sums(k, i)
-                block.kinds[layer_index] = kind
-            if block.complete:
+            in_place = lies_at is not None and (block.extent, block.position) == (lies_at[0], lies_at[1] + i)
+            if in_place:
+                self.layers_in_place += len(subset)
+            elif not whole_layers:
+                self.layers_copied += len(subset)
+                for k, layer_index in enumerate(subset):
+                    block.layer(layer_index)[:] = data(k, i)
+            # what it holds, summed once: by the caller (its kind), or xxh3 here
+            if sums is None:
+                for layer_index in subset:
+                    block.sums[layer_index] = checksum(block.layer(layer_index))
+            else:
+                block.sums[chosen] = sums[i]
+            block.have[chosen] = True
+            block.kinds[chosen] = code
+            if block.have.all():
                 del self._blocks[key]
-                self.nbytes -= block_bytes
+                self.nbytes -= shape.block_bytes
                 self.completed += 1
                 whole, whole_kind = _one_kind(block)
-                done.append(Whole(i, hashes[i], block.parent, layers, block.view, whole, block.tokens,
-                                  block.offsets, block.extent, block.extent_blocks, block.position,
-                                  whole_kind))  # fmt: skip
+                done.append(Whole(i, hashes[i], block.parent, layers, whole, block.tokens, block, whole_kind))
         return done
 
-    def _new_block(
+    def _shape(self, layers: tuple[LayerSpec, ...]) -> _Shape:
+        shape = self._shapes.get(layers)
+        if shape is None:
+            if len(self._shapes) >= 64:  # layouts come and go with the models served
+                self._shapes.clear()
+            sizes = [layer.nbytes for layer in layers]
+            shape = self._shapes[layers] = _Shape(sizes, fmt.layer_starts(sizes), sum(sizes))
+        return shape
+
+    def _new_blocks(
         self,
+        namespace: bytes,
+        hashes: Sequence[bytes],
+        parents: Sequence[bytes],
         layers: tuple[LayerSpec, ...],
-        parent: bytes,
-        now: float,
-        sizes: list[int],
-        starts: list[int],
+        shape: _Shape,
         extent: int | None,
-        blocks: int,
-        position: int,
-    ) -> _Block:
-        """A block's first part: where it will lie (block `position` of the extent of
-        `blocks`, laid out as a commit's; or a heap buffer, layers back to back)."""
-        unset: list[int | None] = [None] * len(layers)
-        kinds: list[str | None] = [None] * len(layers)
-        if extent is None or self.arena is None:
-            return _Block(layers, parent, memoryview(bytearray(sum(sizes))), unset, now, starts, kinds)
-        offsets = [
-            extent + blocks * start + position * size for start, size in zip(starts, sizes, strict=True)
-        ]
-        return _Block(
-            layers, parent, self.arena.view, unset, now, offsets, kinds, None, extent, blocks, position
-        )
+    ) -> None:
+        """The blocks' first parts: where each will lie (block i of the extent of
+        len(hashes), laid out as a commit's; or a heap buffer each, layers back to back),
+        their per-layer arrays rows of one array each (an allocation per block and array
+        was most of a 512-block reservation's time)."""
+        import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+        now, count, width = self._clock(), len(hashes), len(layers)
+        sums, have = np.zeros((count, width), np.uint64), np.zeros((count, width), bool)
+        kinds, claimed = np.full((count, width), -1, np.int8), np.zeros((count, width), bool)
+        arena = self.arena.view if extent is not None and self.arena is not None else None
+        for i, (block_hash, parent) in enumerate(zip(hashes, parents, strict=True)):
+            rows = (sums[i], have[i], kinds[i], claimed[i])
+            if arena is None:
+                view = memoryview(bytearray(shape.block_bytes))
+                block = _Block(layers, shape, parent, view, now, *rows)
+            else:
+                block = _Block(layers, shape, parent, arena, now, *rows, None, extent, count, i)
+            self._blocks[(namespace, block_hash)] = block
+        self.nbytes += shape.block_bytes * count
 
     def expire(self) -> list[BlockKey]:
         """Drop blocks whose parts have waited longer than timeout_s; their keys."""
@@ -267,7 +399,7 @@ class PartAssembler:
         gone = [key for key, block in self._blocks.items() if block.started <= cutoff]
         for key in gone:
             block = self._blocks.pop(key)
-            self.nbytes -= sum(layer.nbytes for layer in block.layers)
+            self.nbytes -= block.shape.block_bytes
             if block.extent is not None and self.arena is not None:
                 self.arena.let_go(block.extent)
         if gone:
@@ -287,4 +419,6 @@ class PartAssembler:
             "partial_bytes": self.nbytes,
             "partials_completed": self.completed,
             "partials_expired": self.expired,
+            "part_layers_in_place": self.layers_in_place,
+            "part_layers_copied": self.layers_copied,
         }

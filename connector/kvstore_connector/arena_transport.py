@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, XXH3
 from kvstore_client import Chain, KVStoreClient, LayerSpec
 from kvstore_client.arena import Pinned, Reservation, Run, checksums
@@ -72,6 +73,7 @@ class ArenaSave:
     group_of: list[int] = field(default_factory=list)  # per layer: its group
     unsaved: list[int] = field(default_factory=list)  # per group: its layers not saved yet
     sums: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [len(group), n] wsum32
+    packed: list[int] = field(default_factory=list)  # per layer: its blocks' start in staging
 
     def wait(self) -> None:
         for _index, copy in self.copies:
@@ -220,7 +222,8 @@ class ArenaTransport:
             sizes = [layer.nbytes for layer in self.specs]
             save.staging = torch.empty(
                 sum(sizes) * len(res.blocks), dtype=torch.uint8, device=self.mover.device
-            )
+            )  # layers back to back (in the arena they may lie among other ranks' layers)
+            save.packed = fmt.layer_offsets(sizes, len(res.blocks))
             save.groups = _layer_groups(sizes, len(res.blocks))
             save.group_of = [g for g, layers in enumerate(save.groups) for _ in layers]
             save.unsaved = [len(group) for group in save.groups]
@@ -256,6 +259,14 @@ class ArenaTransport:
             return
         res, spec = save.reservation, self.specs[first]
         at = res.layer_start(first)
+        if (
+            count > 1
+            and res.layer_start(first + count - 1) != at + (count - 1) * spec.nbytes * res.num_blocks
+        ):
+            # written in place where other ranks' blocks lie between (Reservation.in_place)
+            for j in range(count):
+                self._save(save, first + j, 1, kv[j : j + 1], dim)
+            return
         nbytes = spec.nbytes * res.num_blocks * count
         raw = res.mapping.tensor()[res.offset + at : res.offset + at + nbytes]
         shape = (res.num_blocks, *spec.shape) if dim == 0 else (count, res.num_blocks, *spec.shape)
@@ -264,14 +275,15 @@ class ArenaTransport:
         if save.staging is None:
             save.copies.append((layers, self.mover.gather_into(kv, save.ids, dest, dim=dim)))
             return
-        via = save.staging[at : at + nbytes].view(dest.dtype).view(dest.shape)
+        staged = save.packed[first]
+        via = save.staging[staged : staged + nbytes].view(dest.dtype).view(dest.shape)
         save.copies.append((layers, self.mover.gather_into(kv, save.ids, dest, via=via, dim=dim)))
         for index in layers:
             group = save.group_of[index]
             save.unsaved[group] -= 1
             if not save.unsaved[group]:  # sum the group now, on the check stream, while copies run
                 members, n = save.groups[group], res.num_blocks
-                start = res.layer_start(members.start)
+                start = save.packed[members.start]
                 size = self.specs[members.start].nbytes * n * len(members)
                 with self.mover.on_check_stream(after_compute=True):
                     got = wsum32_blocks(save.staging[start : start + size].view(len(members) * n, -1))

@@ -207,7 +207,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "partial_blocks", "partial_bytes", "partials_completed", "partials_expired", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks", "promoted_bytes", "written_behind_bytes", "persistent_read_rate", "write_behind_rate", "fleet_read_rate", "unused_blocks", "persisted_on_reuse")
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "partial_blocks", "partial_bytes", "partials_completed", "partials_expired", "part_layers_in_place", "part_layers_copied", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks", "promoted_bytes", "written_behind_bytes", "persistent_read_rate", "write_behind_rate", "fleet_read_rate", "unused_blocks", "persisted_on_reuse")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +250,8 @@ class StatsResponse(_message.Message):
     PARTIAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     PARTIALS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PART_LAYERS_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    PART_LAYERS_COPIED_FIELD_NUMBER: _ClassVar[int]
     FLEET_ENABLED_FIELD_NUMBER: _ClassVar[int]
     FLEET_UP_FIELD_NUMBER: _ClassVar[int]
     FLEET_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +315,8 @@ class StatsResponse(_message.Message):
     partial_bytes: int
     partials_completed: int
     partials_expired: int
+    part_layers_in_place: int
+    part_layers_copied: int
     fleet_enabled: bool
     fleet_up: bool
     fleet_lookups: int
@@ -334,7 +338,7 @@ class StatsResponse(_message.Message):
     fleet_read_rate: float
     unused_blocks: int
     persisted_on_reuse: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., partial_bytes: _Optional[int] = ..., partials_completed: _Optional[int] = ..., partials_expired: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., written_behind_bytes: _Optional[int] = ..., persistent_read_rate: _Optional[float] = ..., write_behind_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., unused_blocks: _Optional[int] = ..., persisted_on_reuse: _Optional[int] = ...) -> None: ...
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., partial_bytes: _Optional[int] = ..., partials_completed: _Optional[int] = ..., partials_expired: _Optional[int] = ..., part_layers_in_place: _Optional[int] = ..., part_layers_copied: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., written_behind_bytes: _Optional[int] = ..., persistent_read_rate: _Optional[float] = ..., write_behind_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., unused_blocks: _Optional[int] = ..., persisted_on_reuse: _Optional[int] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")
@@ -477,48 +481,56 @@ class ArenaAccessResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset")
+    __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset", "in_place")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SUBSET_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     parent_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     layer_subset: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., layer_subset: _Optional[_Iterable[int]] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("reservation_id", "blocks", "offset", "lease_seconds", "refused_code", "refused")
+    __slots__ = ("reservation_id", "blocks", "offset", "lease_seconds", "refused_code", "refused", "extent_blocks", "position")
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EXTENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     reservation_id: int
     blocks: _containers.RepeatedScalarFieldContainer[int]
     offset: int
     lease_seconds: float
     refused_code: int
     refused: str
-    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    extent_blocks: int
+    position: int
+    def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ..., extent_blocks: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ReserveManyRequest(_message.Message):
-    __slots__ = ("namespace", "layers", "layer_subset", "chains")
+    __slots__ = ("namespace", "layers", "layer_subset", "chains", "in_place")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SUBSET_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     layer_subset: _containers.RepeatedScalarFieldContainer[int]
     chains: _containers.RepeatedCompositeFieldContainer[ReserveChain]
-    def __init__(self, namespace: _Optional[bytes] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., chains: _Optional[_Iterable[_Union[ReserveChain, _Mapping]]] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., chains: _Optional[_Iterable[_Union[ReserveChain, _Mapping]]] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class ReserveChain(_message.Message):
     __slots__ = ("block_hashes", "parent_hash", "token_ids")

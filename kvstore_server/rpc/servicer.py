@@ -390,7 +390,7 @@ class Servicer:
         namespace = self._ns(context, request.namespace)
         layers = check_layers(request.layers)
         subset = check_layer_subset(request.layer_subset, len(layers))
-        return self._reserve(context, namespace, layers, subset, request)
+        return self._reserve(context, namespace, layers, subset, request, request.in_place)
 
     @translated
     def ReserveMany(
@@ -403,7 +403,8 @@ class Servicer:
         layers = check_layers(request.layers)
         subset = check_layer_subset(request.layer_subset, len(layers))
         answers = _each(
-            request.chains, "chains", lambda chain: self._reserve(context, namespace, layers, subset, chain),
+            request.chains, "chains",
+            lambda chain: self._reserve(context, namespace, layers, subset, chain, request.in_place),
             lambda code, why: pb.ReserveResponse(refused_code=code, refused=why),
         )  # fmt: skip
         return pb.ReserveManyResponse(reservations=answers)
@@ -415,6 +416,7 @@ class Servicer:
         layers: tuple[LayerSpec, ...],
         subset: tuple[int, ...] | None,
         chain: pb.ReserveRequest | pb.ReserveChain,
+        in_place: bool,
     ) -> pb.ReserveResponse:
         """One chain's reservation (its namespace, layers and subset checked already)."""
         memory = self._memory_offered()
@@ -430,9 +432,8 @@ class Servicer:
         total = sum(layer.nbytes for layer in carried) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"save of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
-        res = self.store.reserve(
-            self.scope.prefix(context), namespace, parent, hashes, layers, token_ids=tokens, subset=subset
-        )
+        res = self.store.reserve(self.scope.prefix(context), namespace, parent, hashes, layers,
+                                 token_ids=tokens, subset=subset, in_place=in_place)  # fmt: skip
         if res is None:
             return pb.ReserveResponse(reservation_id=0)
         return pb.ReserveResponse(
@@ -440,6 +441,8 @@ class Servicer:
             blocks=res.request_index,
             offset=res.extent,
             lease_seconds=memory.lease_seconds,
+            extent_blocks=res.extent_blocks,
+            position=res.position,
         )
 
     @translated

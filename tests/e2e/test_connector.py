@@ -322,6 +322,8 @@ def test_prefill_and_decode_with_different_tensor_parallelism(tmp_path, model, p
     assert final["hit_blocks"] - marks["tp2-saved"]["hit_blocks"] == 2 * hits  # round 3 and TP=1's decode
     # TP=2's saves were two partial puts per block, made whole in the daemon
     assert marks["tp2-saved"]["partials_completed"] == marks["tp2-saved"]["blocks"] > 0
+    # each rank wrote its heads where the block lies in the arena: the daemon copied none
+    assert marks["tp2-saved"]["part_layers_copied"] == 0 < marks["tp2-saved"]["part_layers_in_place"]
     assert final["partial_blocks"] == 0
     with KVStoreClient(store.address) as kv:
         stored = list(kv.iter_blocks())

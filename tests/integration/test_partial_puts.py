@@ -10,13 +10,24 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from daemon import eventually
+from daemon import eventually, settled
 
 from kvstore.blocks import PutResult
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, LayerSpec, errors
 
-from .helpers import NS, as_bytes, assert_same, chain, header, make_layers, raw_put, raw_stream, rpc_code
+from .helpers import (
+    NS,
+    as_bytes,
+    assert_same,
+    chain,
+    header,
+    make_layers,
+    raw_put,
+    raw_stream,
+    raw_unary,
+    rpc_code,
+)
 
 RANK0, RANK1 = (0, 2), (1, 3)  # layers l0#h0 l0#h1 l1#h0 l1#h1: each rank's head of each layer
 
@@ -86,9 +97,88 @@ def test_a_block_put_in_parts_is_visible_only_once_every_layer_is_in(arena_kv, k
     assert kv.stats()["promotions"] == 0
     eventually(lambda: kv.stats()["write_behind_blocks"] == 0)
     assert kv.stats()["write_behind_dropped"] == 0
+    if via == "arena":  # each rank wrote its layers where the block lies: nothing was copied
+        assert (stats["part_layers_in_place"], stats["part_layers_copied"]) == (3 * 4, 0)
     # a part of blocks stored whole is skipped, as a put of them is
     assert put_part(arena_kv, hashes, layers, RANK0, via).blocks_skipped == 3
     assert kv.stats()["partial_blocks"] == 0
+
+
+def write(res, layers: dict[str, torch.Tensor], subset) -> None:
+    names = list(layers)
+    for position, k in enumerate(subset):
+        res.layer(position).copy_(layers[names[k]][res.blocks])
+
+
+def test_ranks_saving_at_once_write_in_place_into_the_blocks_one_extent(arena_kv, kv) -> None:
+    """Two TP ranks reserve before either commits: both get the blocks' one extent, each
+    writes its heads where they lie in it, and the daemon copies nothing at commit."""
+    hashes, layers = chain("in-place", 3), per_head_layers(3, seed=3)
+    reserved = [arena_kv.reserve(NS, hashes, specs(layers), subset=subset) for subset in (RANK0, RANK1)]
+    assert all(res is not None and res.in_place for res in reserved)
+    assert len({res.offset for res in reserved if res is not None}) == 1
+    for res, subset in zip(reserved, (RANK0, RANK1), strict=True):
+        write(res, layers, subset)
+    assert [res.commit().blocks_written for res in reserved if res is not None] == [0, 3]
+    stats = kv.stats()
+    assert (stats["part_layers_in_place"], stats["part_layers_copied"]) == (3 * 4, 0)
+    assert_same(kv.select(NS, hashes), layers)
+    pinned = arena_kv.pin(NS, hashes)
+    assert pinned is not None and pinned.num_blocks == 3 and pinned.verify() is None
+    pinned.release()
+    settled(kv)
+    assert kv.stats()["reserved_bytes"] == 0
+
+
+def test_a_rank_saving_part_of_the_chain_writes_in_place_beside_the_others(arena_kv, kv) -> None:
+    """Rank 1 saves the chain in two pieces (blocks 1-2, then 0): each lands where rank 0's
+    reservation laid its blocks out, at their positions in the one extent."""
+    hashes, layers = chain("in-place-piece", 3), per_head_layers(3, seed=4)
+    first = arena_kv.reserve(NS, hashes, specs(layers), subset=RANK0)
+    assert first is not None and first.in_place
+    tail = {n: t[1:] for n, t in layers.items()}
+    later = arena_kv.reserve(NS, hashes[1:], specs(layers), subset=RANK1, parent_hash=hashes[0])
+    head = arena_kv.reserve(NS, hashes[:1], specs(layers), subset=RANK1)
+    assert later is not None and head is not None and later.in_place and head.in_place
+    assert later.offset == head.offset == first.offset
+    write(first, layers, RANK0)
+    write(later, tail, RANK1)
+    write(head, layers, RANK1)
+    assert [r.commit().blocks_written for r in (later, first, head)] == [0, 2, 1]
+    assert kv.stats()["part_layers_copied"] == 0
+    assert_same(kv.select(NS, hashes), layers)
+
+
+def test_an_aborted_in_place_save_loses_nothing_and_its_retry_completes_the_block(arena_kv, kv) -> None:
+    hashes, layers = chain("in-place-abort", 3), per_head_layers(3, seed=5)
+    mine = arena_kv.reserve(NS, hashes, specs(layers), subset=RANK0)
+    theirs = arena_kv.reserve(NS, hashes, specs(layers), subset=RANK1)
+    assert mine is not None and theirs is not None
+    write(mine, layers, RANK0)
+    theirs.abort()  # rank 1's save failed: rank 0's part stays, in the same extent
+    assert mine.commit().blocks_written == 0 and kv.stats()["partial_blocks"] == 3
+    retry = arena_kv.reserve(NS, hashes, specs(layers), subset=RANK1)
+    assert retry is not None and not retry.in_place  # its layers were claimed: an extent of its own
+    write(retry, layers, RANK1)
+    assert retry.commit().blocks_written == 3
+    stats = kv.stats()
+    assert (stats["part_layers_in_place"], stats["part_layers_copied"]) == (3 * 2, 3 * 2)
+    assert_same(kv.select(NS, hashes), layers)
+    settled(kv)
+    assert kv.stats()["reserved_bytes"] == 0
+
+
+def test_a_client_that_does_not_ask_in_place_gets_an_extent_of_its_own(server, arena_kv) -> None:
+    hashes, layers = chain("not-in-place", 2), per_head_layers(2)
+    request = pb.ReserveRequest(
+        namespace=NS.encode(), block_hashes=hashes, layer_subset=RANK0,
+        layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs(layers)],
+    )  # fmt: skip
+    answer = raw_unary(server.address, "Reserve", request, pb.ReserveResponse)
+    assert answer.reservation_id and (answer.extent_blocks, answer.position) == (0, 0)
+    request.in_place = True
+    answer = raw_unary(server.address, "Reserve", request, pb.ReserveResponse)
+    assert answer.extent_blocks == 2 and answer.position == 0
 
 
 def test_a_chain_completed_out_of_order_keeps_its_parents(kv) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore import arena_format as fmt
 from kvstore.blocks import LayerSpec, checksum
-from kvstore_server.parts import PartAssembler, PartError, PartsFull, check_subset
+from kvstore_server.parts import ArenaRoom, PartAssembler, PartError, PartsFull, check_subset
 
 NS = b"ns"
 LAYERS = tuple(LayerSpec(f"l{i}#h{h}", "uint8", (8,)) for i in range(2) for h in range(2))
@@ -81,8 +82,92 @@ def test_parts_whose_other_layers_never_come_are_dropped_after_the_timeout() -> 
         "partial_bytes": 0,
         "partials_completed": 0,
         "partials_expired": 3,
+        "part_layers_in_place": 0,
+        "part_layers_copied": 3 * 2,
     }
     assert put(parts, (1, 3)) == []  # a late part starts over: never half a block visible
+
+
+class Room:
+    """An arena of a bytearray: extents handed out one after another, holds counted."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(1 << 16)
+        self.next = 0
+        self.holds: dict[int, int] = {}
+
+    def hold(self, layers: tuple[LayerSpec, ...], blocks: int) -> int:
+        at, self.next = self.next, self.next + fmt.extent_bytes(sum(s.nbytes for s in layers), blocks)
+        self.holds[at] = blocks
+        return at
+
+    def let_go(self, extent: int) -> None:
+        self.holds[extent] -= 1
+
+    def room(self) -> ArenaRoom:
+        return ArenaRoom(memoryview(self.buffer), self.hold, self.let_go)
+
+    def write(self, extent: int, blocks: int, position: int, subset: tuple[int, ...]) -> None:
+        """A rank's layers written where they lie in the extent (as the client does)."""
+        starts = fmt.layer_offsets([s.nbytes for s in LAYERS], blocks)
+        for i in range(len(HASHES) - position):
+            for k in subset:
+                at = extent + starts[k] + (position + i) * LAYERS[k].nbytes
+                self.buffer[at : at + 8] = data_of(i, k)
+
+
+def sums_of(subset: tuple[int, ...]) -> list[list[int]]:
+    """The xxh3 of each block's layers of `subset`, as a rank commits them ([block][layer])."""
+    return [[checksum(data_of(i, k)) for k in subset] for i in range(len(HASHES))]
+
+
+def never(k: int, i: int) -> memoryview:
+    raise AssertionError("a part written in place was copied")
+
+
+def test_ranks_write_their_layers_in_place_and_nothing_is_copied() -> None:
+    room = Room()
+    parts = PartAssembler(1 << 20, 30.0, clock=Clock(), arena=room.room())
+    assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) == (0, 0)
+    assert parts.extent_blocks(NS, HASHES[0]) == 3 and room.holds == {0: 3}
+    assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) is None  # claimed already
+    assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (1, 2)) is None  # layer 2 claimed
+    assert parts.place_in_arena(NS, HASHES[1:], PARENTS[1:], LAYERS, (1, 3)) == (0, 1)  # blocks 1, 2
+    assert parts.place_in_arena(NS, HASHES[:1], [b"x" * 32], LAYERS, (3,)) is None  # another parent
+    parts = PartAssembler(1 << 20, 30.0, clock=Clock(), arena=room.room())
+    extent, _ = parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) or (None, 0)
+    assert extent is not None and parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (1, 3)) == (extent, 0)
+    room.write(extent, 3, 0, (0, 1, 2, 3))
+    assert (
+        parts.add(NS, HASHES, PARENTS, LAYERS, (0, 2), never, sums=sums_of((0, 2)), lies_at=(extent, 0)) == []
+    )
+    whole = parts.add(NS, HASHES, PARENTS, LAYERS, (1, 3), never, sums=sums_of((1, 3)), lies_at=(extent, 0))
+    assert [w.block_hash for w in whole] == HASHES and {w.extent for w in whole} == {extent}
+    for w in whole:
+        assert bytes(w.data) == b"".join(data_of(w.index, k) for k in range(4))
+    stats = parts.stats()
+    assert (stats["part_layers_in_place"], stats["part_layers_copied"]) == (3 * 4, 0)
+
+
+def test_parts_dropped_under_a_writer_are_copied_from_where_it_wrote() -> None:
+    clock, room = Clock(), Room()
+    parts = PartAssembler(1 << 20, 30.0, clock=clock, arena=room.room())
+    extent, _ = parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) or (None, 0)
+    assert extent is not None
+    room.write(extent, 3, 0, (0, 2))
+    clock.now += 30.0  # the other rank never came: the group was let go (its writer holds it)
+    assert parts.stats()["partials_expired"] == 3 and room.holds[extent] == 0
+    starts = fmt.layer_offsets([s.nbytes for s in LAYERS], 3)
+
+    def written(k: int, i: int) -> memoryview:
+        at = extent + starts[(0, 2)[k]] + i * 8
+        return memoryview(room.buffer)[at : at + 8]
+
+    assert parts.add(NS, HASHES, PARENTS, LAYERS, (0, 2), written, lies_at=(extent, 0)) == []
+    assert parts.stats()["part_layers_copied"] == 3 * 2  # into a new group, from where it lay
+    whole = put(parts, (1, 3))
+    assert all(bytes(w.data) == b"".join(data_of(w.index, k) for k in range(4)) for w in whole)
+    assert {w.extent for w in whole} == {room.next - fmt.extent_bytes(32, 3)}
 
 
 @pytest.mark.parametrize(("subset", "want"), [((), None), ((0, 1, 2, 3), None), ((1, 3), (1, 3))])

@@ -49,6 +49,11 @@ class Reservation:
     subset: tuple[int, ...] | None = None
     full_layers: tuple[LayerSpec, ...] = ()
     placed: bool = False  # some of its blocks are resident: the extent is theirs now
+    # not 0: a partial save written in place, in its blocks' part group's extent (of this
+    # many blocks of full_layers; these from `position` on), held once by the
+    # reservation: its end lets go of that hold instead of freeing the extent
+    extent_blocks: int = 0
+    position: int = 0
 
 
 @dataclass

@@ -503,12 +503,20 @@ class MemoryTier:
         subset: tuple[int, ...] | None = None,
         full_layers: tuple[LayerSpec, ...] = (),
         lease: bool = True,
+        in_group: tuple[int, int, int] | None = None,
     ) -> Reservation:
         """An extent for `hashes` of `layers` (make_room), leased to `prefix` when `lease`
-        (else the daemon's own: id 0, committed or let go by its caller). Caller holds the
-        commit lock. Raises NoRoom."""
-        nbytes = fmt.extent_bytes(sum(layer.nbytes for layer in layers), len(hashes))
-        offset = self.make_room(nbytes, time.time())
+        (else the daemon's own: id 0, committed or let go by its caller). `in_group`: a
+        partial save written in place, (extent, its blocks, first position) of its blocks'
+        part group, which the caller has held once for it (see Reservation.extent_blocks).
+        Caller holds the commit lock. Raises NoRoom."""
+        extent_blocks = position = 0
+        if in_group is not None:
+            offset, extent_blocks, position = in_group
+            nbytes = 0
+        else:
+            nbytes = fmt.extent_bytes(sum(layer.nbytes for layer in layers), len(hashes))
+            offset = self.make_room(nbytes, time.time())
         with self.lock:
             res = Reservation(
                 id=self.new_id() if lease else 0, prefix=prefix, namespace=namespace,
@@ -516,7 +524,7 @@ class MemoryTier:
                 request_index=request_index if request_index is not None else list(range(len(hashes))),
                 skipped=skipped, layers=layers, extent=offset, nbytes=nbytes,
                 expires=time.monotonic() + self.lease_seconds if lease else 0.0, token_ids=token_ids,
-                subset=subset, full_layers=full_layers,
+                subset=subset, full_layers=full_layers, extent_blocks=extent_blocks, position=position,
             )  # fmt: skip
             if lease:
                 self.reservations[res.id] = res
@@ -575,9 +583,17 @@ class MemoryTier:
             res = self.take_reservation(reservation_id, prefix)
             if res is None:
                 return False
-            self.allocator.free(res.extent, res.nbytes)
+            self._give_back(res)
             self.counters.aborts += 1
             return True
+
+    def _give_back(self, res: Reservation) -> None:
+        """A reservation's extent, none of whose blocks were placed, given back: freed, or
+        the hold on its part group's let go (caller holds the lock)."""
+        if res.extent_blocks:
+            self.unpin_extents([res.extent])
+        else:
+            self.allocator.free(res.extent, res.nbytes)
 
     @contextmanager
     def committing(self, res: Reservation) -> Iterator[Reservation]:
@@ -588,7 +604,7 @@ class MemoryTier:
         finally:
             with self.lock:
                 if not res.placed:
-                    self.allocator.free(res.extent, res.nbytes)
+                    self._give_back(res)
 
     def commit(
         self, res: Reservation, blocks: Sequence[tuple[int, BlockMeta, bytes]], now: float
@@ -702,7 +718,7 @@ class MemoryTier:
         expired = 0
         for res in [r for r in self.reservations.values() if r.expires <= now]:
             del self.reservations[res.id]
-            self.allocator.free(res.extent, res.nbytes)
+            self._give_back(res)
             expired += 1
         for pin in [p for p in self.pins.values() if p.expires <= now]:
             del self.pins[pin.id]
