@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the whole test suite, setting up everything it needs on a fresh machine:
 # a virtualenv in .venv with the CPU build of torch, vLLM for CPU (for the
-# connector's end-to-end tests) and this package, then pytest over tests/.
+# connector's end-to-end tests) and this package, then pytest over tests/ (see below).
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not e2e" -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,4 +37,18 @@ SRC="kvstore_server kvstore_client kvstore_cli kvstore_proxy connector kvstore/w
 ruff check $SRC bench tests scripts
 ruff format --check $SRC bench tests scripts
 mypy kvstore_server kvstore_client kvstore_cli kvstore_proxy connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py kvstore/kv_events_media.py kvstore/records.py
-exec python -m pytest "$@"
+# The whole suite runs in two passes: unit and integration tests (each with an in-process
+# server or a daemon of its own) on KVSTORE_TEST_WORKERS workers (pytest-xdist, 2 by
+# default), then chaos and the vLLM end-to-end tests one at a time (their engines and
+# fault loops use every core). Arguments that pick tests (paths, -k, -m) run one pass.
+picks=false
+for arg in "$@"; do
+    case "$arg" in -k | -m | -k* | -m* | [!-]*) picks=true ;; esac
+done
+if $picks; then
+    exec python -m pytest "$@"
+fi
+rc=0
+python -m pytest -n "${KVSTORE_TEST_WORKERS:-2}" tests/unit tests/integration "$@" || rc=$?
+python -m pytest tests/chaos tests/e2e "$@" || rc=$?
+exit "$rc"
