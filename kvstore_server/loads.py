@@ -286,7 +286,14 @@ class Loading(Admitting):
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
         started = self._started(self.tiers.promote(keys, now)) if cold else Started()
-        return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out, {})
+        pending: dict[BlockKey, Placed] = {}
+        if started.joined and started.promotion is not None:  # read, perhaps not placed yet
+            pending = {p.meta.key: p for p in started.promotion.read_prefix()[0]}
+        try:
+            return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out,
+                                pending)  # fmt: skip
+        finally:
+            self.tiers.let_go(started)
 
     def lease(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes], holders: int) -> PinResult:
         """A Lookup's lease: pin the leading blocks of `hashes` (a found prefix, the lookup
@@ -319,8 +326,11 @@ class Loading(Admitting):
         placing: Placing | None = None
         try:
             pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
-            result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out,
-                                  pending)  # fmt: skip
+            try:
+                result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop,
+                                      started.left_out, pending)  # fmt: skip
+            finally:
+                self.tiers.let_go(started)
             if promotion is None or not any(k in pending for k in keys[: result.num_blocks]):
                 yield result  # every pinned block is in place
                 return
@@ -337,16 +347,19 @@ class Loading(Admitting):
 
             yield dataclasses.replace(result, ready_layers=0, ready_blocks=pinned_whole(0))
             # NOTE: the blocks are placed after the client hears that the last ones are in
-            # (finish, below, runs while it copies them): its Release waits for that
-            placing = Placing(promotion)
-            with self._lock:
-                self._placing[result.pin_id] = placing
+            # (finish, below, runs while it copies them): its Release waits for that. A
+            # load that joined another's promotion waits for no placement (its owner's
+            # client may be slow): its blocks stay pinned where they were read.
+            if not started.joined:
+                placing = Placing(promotion)
+                with self._lock:
+                    self._placing[result.pin_id] = placing
             for ready in promotion.progress():
                 yield Ready(ready.layers, pinned_whole(ready.blocks))
             if promotion.failed:
                 yield STOP_EVICTED
         finally:
-            if promotion is not None:
+            if promotion is not None and not started.joined:  # a joined one is its owner's
                 try:
                     promotion.finish()
                 finally:

@@ -67,6 +67,9 @@ class Started:
 
     promotion: Promotion | None = None
     left_out: tuple[BlockKey, str] | None = None
+    # the promotion is another load's, joined: its extents are held once for this one
+    # (TierChain.let_go once pinned); its owner finishes it
+    joined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +263,15 @@ class Promotion:
             layers = group.stop
             yield Ready(layers, n if g == last else 0)
 
+    def read_prefix(self) -> tuple[list[Placed], tuple[BlockKey, str] | None]:
+        """Wait for every read (not for the placement: a joined load does not wait for
+        its owner); the leading blocks read whole, and the first left out and why."""
+        for _ in self.progress():
+            pass
+        if self.failed:
+            return self.placed[: self._failed_at], (self._cold[self._failed_at], STOP_EVICTED)
+        return self.placed, self._stopped
+
     @property
     def all_read(self) -> bool:
         """Every read has ended (a failed one too)."""
@@ -276,6 +288,12 @@ class Promotion:
         if self._finished:
             raise RuntimeError("a promotion is finished once")
         self._finished = True
+        try:
+            return self._finish()
+        finally:
+            self._chain.promoted(self)  # (done where it places them, unless that failed)
+
+    def _finish(self) -> tuple[BlockKey, str] | None:
         chain, memory = self._chain, self._memory
         try:
             for _ in self.progress():
@@ -304,6 +322,7 @@ class Promotion:
             with memory.lock:
                 live = [p for p in placed if chain.index.get(*p.meta.key) is not None]
                 memory.place(live, self._now, dirty=False)
+                chain.promoted(self, locked=True)  # resident now: a Pin finds them so
                 memory.unpin_extents(self.extents)  # frees those whose block was not placed
                 memory.counters.promotions += 1
                 memory.counters.promoted_blocks += len(live)
@@ -343,6 +362,8 @@ class TierChain:
         self._lock = memory.lock if memory is not None else threading.Lock()
         self._commit_lock = commit_lock
         self._writing: set[BlockKey] = set()  # blocks a write-behind batch is writing now
+        # blocks being promoted, by promotion: a load of the same blocks joins it
+        self._promoting: dict[BlockKey, Promotion] = {}
         self._last_written = 0.0  # perf_counter when the last batch ended
 
     # ---- reads
@@ -410,7 +431,25 @@ class TierChain:
         started = self.promote_start(keys, now)
         if started.promotion is None:
             return started
+        if started.joined:  # its reads, not its owner's placement
+            return Started(started.promotion, started.promotion.read_prefix()[1], joined=True)
         return Started(None, started.promotion.finish())
+
+    def let_go(self, started: Started) -> None:
+        """A joined promotion's hold for this load, ended (it has pinned what it uses)."""
+        if started.joined and started.promotion is not None and self.memory is not None:
+            with self._lock:
+                self.memory.unpin_extents(started.promotion.extents)
+
+    def promoted(self, promotion: Promotion, *, locked: bool = False) -> None:
+        """`promotion` is finished (or its blocks are placed): no load joins it any more."""
+        if not locked:
+            with self._lock:
+                self.promoted(promotion, locked=True)
+            return
+        for placed in promotion.placed:
+            if self._promoting.get(placed.meta.key) is promotion:
+                del self._promoting[placed.meta.key]
 
     def promote_start(self, keys: list[BlockKey], now: float) -> Started:
         """Start reading the blocks of `keys` that only the persistent tier holds into one
@@ -429,7 +468,15 @@ class TierChain:
             hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
             memory.pin_extents(hot, now)
             cold = [k for k in keys if k not in memory.resident and self.index.get(*k) is not None]
+            # every cold block being read already by one promotion (two TP ranks loading
+            # one prompt): joined, not read twice; its extents held until this load pins
+            running = {id(p): p for p in (self._promoting.get(k) for k in cold)}
+            joined = running.popitem()[1] if len(running) == 1 and None not in running.values() else None
+            if joined is not None:
+                memory.pin_extents(joined.extents, now)
         try:
+            if joined is not None:
+                return Started(joined, joined._stopped, joined=True)
             return self._start(memory, cold, now) if cold else Started()
         finally:
             with self._lock:
@@ -459,6 +506,9 @@ class TierChain:
                 with self._lock:
                     memory.unpin_extents(extents)
                 raise
+            with self._lock:
+                for placed in promotion.placed:
+                    self._promoting[placed.meta.key] = promotion
             return Started(promotion, stopped)
         except BaseException:
             window.close()

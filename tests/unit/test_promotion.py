@@ -37,9 +37,10 @@ def test_two_promotions_of_the_same_blocks_at_once_place_them_once(cold: tuple[S
     hold one copy."""
     store, hashes = cold
     keys = [(NS, x) for x in hashes]
-    first = store.tiers.promote_start(keys, time.time())
+    first = store.tiers.promote_start(keys[:4], time.time())
     second = store.tiers.promote_start(keys, time.time())  # the first is not placed yet
     assert first.promotion is not None and second.promotion is not None
+    assert not second.joined  # blocks 4 and 5 are not being read: its own promotion reads all
     assert first.promotion.finish() is None and second.promotion.finish() is None
     memory = store.memory
     assert memory is not None
@@ -52,6 +53,43 @@ def test_two_promotions_of_the_same_blocks_at_once_place_them_once(cold: tuple[S
         assert used == sum(extent.nbytes for extent in memory.extents.values())
     with store.read(NS, hashes) as got:  # and they read back whole
         assert [bytes(view) for view in got.blocks[2].layers] == [layer_bytes(hashes[2], s) for s in LAYERS]
+
+
+def test_loads_of_blocks_being_promoted_join_the_promotion_and_read_nothing_twice(
+    cold: tuple[Store, list[bytes]],
+) -> None:
+    """Two TP ranks loading one cold prompt at once: the second load joins the first one's
+    promotion (the blocks are read once, into one set of extents) and gets every block
+    as it is read, without waiting for the first load to end; a plain Pin joins likewise."""
+    store, hashes = cold
+    memory = store.memory
+    assert memory is not None
+    owner = store.pin_stream(b"", NS, hashes)
+    first = next(owner)
+    assert not isinstance(first, (Ready, str)) and first.num_blocks == 6 and first.ready_layers == 0
+    joiner = store.pin_stream(b"", NS, hashes)
+    second = next(joiner)
+    assert not isinstance(second, (Ready, str)) and second.num_blocks == 6
+    assert [run.extent for run in second.runs] == [run.extent for run in first.runs]  # the same bytes
+    reports = list(joiner)  # to the last read, while the owner has not even started reading its reports
+    assert reports[-1] == Ready(len(LAYERS), 6)
+    plain = store.pin(b"", NS, hashes)  # joins too, and waits for the reads only
+    assert plain.num_blocks == 6 and [run.extent for run in plain.runs] == [run.extent for run in first.runs]
+    with memory.lock:
+        assert not any((NS, x) in memory.resident for x in hashes)  # the owner has not placed them
+    assert list(owner)[-1] == Ready(len(LAYERS), 6)  # the owner's stream ends: placed
+    stats = store.stats()
+    assert (stats["promotions"], stats["promoted_blocks"]) == (1, 6)
+    with memory.lock:
+        assert set(memory.resident) == {(NS, x) for x in hashes}
+        assert len(memory.extents) == 6 and memory.resident_bytes == 6 * BLOCK_BYTES
+    for pin_id in (first.pin_id, second.pin_id, plain.pin_id):
+        assert store.release(b"", pin_id)
+    with memory.lock:
+        assert not memory.pins and all(extent.pins == 0 for extent in memory.extents.values())
+    with store.read(NS, hashes) as got:
+        assert [bytes(view) for view in got.blocks[5].layers] == [layer_bytes(hashes[5], s) for s in LAYERS]
+    assert store.tiers.promote_start([(NS, x) for x in hashes], time.time()).promotion is None  # all resident
 
 
 def test_a_streamed_pin_places_its_blocks_after_the_last_report_and_its_release_waits_for_that(
