@@ -243,6 +243,52 @@ def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
             assert layout.heads[name][[0, *range(4, POOL)]].eq(0).all()  # nothing else written
 
 
+@pytest.mark.parametrize("device_checksums", [True, False])
+def test_a_rank_saving_part_of_a_chain_writes_its_heads_in_place_beside_the_other_ranks(
+    kv: KVStoreClient, device_checksums: bool
+) -> None:
+    """TP=2: rank 0 saves a chain of three blocks, rank 1 saves it in two pieces (blocks 1-2,
+    then block 0). Each piece is written where its blocks lie in the one extent rank 0's
+    reservation laid out for three blocks: a layer's two heads are not side by side there
+    (a run of two blocks, then the next head's three), so each head is its own copy. The
+    daemon copies nothing, and a TP=1 load reads every block back bit-exact."""
+    from kvstore_connector.layout import StoreLayout
+
+    g = torch.Generator().manual_seed(9)
+    names = ["attn.0", "attn.1"]
+    full = {name: torch.randn((POOL, 4, 4, 8), generator=g).to(torch.bfloat16) for name in names}
+
+    def rank(tp: int, r: int, source: dict[str, torch.Tensor] | None) -> tuple[ArenaTransport, StoreLayout]:
+        caches = {n: (source[n] if source else torch.zeros_like(full[n]))[:, r * 4 // tp : (r + 1) * 4 // tp]
+                  .contiguous() for n in names}  # fmt: skip
+        layout = StoreLayout.build(caches, num_kv_heads=4, tp_size=tp, tp_rank=r, mla=False, codec=None)
+        t = ArenaTransport(kv, NS, layout.own_specs, layout.views, BlockMover(torch.device("cpu")),
+                           device_checksums=device_checksums, stored=layout.specs, subset=layout.subset,
+                           heads=layout.head_targets)  # fmt: skip
+        return t, layout
+
+    hashes = chain(f"in-place-pieces-{device_checksums}", 3)
+    ids = [5, 6, 7]
+    for r, first, stop in [(0, 0, 3), (1, 1, 3), (1, 0, 1)]:
+        t, layout = rank(2, r, full)
+        parent = hashes[first - 1] if first else b""
+        spec = SimpleNamespace(req_id="r", hashes=hashes[first:stop], block_ids=ids[first:stop],
+                               parent_hash=parent, token_ids=[])  # fmt: skip
+        save = t.open(spec)  # type: ignore[arg-type]
+        assert isinstance(save, ArenaSave) and save.reservation.in_place
+        for name in names:
+            t.save_layer([save], layout.by_layer[name], layout.heads[name])
+        t.commit(save)
+    assert kv.lookup(NS, hashes) == 3
+    stats = kv.stats()
+    assert stats["part_layers_copied"] == 0 and stats["part_layers_in_place"] == 3 * 2 * 4
+    t, layout = rank(1, 0, None)
+    n, _ = load(t, hashes, [1, 2, 3])
+    assert n == 3
+    for name in names:
+        assert torch.equal(layout.heads[name][1:4], full[name][5:8])
+
+
 def _cold(make_server, hashes: list[bytes], source: dict[str, torch.Tensor], ids: list[int]) -> InProcServer:
     """A server whose persistent tier alone holds `hashes` (saved from `source` at `ids`,
     written behind, then the memory tier gone as at a reboot), restarted on the same data."""
