@@ -63,22 +63,31 @@ class _Shape:
     block_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Per block and layer, of the blocks that arrived together (one extent's), numpy
+    arrays [blocks, layers] (a block of the per-head layout has 256 layers, a TP save
+    brings 512 blocks of them: a Python value, even a numpy call, per block-layer or
+    block was most of a commit's time): each layer's checksum, whether it is in, the kind
+    of its checksum (an index of _KINDS, -1 not yet) and whether a reservation writes it."""
+
+    sums: Any  # uint64
+    have: Any  # bool
+    kinds: Any  # int8
+    claimed: Any  # bool
+
+
 @dataclass
 class _Block:
-    """A block some of whose layers are in. Per layer, numpy arrays (a block of the per-head
-    layout has 256 layers, a TP save brings 512 blocks of them: a Python value per
-    block-layer was most of a commit's time): its checksum, whether it is in, the kind of
-    its checksum (an index of _KINDS, -1 not yet) and whether a reservation writes it."""
+    """A block some of whose layers are in: row `row` of `rows`."""
 
     layers: tuple[LayerSpec, ...]
     shape: _Shape
     parent: bytes
     view: memoryview  # where the block lies: its own heap buffer, or the arena
     started: float
-    sums: Any  # uint64 [layers]
-    have: Any  # bool [layers]
-    kinds: Any  # int8 [layers]
-    claimed: Any  # bool [layers]
+    rows: _Rows
+    row: int
     tokens: list[int] | None = None
     extent: int | None = None  # in the arena: the extent (of `extent_blocks`) and position
     extent_blocks: int = 1
@@ -132,19 +141,28 @@ class Whole:
         return b"".join(self.layer(k) for k in range(len(self.layers)))
 
 
-def _one_kind(block: _Block) -> tuple[PackedSums, str]:
-    """A whole block's checksums, all of one kind: its parts' where they agree and it lies
-    in the arena (committed there as a commit of that kind is); else xxh3, summed here for
-    the layers whose parts brought another kind."""
+def _one_kind(blocks: list[_Block]) -> list[tuple[PackedSums, str]]:
+    """Whole blocks' checksums (blocks of one _Rows), each block's all of one kind: its
+    parts' where they agree and it lies in the arena (committed there as a commit of that
+    kind is); else xxh3, summed here for the layers whose parts brought another kind."""
     import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
-    code = int(block.kinds[0])
-    if block.extent is not None and bool((block.kinds == code).all()):
-        return PackedSums(block.sums.astype("<u8").tobytes()), _KINDS[code]
-    sums = block.sums.copy()
-    for k in np.flatnonzero(block.kinds != _KINDS.index(XXH3)).tolist():
-        sums[k] = checksum(block.layer(k))
-    return PackedSums(sums.astype("<u8").tobytes()), XXH3
+    rows = blocks[0].rows
+    index = np.fromiter((b.row for b in blocks), np.intp, len(blocks))
+    kinds, sums = rows.kinds[index], rows.sums[index].astype("<u8")
+    uniform = (kinds == kinds[:, :1]).all(axis=1).tolist()
+    first = kinds[:, 0].tolist()
+    packed, width = sums.tobytes(), 8 * sums.shape[1]
+    out: list[tuple[PackedSums, str]] = []
+    for n, block in enumerate(blocks):
+        if block.extent is not None and uniform[n]:
+            out.append((PackedSums(packed[n * width : (n + 1) * width]), _KINDS[first[n]]))
+            continue
+        mine = sums[n].copy()
+        for k in np.flatnonzero(kinds[n] != _KINDS.index(XXH3)).tolist():
+            mine[k] = checksum(block.layer(k))
+        out.append((PackedSums(mine.tobytes()), XXH3))
+    return out
 
 
 def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | None:
@@ -241,17 +259,18 @@ class PartAssembler:
         first = held[0]
         if first is None or first.extent is None:
             return None
-        chosen = _indices(subset)
         for n, (block, parent) in enumerate(zip(held, parents, strict=True)):
             if (
-                block is None or block.extent != first.extent or block.position != first.position + n
+                block is None or block.rows is not first.rows or block.position != first.position + n
                 or block.layers != layers or block.parent != parent
-                or block.have[chosen].any() or block.claimed[chosen].any()
             ):  # fmt: skip
                 return None
-        for block in held:
-            if block is not None:
-                block.claimed[chosen] = True
+        import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+        rows, where = first.rows, np.ix_(np.arange(first.row, first.row + len(held)), _indices(subset))
+        if rows.have[where].any() or rows.claimed[where].any():  # put or claimed already
+            return None
+        rows.claimed[where] = True
         return first.extent, first.position
 
     def extent_blocks(self, namespace: bytes, block_hash: bytes) -> int:
@@ -325,11 +344,10 @@ class PartAssembler:
             for k, layer_index in enumerate(subset):
                 start = first.at(layer_index)
                 first.view[start : start + len(new) * sizes[layer_index]] = runs(k)
-        chosen, code = _indices(subset), _KINDS.index(kind)
-        done: list[Whole] = []
-        for n, i in enumerate(todo):
-            key = (namespace, hashes[i])
-            block = self._blocks[key]
+        import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+        blocks = [self._blocks[(namespace, hashes[i])] for i in todo]
+        for n, (i, block) in enumerate(zip(todo, blocks, strict=True)):
             if tokens is not None and block.tokens is None:
                 block.tokens = list(tokens[n])
             in_place = lies_at is not None and (block.extent, block.position) == (lies_at[0], lies_at[1] + i)
@@ -339,20 +357,36 @@ class PartAssembler:
                 self.layers_copied += len(subset)
                 for k, layer_index in enumerate(subset):
                     block.layer(layer_index)[:] = data(k, i)
-            # what it holds, summed once: by the caller (its kind), or xxh3 here
-            if sums is None:
-                for layer_index in subset:
-                    block.sums[layer_index] = checksum(block.layer(layer_index))
+        # what they hold, summed once: by the caller (its kind), or xxh3 here; per group of
+        # blocks that arrived together, one numpy call each, not one per block
+        chosen, code = _indices(subset), _KINDS.index(kind)
+        given = None if sums is None else np.asarray(sums, dtype=np.uint64)
+        groups: dict[int, list[int]] = {}  # id(rows) -> positions in todo
+        for n, block in enumerate(blocks):
+            groups.setdefault(id(block.rows), []).append(n)
+        whole: dict[int, tuple[PackedSums, str]] = {}  # position in todo -> its sums and kind
+        for members in groups.values():
+            rows = blocks[members[0]].rows
+            index = np.fromiter((blocks[n].row for n in members), np.intp, len(members))
+            where = np.ix_(index, chosen)
+            if given is None:
+                summed = [[checksum(blocks[n].layer(k)) for k in subset] for n in members]
+                rows.sums[where] = np.array(summed, dtype=np.uint64)
             else:
-                block.sums[chosen] = sums[i]
-            block.have[chosen] = True
-            block.kinds[chosen] = code
-            if block.have.all():
-                del self._blocks[key]
+                rows.sums[where] = given[[todo[n] for n in members]]
+            rows.have[where] = True
+            rows.kinds[where] = code
+            complete = [members[j] for j in np.flatnonzero(rows.have[index].all(axis=1)).tolist()]
+            if complete:
+                whole.update(zip(complete, _one_kind([blocks[n] for n in complete]), strict=True))
+        done: list[Whole] = []
+        for n, i in enumerate(todo):
+            if n in whole:
+                block = self._blocks.pop((namespace, hashes[i]))
                 self.nbytes -= shape.block_bytes
                 self.completed += 1
-                whole, whole_kind = _one_kind(block)
-                done.append(Whole(i, hashes[i], block.parent, layers, whole, block.tokens, block, whole_kind))
+                packed, made = whole[n]
+                done.append(Whole(i, hashes[i], block.parent, layers, packed, block.tokens, block, made))
         return done
 
     def _shape(self, layers: tuple[LayerSpec, ...]) -> _Shape:
@@ -383,13 +417,13 @@ class PartAssembler:
         sums, have = np.zeros((count, width), np.uint64), np.zeros((count, width), bool)
         kinds, claimed = np.full((count, width), -1, np.int8), np.zeros((count, width), bool)
         arena = self.arena.view if extent is not None and self.arena is not None else None
+        rows = _Rows(sums, have, kinds, claimed)
         for i, (block_hash, parent) in enumerate(zip(hashes, parents, strict=True)):
-            rows = (sums[i], have[i], kinds[i], claimed[i])
             if arena is None:
                 view = memoryview(bytearray(shape.block_bytes))
-                block = _Block(layers, shape, parent, view, now, *rows)
+                block = _Block(layers, shape, parent, view, now, rows, i)
             else:
-                block = _Block(layers, shape, parent, arena, now, *rows, None, extent, count, i)
+                block = _Block(layers, shape, parent, arena, now, rows, i, None, extent, count, i)
             self._blocks[(namespace, block_hash)] = block
         self.nbytes += shape.block_bytes * count
 
