@@ -154,18 +154,25 @@ def layer_groups(sizes: Sequence[int]) -> list[range]:
     return [g for g in groups if len(g)]
 
 
-def _group_rows(rows: Any, group: range) -> Any:
-    """Each block's iovec rows of the layers in `group`, out of `rows` ([block, layer, 2],
-    one-block extents of one layout: the same rows shifted by each extent); one row per
-    block where those layers lie back to back, as they do in a one-block extent."""
-    rows = rows[:, group.start : group.stop]
-    first = rows[0]
+def _group_rows(one: Any, group: range, extents: Sequence[int]) -> Any:
+    """Each block's iovec rows ([block, rows, 2]) of the layers in `group`, for one-block
+    extents at `extents` of one layout whose rows at the arena's start are `one` ([layer,
+    2]): one row per block where those layers lie back to back, as they do in a one-block
+    extent (made from the extents alone: the rows of every layer of 512 blocks of 256
+    layers took longer to make than the reads they planned took to start)."""
+    import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
+
+    first = one[group.start : group.stop]
+    shift = np.asarray(extents, dtype=np.uint64)
     length = int(first[:, 1].sum())
-    if int(first[-1, 0] + first[-1, 1] - first[0, 0]) != length:
-        return rows
-    spans = rows[:, :1].copy()
-    spans[:, 0, 1] = length
-    return spans
+    if int(first[-1, 0] + first[-1, 1] - first[0, 0]) == length:
+        spans = np.empty((len(shift), 1, 2), dtype=np.uint64)
+        spans[:, 0, 0] = shift + first[0, 0]
+        spans[:, 0, 1] = length
+        return spans
+    rows = np.repeat(first[None], len(shift), axis=0)
+    rows[:, :, 0] += shift[:, None]
+    return rows
 
 
 class Ready(NamedTuple):
@@ -216,7 +223,7 @@ class Promotion:
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
         found = time.perf_counter()
-        rows = memory.block_rows(layers, extents)  # [block, layer, (address, length)]
+        one = memory.extent_rows(layers, 0, 1)[0]  # [layer, (address, length)] at the arena's start
         # per group, the blocks in chunks of about _READ_TASK_BYTES, a task each (at most
         # _TASKS_PER_THREAD per I/O thread): taken in order by the I/O threads, so the
         # leading blocks land first, and a loader starts on them a few reads in
@@ -226,7 +233,7 @@ class Promotion:
         # every read planned before the first is issued (read_batches), per group
         self._futures = []
         for group in self.groups:
-            spans = _group_rows(rows, group)
+            spans = _group_rows(one, group, extents)
             batches = [[(located[p], Pieces(spans[p], memory.file)) for p in chunk] for chunk in self._chunks]
             self._futures.append(chain.persistent.read_batches(batches, group))
         self._failed_at = n  # the first block a read failed for

@@ -758,15 +758,6 @@ class MemoryTier:
             cached = self._layout_rows[key] = (layers, starts * np.uint64(num_blocks), sizes)
         return cached[1], cached[2]
 
-    def block_rows(self, layers: tuple[LayerSpec, ...], extents: Sequence[int]) -> Any:
-        """extent_rows of one-block extents at `extents`: [len(extents), layers, 2]."""
-        import numpy as np
-
-        one = self.extent_rows(layers, 0, 1)  # at the arena's start: shifted by each extent
-        rows = np.repeat(one, len(extents), axis=0)
-        rows[:, :, 0] += np.asarray(extents, dtype=np.uint64)[:, None]
-        return rows
-
     def pieces(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int, position: int) -> Pieces:
         """Where block `position` of an extent lies, layer by layer (tiers.base.Pieces): its
         rows alone (write-behind asks for each block of a 512-block extent in turn; making
