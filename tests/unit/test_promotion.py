@@ -3,6 +3,7 @@ LMDB persistent tier: blocks only the persistent tier holds, read into the arena
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from kvunit import BLOCK_BYTES, LAYERS, NS, backend_file_with, chain, layer_bytes, make_write, new_backend
 
+from kvstore.blocks import STOP_EVICTED
 from kvstore_server.store import Store
 from kvstore_server.tiers.arena import open_memory_tier
 from kvstore_server.tiers.chain import Ready
@@ -90,6 +92,38 @@ def test_loads_of_blocks_being_promoted_join_the_promotion_and_read_nothing_twic
     with store.read(NS, hashes) as got:
         assert [bytes(view) for view in got.blocks[5].layers] == [layer_bytes(hashes[5], s) for s in LAYERS]
     assert store.tiers.promote_start([(NS, x) for x in hashes], time.time()).promotion is None  # all resident
+
+
+def test_a_load_joined_to_a_promotion_whose_read_fails_stops_where_it_failed(
+    cold: tuple[Store, list[bytes]], tmp_path: Path
+) -> None:
+    """The segment cut short after block 2: both loads of the joined promotion hear that
+    the read failed (never a report of the blocks beyond); a plain Pin that joins pins
+    only blocks read whole (none here: the failed read was one task of all six, so none
+    counts as read); nothing stays pinned once all three are done."""
+    store, hashes = cold
+    os.truncate(backend_file_with("lmdb", tmp_path, NS, hashes[0]), 3 * BLOCK_BYTES)
+    owner = store.pin_stream(b"", NS, hashes)
+    first = next(owner)
+    assert not isinstance(first, (Ready, str)) and first.num_blocks == 6
+    joiner = store.pin_stream(b"", NS, hashes)
+    second = next(joiner)
+    assert not isinstance(second, (Ready, str)) and second.num_blocks == 6
+    plain = store.pin(b"", NS, hashes)
+    assert plain.num_blocks <= 3 and plain.stop == STOP_EVICTED  # blocks read whole only
+    for stream in (joiner, owner):
+        reports = list(stream)
+        assert reports[-1] == STOP_EVICTED
+        assert all(r.blocks <= 3 and r.layers < len(LAYERS) for r in reports if isinstance(r, Ready))
+    assert store.stats()["promotions"] == 1
+    for pin_id in (first.pin_id, second.pin_id, plain.pin_id):
+        if pin_id:
+            store.release(b"", pin_id)
+    memory = store.memory
+    assert memory is not None
+    with memory.lock:
+        assert not memory.pins and all(extent.pins == 0 for extent in memory.extents.values())
+        assert set(memory.resident) <= {(NS, x) for x in hashes[:3]}
 
 
 def test_a_streamed_pin_places_its_blocks_after_the_last_report_and_its_release_waits_for_that(
