@@ -180,15 +180,18 @@ def parse_block_file(buf: mmap.mmap | bytearray) -> tuple[BlockMeta, list[memory
 BAD_RECORD = (ValueError, KeyError, TypeError, StorageError)
 
 
-def read_lmdb_record(txn: Any, blocks_db: Any, layouts_db: Any, key: BlockKey) -> records.Record | None:
+def read_lmdb_record(
+    txn: Any, blocks_db: Any, layouts_db: Any, key: BlockKey, layouts: LayoutReader | None = None
+) -> records.Record | None:
     """A block's record in an open read transaction of the LMDB index; None when absent
-    or unreadable (logged). lmdb.Error propagates to the caller, which owns the
-    transaction."""
-    raw = txn.get(lmdb_key(*key), db=blocks_db)
+    or unreadable (logged). `layouts`: a LayoutReader of `txn`, kept by a caller that
+    reads many. lmdb.Error propagates to the caller, which owns the transaction."""
+    raw_key = lmdb_key(*key)
+    raw = txn.get(raw_key, db=blocks_db)
     if raw is None:
         return None
     try:
-        return records.parse(lmdb_key(*key), raw, LayoutReader(txn, layouts_db))
+        return records.parse(raw_key, raw, layouts if layouts is not None else LayoutReader(txn, layouts_db))
     except (*BAD_RECORD, *records.BAD_RECORD) as exc:
         log.warning("unreadable record of block %s: %s", key[1].hex(), exc)
         return None

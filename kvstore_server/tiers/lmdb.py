@@ -525,7 +525,8 @@ class LmdbBackend(Backend):
         the context is open, so reads of them (`read_into`) may run inside it."""
         with self._read_window():
             with _reading(), self._env.begin(buffers=True) as txn:
-                found = [read_lmdb_record(txn, self._blocks, self._layouts, key) for key in keys]
+                layouts = LayoutReader(txn, self._layouts)
+                found = [read_lmdb_record(txn, self._blocks, self._layouts, key, layouts) for key in keys]
             yield found
 
     def read_into(
