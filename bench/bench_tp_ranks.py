@@ -15,8 +15,9 @@ each block, visible once every rank's part is in). Per size, in one run:
   then a TP=1 process loads it whole: bit-exact against what the ranks held;
 - a TP=1 save, then both TP=2 ranks load their heads of it at once: bit-exact;
 - per rank and aggregate GB/s (the aggregate: all ranks' bytes over the span from the
-  first start to the last end), each process's time to map and register the arena, and
-  the daemon's time per Reserve and Commit (a part each per rank).
+  first start to the last end), each process's time to map and register the arena, the
+  daemon's time per Reserve and Commit (a part each per rank), and how many of the parts'
+  block-layers the ranks wrote in place (the daemon copied none: `part_layers_*` stats).
 
 Figures only; each rank's own bytes are its heads (half a block's at TP=2).
 """
@@ -301,7 +302,7 @@ def report(args: argparse.Namespace, tokens: int, two: Ranks, one: Ranks, side: 
     rows: dict[str, list[list[dict[str, Any]]]] = {
         "alone_save": [], "alone_load": [], "save2": [], "load1": [], "save1": [], "load2": []
     }  # fmt: skip
-    before = side.server_time()
+    before, parts = side.server_time(), side.kv.stats()
     exact = True
     for i in range(args.repeat + 1):
         seed = tokens * 1000 + i
@@ -323,6 +324,9 @@ def report(args: argparse.Namespace, tokens: int, two: Ranks, one: Ranks, side: 
                 rows[key].append(answers)
     server = g.per_call(before, side.server_time())
     print(f"  every load bit-exact against the source KV: {'yes' if exact else 'NO'}")
+    after = side.kv.stats()
+    placed, copied = (after[k] - parts[k] for k in ("part_layers_in_place", "part_layers_copied"))
+    print(f"  parts' block-layers written in place by the ranks: {placed}, copied by the daemon: {copied}")
     for key, title, each in (("alone_save", "TP=2 rank 0 saving alone (its part)", half),
                              ("alone_load", "TP=2 rank 0 loading alone (its heads)", half),
                              ("save2", "TP=2 save, both ranks at once (a part each)", half),
