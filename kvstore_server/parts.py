@@ -267,7 +267,8 @@ class PartAssembler:
                 return None
         import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
-        rows, where = first.rows, np.ix_(np.arange(first.row, first.row + len(held)), _indices(subset))
+        rows, index = first.rows, [b.row for b in held if b is not None]
+        where = np.ix_(np.asarray(index, dtype=np.intp), _indices(subset))
         if rows.have[where].any() or rows.claimed[where].any():  # put or claimed already
             return None
         rows.claimed[where] = True

@@ -19,6 +19,10 @@ the memory tier's `lock` guards its state and the index, held only for in-memory
 work; `commit_lock` serialises everything that changes a tier's contents, so the
 index and the tiers change together. Methods say which lock the caller must hold;
 the others take what they need.
+
+NOTE: over 500 lines: a Promotion and the chain share the locks, the extents' holds
+and the registry of promotions under way (which a load of the same blocks joins);
+apart, each would reach into the other's state.
 """
 
 from __future__ import annotations
