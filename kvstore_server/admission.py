@@ -530,12 +530,10 @@ class Admitting(Ledger):
         reservation; None: it gets an extent of its own."""
         with self._parts_lock:
             at = self.parts.place_in_arena(namespace, hashes, parents, layers, subset)
-            if at is None:
-                return None
-            extent, position = at
-            with self._lock:  # before the parts lock is let go: an expiry cannot free it now
-                memory.pin_extents([extent], time.time())
-            return extent, self.parts.extent_blocks(namespace, hashes[0]), position
+            if at is not None:
+                with self._lock:  # before the parts lock is let go: an expiry cannot free it now
+                    memory.pin_extents([at[0]], time.time())
+            return at
 
     def commit(
         self, prefix: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
@@ -577,7 +575,7 @@ class Admitting(Ledger):
         complete are committed there."""
         n, width = len(res.hashes), len(res.layers)
         if res.extent_blocks:  # written in place: block i's layer subset[k] where it lies
-            view = _in_group(memory.views(res.extent, res.full_layers, res.extent_blocks), res)
+            view = _group_view(memory.views(res.extent, res.full_layers, res.extent_blocks), res)
         else:
             view = memory.views(res.extent, res.layers, n)
         if kind == XXH3:  # what the client summed is what the arena holds (a torn write fails)
@@ -608,7 +606,9 @@ class Admitting(Ledger):
             raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
 
 
-def _in_group(whole: Callable[[int, int], memoryview], res: Reservation) -> Callable[[int, int], memoryview]:
+def _group_view(
+    whole: Callable[[int, int], memoryview], res: Reservation
+) -> Callable[[int, int], memoryview]:
     """view(block, k) of a reservation written in place: block i of the reservation is at
     res.position + i in its group's extent, layer k of the reservation is subset[k] there."""
     subset, first = res.subset or (), res.position

@@ -287,10 +287,12 @@ class Loading(Admitting):
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
         started = self._started(self.tiers.promote(keys, now)) if cold else Started()
         pending: dict[BlockKey, Placed] = {}
+        left_out = started.left_out
         if started.joined and started.promotion is not None:  # read, perhaps not placed yet
-            pending = {p.meta.key: p for p in started.promotion.read_prefix()[0]}
+            read, left_out = started.promotion.read_prefix()
+            pending = {p.meta.key: p for p in read}
         try:
-            return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, started.left_out,
+            return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out,
                                 pending)  # fmt: skip
         finally:
             self.tiers.let_go(started)

@@ -89,9 +89,17 @@ class _Block:
     rows: _Rows
     row: int
     tokens: list[int] | None = None
-    extent: int | None = None  # in the arena: the extent (of `extent_blocks`) and position
-    extent_blocks: int = 1
-    position: int = 0
+    extent: int | None = None  # in the arena: the extent, its blocks those of `rows`
+
+    @property
+    def extent_blocks(self) -> int:
+        """How many blocks the extent holds (1: a heap buffer of its own)."""
+        return int(self.rows.sums.shape[0]) if self.extent is not None else 1
+
+    @property
+    def position(self) -> int:
+        """Its place in the extent: its row, as the extent holds the rows' blocks in order."""
+        return self.row if self.extent is not None else 0
 
     def at(self, k: int) -> int:
         """Where layer k lies in `view` (an extent is layer-major; a heap buffer one block)."""
@@ -233,11 +241,11 @@ class PartAssembler:
         parents: Sequence[bytes],
         layers: tuple[LayerSpec, ...],
         subset: Sequence[int],
-    ) -> tuple[int, int] | None:
+    ) -> tuple[int, int, int] | None:
         """Where a rank may write layers `subset` of new blocks `hashes` in place: (extent,
-        position of the first) of the arena extent their parts lie in, blocks side by side
-        from there (the extent holds `len(hashes)` blocks when this makes it; the caller
-        reads its size with `extent_blocks`). Those layers are claimed for the writer: no
+        the blocks it holds, position of the first) of the arena extent their parts lie in,
+        blocks side by side from there (when this makes the extent, it holds `len(hashes)`
+        blocks). Those layers are claimed for the writer: no
         other reservation gets them; its commit brings them with `add(..., lies_at=...)`.
         None, nothing changed, where they cannot be written in place: no arena room, some
         of the blocks held elsewhere or apart, a layer already put or claimed, another
@@ -261,23 +269,18 @@ class PartAssembler:
             return None
         for n, (block, parent) in enumerate(zip(held, parents, strict=True)):
             if (
-                block is None or block.rows is not first.rows or block.position != first.position + n
+                block is None or block.rows is not first.rows or block.row != first.row + n
                 or block.layers != layers or block.parent != parent
             ):  # fmt: skip
                 return None
         import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
-        rows, index = first.rows, [b.row for b in held if b is not None]
-        where = np.ix_(np.asarray(index, dtype=np.intp), _indices(subset))
+        rows = first.rows
+        where = np.ix_(np.arange(first.row, first.row + len(held)), _indices(subset))
         if rows.have[where].any() or rows.claimed[where].any():  # put or claimed already
             return None
         rows.claimed[where] = True
-        return first.extent, first.position
-
-    def extent_blocks(self, namespace: bytes, block_hash: bytes) -> int:
-        """How many blocks the extent holds that the pending block lies in (0: none)."""
-        block = self._blocks.get((namespace, block_hash))
-        return block.extent_blocks if block is not None and block.extent is not None else 0
+        return first.extent, first.extent_blocks, first.position
 
     def add(
         self,
@@ -424,7 +427,7 @@ class PartAssembler:
                 view = memoryview(bytearray(shape.block_bytes))
                 block = _Block(layers, shape, parent, view, now, rows, i)
             else:
-                block = _Block(layers, shape, parent, arena, now, rows, i, None, extent, count, i)
+                block = _Block(layers, shape, parent, arena, now, rows, i, None, extent)
             self._blocks[(namespace, block_hash)] = block
         self.nbytes += shape.block_bytes * count
 

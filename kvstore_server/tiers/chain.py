@@ -438,12 +438,13 @@ class TierChain:
     # ---- promotion: persistent -> memory
     def promote(self, keys: list[BlockKey], now: float) -> Started:
         """promote_start, then wait for the promotion: its `left_out` is the first block it
-        left out and why (kvstore.blocks.STOP_*), or None."""
+        left out and why (kvstore.blocks.STOP_*), or None. A joined one (another load's) is
+        returned as it is: its caller waits for its reads (Promotion.read_prefix)."""
         started = self.promote_start(keys, now)
         if started.promotion is None:
             return started
-        if started.joined:  # its reads, not its owner's placement
-            return Started(started.promotion, started.promotion.read_prefix()[1], joined=True)
+        if started.joined:  # its caller waits for the reads (read_prefix), not the placement
+            return started
         return Started(None, started.promotion.finish())
 
     def let_go(self, started: Started) -> None:

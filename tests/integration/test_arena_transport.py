@@ -10,6 +10,7 @@ several runs, layers of different sizes, and a flipped byte."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -194,6 +195,37 @@ def test_compressed_blocks_take_the_device_path_quantized_and_back(
         assert ((got - want).abs() <= step + want.abs() * 2**-8 + 1e-6).all(), name
 
 
+ATTN = ["attn.0", "attn.1"]  # two attention layers of 4 KV heads (the heads tests)
+
+
+def attention_kv(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn((POOL, 4, 4, 8), generator=g).to(torch.bfloat16) for name in ATTN}
+
+
+def heads_rank(
+    kv: KVStoreClient,
+    full: dict[str, torch.Tensor],
+    tp: int,
+    r: int,
+    source: dict[str, torch.Tensor] | None,
+    *,
+    codec: Any = None,
+    device_checksums: bool = True,
+) -> tuple[ArenaTransport, Any]:
+    """Rank r of a TP=tp engine over `full`'s heads, as the connector builds it: its paged
+    caches (its heads of `source`, zeros without one), its layout, its transport."""
+    from kvstore_connector.layout import StoreLayout
+
+    caches = {n: (source[n] if source else torch.zeros_like(full[n]))[:, r * 4 // tp : (r + 1) * 4 // tp]
+              .contiguous() for n in ATTN}  # fmt: skip
+    layout = StoreLayout.build(caches, num_kv_heads=4, tp_size=tp, tp_rank=r, mla=False, codec=codec)
+    t = ArenaTransport(kv, NS, layout.own_specs, layout.views, BlockMover(torch.device("cpu"), codec),
+                       device_checksums=device_checksums, stored=layout.specs, subset=layout.subset,
+                       heads=layout.head_targets)  # fmt: skip
+    return t, layout
+
+
 @pytest.mark.parametrize("codec_name", ["none", "fp8"])
 @pytest.mark.parametrize(("save_tp", "load_tp"), [(1, 1), (1, 2), (2, 1)])
 def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
@@ -202,21 +234,12 @@ def test_a_ranks_heads_move_with_one_copy_per_layer_on_the_device_path(
     """The connector's layout (a store layer per KV head): saves of a layer's heads in one
     indexed copy (save_layer with their heads' view, summed on the device), staged loads scattering them in one."""
     from kvstore_connector.compression import make_codec
-    from kvstore_connector.layout import StoreLayout
 
     codec = make_codec(codec_name)
-    g = torch.Generator().manual_seed(8)
-    names = ["attn.0", "attn.1"]
-    full = {name: torch.randn((POOL, 4, 4, 8), generator=g).to(torch.bfloat16) for name in names}
+    names, full = ATTN, attention_kv(8)
 
-    def rank(tp: int, r: int, source: dict[str, torch.Tensor] | None) -> tuple[ArenaTransport, StoreLayout]:
-        caches = {n: (source[n] if source else torch.zeros_like(full[n]))[:, r * 4 // tp : (r + 1) * 4 // tp]
-                  .contiguous() for n in names}  # fmt: skip
-        layout = StoreLayout.build(caches, num_kv_heads=4, tp_size=tp, tp_rank=r, mla=False, codec=codec)
-        t = ArenaTransport(kv, NS, layout.own_specs, layout.views, BlockMover(torch.device("cpu"), codec),
-                           device_checksums=True, stored=layout.specs, subset=layout.subset,
-                           heads=layout.head_targets)  # fmt: skip
-        return t, layout
+    def rank(tp: int, r: int, source: dict[str, torch.Tensor] | None) -> tuple[ArenaTransport, Any]:
+        return heads_rank(kv, full, tp, r, source, codec=codec)
 
     hashes = chain(f"heads-{codec_name}-{save_tp}-{load_tp}", 3)
     spec = SimpleNamespace(req_id="r", hashes=hashes, block_ids=[5, 6, 7], parent_hash=b"", token_ids=[])
@@ -252,20 +275,10 @@ def test_a_rank_saving_part_of_a_chain_writes_its_heads_in_place_beside_the_othe
     reservation laid out for three blocks: a layer's two heads are not side by side there
     (a run of two blocks, then the next head's three), so each head is its own copy. The
     daemon copies nothing, and a TP=1 load reads every block back bit-exact."""
-    from kvstore_connector.layout import StoreLayout
+    names, full = ATTN, attention_kv(9)
 
-    g = torch.Generator().manual_seed(9)
-    names = ["attn.0", "attn.1"]
-    full = {name: torch.randn((POOL, 4, 4, 8), generator=g).to(torch.bfloat16) for name in names}
-
-    def rank(tp: int, r: int, source: dict[str, torch.Tensor] | None) -> tuple[ArenaTransport, StoreLayout]:
-        caches = {n: (source[n] if source else torch.zeros_like(full[n]))[:, r * 4 // tp : (r + 1) * 4 // tp]
-                  .contiguous() for n in names}  # fmt: skip
-        layout = StoreLayout.build(caches, num_kv_heads=4, tp_size=tp, tp_rank=r, mla=False, codec=None)
-        t = ArenaTransport(kv, NS, layout.own_specs, layout.views, BlockMover(torch.device("cpu")),
-                           device_checksums=device_checksums, stored=layout.specs, subset=layout.subset,
-                           heads=layout.head_targets)  # fmt: skip
-        return t, layout
+    def rank(tp: int, r: int, source: dict[str, torch.Tensor] | None) -> tuple[ArenaTransport, Any]:
+        return heads_rank(kv, full, tp, r, source, device_checksums=device_checksums)
 
     hashes = chain(f"in-place-pieces-{device_checksums}", 3)
     ids = [5, 6, 7]

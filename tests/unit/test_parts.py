@@ -128,15 +128,15 @@ def never(k: int, i: int) -> memoryview:
 def test_ranks_write_their_layers_in_place_and_nothing_is_copied() -> None:
     room = Room()
     parts = PartAssembler(1 << 20, 30.0, clock=Clock(), arena=room.room())
-    assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) == (0, 0)
-    assert parts.extent_blocks(NS, HASHES[0]) == 3 and room.holds == {0: 3}
+    assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) == (0, 3, 0)  # extent, blocks, position
+    assert room.holds == {0: 3}
     assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) is None  # claimed already
     assert parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (1, 2)) is None  # layer 2 claimed
-    assert parts.place_in_arena(NS, HASHES[1:], PARENTS[1:], LAYERS, (1, 3)) == (0, 1)  # blocks 1, 2
+    assert parts.place_in_arena(NS, HASHES[1:], PARENTS[1:], LAYERS, (1, 3)) == (0, 3, 1)  # blocks 1, 2
     assert parts.place_in_arena(NS, HASHES[:1], [b"x" * 32], LAYERS, (3,)) is None  # another parent
     parts = PartAssembler(1 << 20, 30.0, clock=Clock(), arena=room.room())
-    extent, _ = parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) or (None, 0)
-    assert extent is not None and parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (1, 3)) == (extent, 0)
+    extent, _, _ = parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) or (None, 0, 0)
+    assert extent is not None and parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (1, 3)) == (extent, 3, 0)
     room.write(extent, 3, 0, (0, 1, 2, 3))
     assert (
         parts.add(NS, HASHES, PARENTS, LAYERS, (0, 2), never, sums=sums_of((0, 2)), lies_at=(extent, 0)) == []
@@ -152,7 +152,7 @@ def test_ranks_write_their_layers_in_place_and_nothing_is_copied() -> None:
 def test_parts_dropped_under_a_writer_are_copied_from_where_it_wrote() -> None:
     clock, room = Clock(), Room()
     parts = PartAssembler(1 << 20, 30.0, clock=clock, arena=room.room())
-    extent, _ = parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) or (None, 0)
+    extent, _, _ = parts.place_in_arena(NS, HASHES, PARENTS, LAYERS, (0, 2)) or (None, 0, 0)
     assert extent is not None
     room.write(extent, 3, 0, (0, 2))
     clock.now += 30.0  # the other rank never came: the group was let go (its writer holds it)
