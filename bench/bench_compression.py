@@ -50,12 +50,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-sys.path.insert(0, str(ROOT / "connector"))  # a bare checkout (a GPU host) needs no install for --micro-only
-
-from kvstore_connector.compression import CODECS, Codec, make_codec  # noqa: E402
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from kvstore_connector.compression import CODECS, Codec, make_codec
 
 if TYPE_CHECKING:
     import torch
@@ -540,8 +536,8 @@ def main() -> None:
 def bench_engines(args: argparse.Namespace, models: list[str], compressions: list[str]) -> None:
     import random
 
-    from daemon import Daemon
     from harness import build_model
+    from support.daemon import Daemon
 
     tmp = Path(tempfile.mkdtemp(prefix="kvbench-compression-"))
     rng = random.Random(7)

@@ -26,14 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from harness import build_model, kv_config, run_engines
+from support.daemon import Daemon
 
-from daemon import Daemon  # noqa: E402
-from harness import build_model, kv_config, run_engines  # noqa: E402
-
-from kvstore_client import KVStoreClient  # noqa: E402
+from kvstore_client import KVStoreClient
 
 
 def main() -> None:

@@ -32,15 +32,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+import torch
+from support.daemon import Daemon, eventually
+from support.redis_cluster import Cluster
 
-import torch  # noqa: E402
-from daemon import Daemon, eventually  # noqa: E402
-from support.redis_cluster import Cluster  # noqa: E402
-
-from kvstore_client import KVStoreClient  # noqa: E402
-from kvstore_client.hashing import block_hashes  # noqa: E402
+from kvstore_client import KVStoreClient
+from kvstore_client.hashing import block_hashes
 
 NS = "bench-fleet"
 

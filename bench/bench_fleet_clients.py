@@ -24,11 +24,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from support.redis_cluster import Cluster
 
-from support.redis_cluster import Cluster  # noqa: E402
-
-from kvstore.sizes import parse_size  # noqa: E402
+from kvstore.sizes import parse_size
 
 
 def best(repeat: int, run: Callable[[], object]) -> float:

@@ -15,17 +15,15 @@ import argparse
 import ctypes
 import mmap
 import os
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvstore_server.tiers.segments import _vec_io  # noqa: E402
+from kvstore_server.tiers.segments import _vec_io
 
 
 def address(buf: mmap.mmap) -> int:

@@ -16,16 +16,15 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 
-from kvstore_server.store import Store  # noqa: E402
-from kvstore_server.tiers import open_backend  # noqa: E402
+from kvstore_server.store import Store
+from kvstore_server.tiers import open_backend
 
 
 def main() -> None:

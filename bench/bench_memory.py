@@ -15,19 +15,17 @@ above idle + budget (the README's constant bounds it), the peak of the daemon's 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from integration.helpers import NS, chain, make_layers
+from support.daemon import Daemon
 
-from daemon import Daemon  # noqa: E402
-from integration.helpers import NS, chain, make_layers  # noqa: E402
-
-from kvstore.sizes import parse_size  # noqa: E402
-from kvstore_client import KVStoreClient, errors  # noqa: E402
+from kvstore.sizes import parse_size
+from kvstore_client import KVStoreClient, errors
 
 MiB = 1 << 20
 

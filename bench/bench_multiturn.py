@@ -18,16 +18,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-
-from daemon import Daemon  # noqa: E402
-from harness import build_model, kv_config, run_engines  # noqa: E402
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from harness import build_model, kv_config, run_engines
+from support.daemon import Daemon
 
 
 def main() -> None:

@@ -26,14 +26,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-
-from daemon import Daemon  # noqa: E402
-from harness import build_model, kv_config  # noqa: E402
-from kvstore_connector.config import NamespaceInfo  # noqa: E402
-from servers import READY_TIMEOUT, Proxy, VllmServer, build_tokenizer, post, text  # noqa: E402
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from harness import build_model, kv_config
+from kvstore_connector.config import NamespaceInfo
+from servers import READY_TIMEOUT, Proxy, VllmServer, build_tokenizer, post, text
+from support.daemon import Daemon
 
 
 def first_token_seconds(url: str, body: dict) -> float:

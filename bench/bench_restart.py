@@ -44,14 +44,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 
-from kvstore.blocks import checksum  # noqa: E402
-from kvstore.layouts import backend_dir  # noqa: E402
-from kvstore.sizes import format_size, parse_size  # noqa: E402
-from kvstore_server.store import Store  # noqa: E402
-from kvstore_server.tiers import BlockMeta, BlockWrite, LayerSpec  # noqa: E402
-from kvstore_server.tiers.lmdb import LmdbBackend  # noqa: E402
+from kvstore.blocks import checksum
+from kvstore.layouts import backend_dir
+from kvstore.sizes import format_size, parse_size
+from kvstore_server.store import Store
+from kvstore_server.tiers import BlockMeta, BlockWrite, LayerSpec
+from kvstore_server.tiers.lmdb import LmdbBackend
 
 REPO = Path(__file__).resolve().parents[1]
 

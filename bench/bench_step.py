@@ -23,22 +23,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import torch
+from kvstore_connector.config import ConnectorConfig, NamespaceInfo
+from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+from kvstore_connector.transport import commit_each
+from kvstore_connector.worker import WorkerSide
+from support.daemon import Daemon  # a daemon process on a free port
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from daemon import Daemon  # noqa: E402  (tests/daemon.py: a daemon process on a free port)
-from kvstore_connector.config import ConnectorConfig, NamespaceInfo  # noqa: E402
-from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec  # noqa: E402
-from kvstore_connector.transport import commit_each  # noqa: E402
-from kvstore_connector.worker import WorkerSide  # noqa: E402
-
-from kvstore_client.hashing import block_hashes  # noqa: E402
+from kvstore_client.hashing import block_hashes
 
 BS = 16
 ONE_BY_ONE, TOGETHER, ONE_REQUEST = "one by one", "together", "one request"

@@ -61,7 +61,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -71,19 +70,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import numpy as np
+from kvstore_connector.host_memory import prepare_arena
+from support.daemon import Daemon  # the same start-up as the tests use
+from support.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "connector"))  # kvstore_connector.host_memory: the worker's pre-fault
-
-from daemon import Daemon  # noqa: E402  (tests/daemon.py: the same start-up as the tests use)
-from kvstore_connector.host_memory import prepare_arena  # noqa: E402
-
-from kvstore.sizes import format_size, parse_size  # noqa: E402
+from kvstore.sizes import format_size, parse_size
 
 TARGETS = {"store": 0.8, "load": 1.5, "lookup_p50_ms": 1.0}
 GB = 1e9
@@ -296,12 +289,6 @@ def best_of(
         with around(i) if around is not None else contextlib.nullcontext():
             best = max(best, timed_pass(f"{label} #{i + 1}" if repeat > 1 else label, nbytes, fn, sink))
     return best
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- daemon

@@ -62,18 +62,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import numpy as np
+from bench_store import _machine_busy, _proc_cpu, layer_shape
+from support.daemon import Daemon  # the same start-up as the tests use
+
+from kvstore.sizes import format_size, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from bench_store import _machine_busy, _proc_cpu, layer_shape  # noqa: E402
-from daemon import Daemon  # noqa: E402  (tests/daemon.py: the same start-up as the tests use)
-
-from kvstore.sizes import format_size, parse_size  # noqa: E402
-
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 NAMESPACE = "trace"
 GB = 1e9

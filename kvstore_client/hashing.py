@@ -19,26 +19,16 @@ No torch, no numpy.
 from __future__ import annotations
 
 import hashlib
-import re
 import struct
 import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvstore.namespaces import ConnectorNamespace, parse_namespace
+
 HASH_BYTES = 32
 _ROOT_TAG = b"kvstore-root-v1"
-# A namespace of the vLLM connector (kvstore_connector.config.NamespaceInfo):
-#   kvc2|MODEL|KV_DTYPE|bsN|kvhN|hdN|mla-or-mha|DEVICE[|fp8 or |int8]|ppRofN
-# (kvc1, before every KV head became a store layer of its own: ...|DEVICE|tpRofN|ppRofN).
-# Its blocks are hashed from the part before the compression, |tp.. and |pp..: one chain
-# root for every rank.
-_CONNECTOR_NAMESPACE_RE = re.compile(
-    r"^(?P<root>kvc2\|.*?)(?:\|fp8|\|int8)?\|pp\d+of\d+$"
-    r"|^(?P<old>kvc1\|.*)\|tp\d+of\d+\|pp\d+of\d+$",
-    re.DOTALL,
-)
-_CONNECTOR_BLOCK_SIZE_RE = re.compile(r"\|bs(\d+)\|")
 _BLOCK_TAG = b"kvstore-block-v1"
 
 
@@ -132,19 +122,21 @@ def block_hashes(
     return out
 
 
-def connector_hash_root(namespace: bytes) -> bytes | None:
-    """The chain root of a vLLM-connector namespace (without its compression and |pp..);
-    None for others."""
+def _connector_namespace(namespace: bytes) -> ConnectorNamespace | None:
     try:
-        text = namespace.decode()
-    except UnicodeDecodeError:
+        return parse_namespace(namespace.decode())
+    except (UnicodeDecodeError, ValueError):
         return None
-    match = _CONNECTOR_NAMESPACE_RE.match(text)
-    return (match.group("root") or match.group("old")).encode() if match else None
+
+
+def connector_hash_root(namespace: bytes) -> bytes | None:
+    """The chain root of a vLLM-connector namespace (kvstore.namespaces: without its
+    compression and rank parts); None for others."""
+    parts = _connector_namespace(namespace)
+    return parts.root.encode() if parts else None
 
 
 def connector_block_size(namespace: bytes) -> int | None:
     """The block size (bsN) named in a vLLM-connector namespace; None for others."""
-    root = connector_hash_root(namespace)
-    match = _CONNECTOR_BLOCK_SIZE_RE.search(root.decode()) if root else None
-    return int(match.group(1)) if match else None
+    parts = _connector_namespace(namespace)
+    return parts.block_size if parts else None

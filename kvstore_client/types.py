@@ -94,10 +94,6 @@ class Lease:
     def num_blocks(self) -> int:
         return min((pin.num_blocks for pin in self.pins), default=0)
 
-    @property
-    def pin_ids(self) -> list[int]:
-        return [pin.pin_id for pin in self.pins if pin.pin_id]
-
 
 @dataclass(frozen=True, slots=True)
 class Event:

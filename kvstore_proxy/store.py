@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Sequence
 
+from kvstore.namespaces import ConnectorNamespace, parse_namespace
 from kvstore_client import KVStoreClient
 from kvstore_client.errors import KVStoreError, StoreTimeout
-from kvstore_client.hashing import block_hashes, connector_block_size, connector_hash_root
+from kvstore_client.hashing import block_hashes
 
 log = logging.getLogger("kvstore-proxy")
 
@@ -27,17 +27,24 @@ class StoreTarget:
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
-        self.lookup_namespace = namespace if re.search(r"\|pp\d+of\d+$", namespace) else namespace + "|pp0of1"
+        parts = _parse(namespace)
+        self.lookup_namespace = namespace if parts else namespace + "|pp0of1"
         """The first pipeline stage's namespace: every stage saves the same blocks."""
-        root = connector_hash_root(self.lookup_namespace.encode())
-        block_size = connector_block_size(self.lookup_namespace.encode())
-        if root is None or not block_size:
+        parts = parts or _parse(self.lookup_namespace)
+        if parts is None or not parts.block_size:
             raise ValueError(
                 f"--kv-namespace {namespace!r} is not a connector namespace (kvc2|MODEL|DTYPE|bsN|...): "
                 "copy it from the connector's log line 'kvstore connector: ... namespace ...'"
             )
-        self.root = root.decode()  # the chain root of the block hashes: less the rank part
-        self.block_size = block_size
+        self.root = parts.root  # the chain root of the block hashes: less the rank part
+        self.block_size = parts.block_size
+
+
+def _parse(namespace: str) -> ConnectorNamespace | None:
+    try:
+        return parse_namespace(namespace)
+    except ValueError:
+        return None
 
 
 class StoreView:

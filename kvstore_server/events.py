@@ -144,12 +144,6 @@ class EventLog:
         with self._cond:
             return self._next
 
-    @property
-    def oldest_sequence(self) -> int:
-        """The oldest sequence still held; equals next_sequence when the log is empty."""
-        with self._cond:
-            return self._oldest()
-
     def _oldest(self) -> int:
         return max(1, self._next - self.window)
 

@@ -33,10 +33,10 @@ if ! command -v redis-server >/dev/null; then
 fi
 python scripts/gen_protos.py --check
 # lint (ruff: packages, tests, benches) and types (mypy, settings in pyproject.toml)
-SRC="kvstore_server kvstore_client kvstore_cli kvstore_proxy connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py kvstore/kv_events_media.py kvstore/records.py"
+SRC="kvstore_server kvstore_client kvstore_cli kvstore_proxy connector kvstore"
 ruff check $SRC bench tests scripts
 ruff format --check $SRC bench tests scripts
-mypy kvstore_server kvstore_client kvstore_cli kvstore_proxy connector/kvstore_connector kvstore/wire.py kvstore/memory.py kvstore/host.py kvstore/blocks.py kvstore/layouts.py kvstore/arena_format.py kvstore/arenas.py kvstore/kv_events_media.py kvstore/records.py
+mypy kvstore_server kvstore_client kvstore_cli kvstore_proxy connector/kvstore_connector kvstore
 # The whole suite runs in two passes: unit and integration tests (each with an in-process
 # server or a daemon of its own) on KVSTORE_TEST_WORKERS workers (pytest-xdist, 2 by
 # default), then chaos and the vLLM end-to-end tests one at a time (their engines and

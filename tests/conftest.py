@@ -1,22 +1,18 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from support.daemon import Daemon
+from support.redis_cluster import Cluster
 
 # Property tests: no per-example deadline (a shared 2-core machine stalls at times);
 # under CI the examples are derandomized, so a run is repeatable from its commit.
 settings.register_profile("kvstore", deadline=None, derandomize=os.environ.get("CI") == "true")
 settings.load_profile("kvstore")
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from daemon import Daemon  # noqa: E402
-from support.redis_cluster import Cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from kvstore.namespaces import format_namespace, format_root
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -303,17 +305,14 @@ class NamespaceInfo:
         model = self.model
         if len(model) > _MAX_MODEL_ID:
             model = "sha256:" + hashlib.sha256(model.encode()).hexdigest()[:32]
-        # kvc2: one store layer per KV head (kvc1 namespaces held one rank's heads per layer)
-        return (
-            f"kvc2|{model}|{self.kv_dtype}|bs{self.block_size}|kvh{self.num_kv_heads}"
-            f"|hd{self.head_size}|{'mla' if self.mla else 'mha'}|{self.device}"
+        return format_root(
+            model, self.kv_dtype, self.block_size, self.num_kv_heads, self.head_size, self.mla, self.device
         )
 
     def namespace(self, pp_rank: int) -> bytes:
         """Where pipeline stage `pp_rank`'s layers live (every tensor-parallel rank's heads),
         stored with this compression."""
-        codec = "" if self.compression == "none" else f"|{self.compression}"
-        return f"{self._base()}{codec}|pp{pp_rank}of{self.pp_size}".encode()
+        return format_namespace(self._base(), self.compression, pp_rank, self.pp_size).encode()
 
     def all_namespaces(self) -> list[bytes]:
         return [self.namespace(p) for p in range(self.pp_size)]

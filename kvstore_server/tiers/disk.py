@@ -60,13 +60,11 @@ class _BlockFile:
 class DiskBackend(Backend):
     name = "disk"
 
-    def __init__(self, root: Path, *, sync: bool, readonly: bool = False) -> None:
+    def __init__(self, root: Path, *, sync: bool) -> None:
         self._root = root
         self._sync = sync
-        self._readonly = readonly
         self._io = IOPool()  # loads into the memory tier (read_into)
-        if not readonly:
-            root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, namespace: bytes, block_hash: bytes) -> Path:
         return block_path(self._root, namespace, block_hash)
@@ -76,9 +74,8 @@ class DiskBackend(Backend):
             for name in files:
                 path = Path(dirpath) / name
                 if name.endswith(_TMP_SUFFIX):
-                    if not self._readonly:  # a reader may see the daemon's write in progress
-                        log.info("removing partial write %s", path)
-                        path.unlink(missing_ok=True)
+                    log.info("removing partial write %s", path)
+                    path.unlink(missing_ok=True)
                     continue
                 if not name.endswith(_SUFFIX):
                     continue
@@ -96,8 +93,6 @@ class DiskBackend(Backend):
         """Delete, then write each block to a temporary name and rename it into place.
         If one fails, the blocks this call already placed are removed again: a failed
         write leaves no file behind to hold space the index does not count."""
-        if self._readonly:
-            raise StorageError("this disk backend was opened read-only")
         for namespace, block_hash in deletes:
             self._path(namespace, block_hash).unlink(missing_ok=True)
         dirs: set[Path] = set()

@@ -40,8 +40,8 @@ from typing import Any
 
 import pytest
 import torch
-from daemon import Daemon
 from integration.helpers import NS, assert_same, chain, make_layers
+from support.daemon import Daemon
 
 from kvstore_client import KVStoreClient, errors
 

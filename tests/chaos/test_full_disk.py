@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
 from integration.helpers import NS, assert_same, chain, make_layers
+from support.daemon import Daemon
 
 from kvstore_client import KVStoreClient, errors
 from kvstore_server.tiers.lmdb import LmdbBackend

@@ -50,12 +50,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-from daemon import Daemon
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from integration.helpers import (
     NS,
-    SERVICE,
     assert_intact,
     assert_same,
     chain,
@@ -66,8 +64,10 @@ from integration.helpers import (
     rows,
     seed_store,
 )
+from support.daemon import Daemon
 
 from kvstore import wire
+from kvstore.service import SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient
 
@@ -684,7 +684,7 @@ class Caller:
     def __init__(self, channel: grpc.Channel) -> None:
         self._calls: dict[str, Callable[..., object]] = {}
         for name, m in METHODS.items():
-            path = SERVICE + name
+            path = SERVICE_PREFIX + name
             if m.client_streaming:
                 self._calls[name] = channel.stream_unary(path)
             elif m.server_streaming:
@@ -745,7 +745,7 @@ class Monitor:
 
     def __init__(self, channel: grpc.Channel, kv: KVStoreClient) -> None:
         watch = channel.unary_stream(
-            SERVICE + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
+            SERVICE_PREFIX + "Watch", pb.WatchRequest.SerializeToString, pb.Event.FromString
         )
         self.call = watch(pb.WatchRequest(namespace=NS.encode()), timeout=60)
         self.call.initial_metadata()  # the subscription is in place from here on

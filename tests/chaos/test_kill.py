@@ -16,8 +16,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from daemon import Daemon
 from integration.helpers import NS, as_bytes, chain, make_layers
+from support.daemon import Daemon
 
 from kvstore_client import KVStoreClient, errors
 

@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from daemon import Daemon, eventually
 from integration.helpers import NS, chain, make_layers
+from support.daemon import Daemon, eventually
 
 from kvstore_client import KVStoreClient, errors
 

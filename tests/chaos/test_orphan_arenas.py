@@ -12,8 +12,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from daemon import Daemon
 from integration.helpers import NS, assert_same, chain, make_layers
+from support.daemon import Daemon
 
 from kvstore import arena_format as fmt
 from kvstore import arenas

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon, eventually
 from integration.helpers import NS, all_blocks, assert_same, chain, make_layers, rows
+from support.daemon import Daemon, eventually
 
 from kvstore import arena_format as fmt
 from kvstore_client import KVStoreClient, errors

@@ -47,7 +47,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -60,6 +59,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from integration.helpers import NS, assert_same
+from support.daemon import Daemon
 
 from kvstore_client import KVStoreClient, errors
 

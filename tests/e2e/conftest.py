@@ -1,14 +1,10 @@
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from harness import build_model, run_engines  # noqa: E402
+from harness import build_model, run_engines
 
 PROMPT_LENGTHS = (100, 200, 64, 300)
 

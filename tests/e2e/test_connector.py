@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, eventually
 from harness import kv_config, run_engines
+from support.daemon import Daemon, eventually
 from support.ports import free_port
 from support.redis_cluster import Cluster, Node
 

@@ -28,7 +28,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from daemon import Daemon, eventually
 from harness import build_model, kv_config, run_engines
 from kvstore_connector.config import NamespaceInfo
 from servers import (
@@ -46,6 +45,7 @@ from servers import (
     stop_process,
     text,
 )
+from support.daemon import Daemon, eventually
 
 from kvstore_client import KVStoreClient
 

@@ -13,25 +13,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from support.hashes import NS, chain
 
+from kvstore.service import SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors
-from kvstore_client.hashing import block_hashes
-
-NS = "integration-ns"
-BLOCK_SIZE = 16
-SERVICE = "/kvstore.v1.KVStore/"
-
-
-def chain(tag: str, n: int, namespace: str | bytes = NS) -> list[bytes]:
-    """n chained block hashes of a deterministic prompt named `tag`."""
-    tokens = [
-        int.from_bytes(hashlib.sha256(f"{tag}:{i}".encode()).digest()[:4], "little")
-        for i in range(n * BLOCK_SIZE)
-    ]
-    out = block_hashes(namespace, tokens, BLOCK_SIZE)
-    assert len(out) == n
-    return out
 
 
 def make_layers(
@@ -139,14 +125,14 @@ def raw_put(
 ) -> pb.PutResponse:
     """A Put with exactly these messages (plain protobuf, or raw bytes), on its own channel."""
     with grpc.insecure_channel(address, options=list(options)) as channel:
-        call = channel.stream_unary(SERVICE + "Put", _serialize, pb.PutResponse.FromString)
+        call = channel.stream_unary(SERVICE_PREFIX + "Put", _serialize, pb.PutResponse.FromString)
         return call(iter(list(messages)), timeout=30)
 
 
 def raw_unary(address: str, method: str, request: Any, response_type: Any) -> Any:
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(
-            SERVICE + method, type(request).SerializeToString, response_type.FromString
+            SERVICE_PREFIX + method, type(request).SerializeToString, response_type.FromString
         )
         return call(request, timeout=30)
 
@@ -154,7 +140,7 @@ def raw_unary(address: str, method: str, request: Any, response_type: Any) -> An
 def raw_stream(address: str, method: str, request: Any) -> list[pb.GetResponse]:
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_stream(
-            SERVICE + method, type(request).SerializeToString, pb.GetResponse.FromString
+            SERVICE_PREFIX + method, type(request).SerializeToString, pb.GetResponse.FromString
         )
         return list(call(request, timeout=30))
 

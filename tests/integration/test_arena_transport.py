@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from daemon import eventually
 from kvstore_connector import arena_transport
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.transfer import BlockMover
+from support.daemon import eventually
 from support.inproc import InProcServer
 
 from kvstore.blocks import WSUM32

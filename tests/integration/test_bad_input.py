@@ -11,14 +11,14 @@ from collections.abc import Callable
 import grpc
 import pytest
 import torch
-from daemon import settled
+from support.daemon import settled
 
+from kvstore.service import SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, LayerSpec, errors
 
 from .helpers import (
     NS,
-    SERVICE,
     assert_intact,
     chain,
     chunk,
@@ -322,7 +322,7 @@ def test_undecodable_requests_are_invalid_argument_on_every_method(
     seeded = seed_store(kv, "undecodable")
     with grpc.insecure_channel(server.address) as channel:
         for method in KVSTORE_METHODS:
-            path = SERVICE + method.name
+            path = SERVICE_PREFIX + method.name
             if method.client_streaming:
                 call = channel.stream_unary(path)
                 fn: Callable[[], object] = lambda call=call: call(iter([garbage]), timeout=10)  # noqa: E731

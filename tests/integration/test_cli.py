@@ -24,10 +24,11 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from daemon import Daemon
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from support.daemon import Daemon
 from support.inproc import InProcServer
 
+from kvstore.service import SERVICE_NAME
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_cli.main import main
 from kvstore_client import KVStoreClient, address
@@ -111,7 +112,7 @@ def not_serving_address() -> Iterator[str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    servicer.set("kvstore.v1.KVStore", health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
+from support.daemon import Daemon
 from support.inproc import InProcServer
 
 from kvstore_cli.main import main

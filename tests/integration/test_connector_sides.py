@@ -20,12 +20,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from daemon import eventually
 from kvstore_connector.config import ConnectorConfig, NamespaceInfo
 from kvstore_connector.costs import HOT_LOAD_RATE
 from kvstore_connector.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore_connector.scheduler import SchedulerSide
 from kvstore_connector.worker import WorkerSide
+from support.daemon import eventually
 
 from kvstore_client import KVStoreClient
 from kvstore_client.hashing import block_hashes

@@ -21,6 +21,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.service import SERVICE_NAME
 from kvstore_client import KVStoreClient, LayerSpec, errors
 from kvstore_client.hashing import block_hashes
 
@@ -248,7 +249,7 @@ def test_sigterm_is_graceful(tmp_path: Path, make_daemon) -> None:
         wait_until_parked(kv)
         with grpc.insecure_channel(d.address) as channel:
             watch = health_pb2_grpc.HealthStub(channel).Watch(
-                health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=60
+                health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=60
             )
             status = health_pb2.HealthCheckResponse.ServingStatus
             assert status.Name(next(watch).status) == "SERVING"
@@ -317,7 +318,7 @@ def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Pa
         hashes = chain("locked", 2)
         layers = make_layers(2, seed=44)
         kv.put(NS, hashes, layers)
-    from daemon import Daemon  # tests/daemon.py
+    from support.daemon import Daemon
 
     second = Daemon(first.data_dir, backend=backend)
     with pytest.raises(RuntimeError, match="in use by another kvstore-server"):
@@ -329,7 +330,7 @@ def test_second_daemon_on_the_same_data_dir_is_refused(make_daemon, tmp_path: Pa
 
 
 def test_a_port_in_use_is_refused_in_one_line_naming_listen(tmp_path: Path) -> None:
-    from daemon import Daemon  # tests/daemon.py
+    from support.daemon import Daemon
 
     with socket.socket() as held:  # another process's server, as far as the daemon can tell
         held.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import sys
 import urllib.request
 
 import pytest
-from daemon import Daemon, eventually
+from support.daemon import Daemon, eventually
 from support.redis_cluster import Cluster
 
 from kvstore_cli.main import main as cli_main

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon import eventually
+from support.daemon import eventually
 from support.pki import make_pki
 from support.ports import free_port
 from support.redis_cluster import Cluster, Node

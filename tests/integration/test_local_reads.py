@@ -6,13 +6,13 @@ once per process), and every test on both backends: each has its own files and r
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
+from support.daemon import Daemon
+from support.ports import free_port
 
 from kvstore_client import KVStoreClient, errors
 
@@ -202,9 +202,7 @@ def test_a_restarted_daemon_is_renegotiated(tmp_path: Path, backend: str) -> Non
 
 
 def test_one_client_follows_its_daemon_across_a_restart(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     d = Daemon(tmp_path / "data", extra_args=["--listen", f"127.0.0.1:{port}"]).start()
     hashes = chain("local-follow", 3)
     layers = make_layers(3, seed=10)
@@ -253,9 +251,7 @@ def test_local_access_reports_the_daemons_pid_namespace(kv: KVStoreClient) -> No
 
 
 def test_a_restart_without_local_reads_stops_the_old_readers(tmp_path: Path) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     listen = ["--listen", f"127.0.0.1:{port}"]
     d = Daemon(tmp_path / "data", extra_args=listen).start()
     hashes = chain("local-withdrawn", 2)

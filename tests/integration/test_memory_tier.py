@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -13,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import eventually, settled
+from support.daemon import eventually, settled
 from support.inproc import InProcServer
+from support.ports import free_port
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
@@ -159,8 +159,8 @@ def test_a_client_killed_mid_save_leaves_nothing_visible_and_no_space_lost(make_
     script = textwrap.dedent(
         f"""
         import os, signal, sys, torch
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from helpers import NS, chain, make_layers
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from integration.helpers import NS, chain, make_layers
         from kvstore_client import KVStoreClient, LayerSpec
         kv = KVStoreClient({d.address!r}, arena=True)
         layers = make_layers(4)
@@ -437,9 +437,7 @@ def _reachable(kv: KVStoreClient) -> bool:
 
 
 def test_clients_share_one_mapping_and_the_last_to_let_go_unmaps_it(make_daemon) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     d = make_daemon(extra_args=["--listen", f"127.0.0.1:{port}"])  # restarts keep the address
     hashes, layers = chain("unmap", 3), make_layers(3)
     with KVStoreClient(d.address, arena=True) as a, KVStoreClient(d.address, arena=True) as b:
@@ -659,7 +657,7 @@ def test_a_lookup_leases_what_it_found_in_memory_for_another_process_to_load(mak
         where = asker.where(NS, hashes, lease_from=1, lease_holders=2)
         assert where.num_blocks == 6 and where.tiers == bytes([0, 0, 0, 0, 1, 1])
         lease = where.lease
-        assert lease is not None and lease.num_blocks == 3 and len(lease.pin_ids) == 1
+        assert lease is not None and lease.num_blocks == 3 and len([p for p in lease.pins if p.pin_id]) == 1
         assert lease.pins[0].stop_reason == pb.STOP_REASON_NOT_IN_MEMORY
         assert loader.stats()["memory_used_bytes"] == before["memory_used_bytes"]  # nothing promoted
         pinned = loader.leased(lease, NS)
@@ -687,7 +685,7 @@ def test_a_lease_given_back_unused_ends_for_every_holder(make_server) -> None:
         assert save(kv, hashes, layers) == 3
         where = kv.where([NS, NS], hashes, lease_from=0, lease_holders=4)
         lease = where.lease
-        assert lease is not None and len(lease.pin_ids) == 2 and lease.num_blocks == 3
+        assert lease is not None and len([p for p in lease.pins if p.pin_id]) == 2 and lease.num_blocks == 3
         assert kv.stats()["pinned_bytes"] > 0
         hits = kv.stats()["memory_hit_blocks"]
         kv.release_lease(lease)  # in the background, for all four holders of both pins
@@ -708,8 +706,8 @@ def test_leased_blocks_are_not_evicted_before_the_load_and_a_dead_askers_lease_e
     script = textwrap.dedent(
         f"""
         import os, signal, sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from helpers import NS, chain
+        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+        from integration.helpers import NS, chain
         from kvstore_client import KVStoreClient
         kv = KVStoreClient({d.address!r}, arena=False)
         lease = kv.where(NS, chain("lease-a", 7), lease_from=0).lease

@@ -9,8 +9,8 @@ import urllib.request
 
 import grpc
 import pytest
-from daemon import eventually
 from prometheus_client.parser import text_string_to_metric_families
+from support.daemon import eventually
 
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors

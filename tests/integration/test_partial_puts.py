@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from daemon import eventually, settled
+from support.daemon import eventually, settled
 
 from kvstore.blocks import PutResult
 from kvstore.v1 import kvstore_pb2 as pb

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from daemon import Daemon
+from support.daemon import Daemon
 
 from kvstore.layouts import block_path
 from kvstore_client import KVStoreClient, errors

@@ -12,6 +12,7 @@ import pytest
 import torch
 import xxhash
 
+from kvstore.service import SERVICE_NAME
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc
 from kvstore_client import KVStoreClient, LayerSpec, PutResult, errors
@@ -539,9 +540,7 @@ def test_namespaces_from_a_daemon_that_only_lists_blocks() -> None:
     handler = grpc.unary_unary_rpc_method_handler(
         list_blocks, pb.ListRequest.FromString, pb.ListResponse.SerializeToString
     )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("kvstore.v1.KVStore", {"List": handler}),)
-    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"List": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

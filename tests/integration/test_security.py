@@ -11,10 +11,11 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from daemon import Daemon
+from support.daemon import Daemon
 from support.inproc import InProcServer
 from support.pki import make_pki
 
+from kvstore.service import SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import KVStoreClient, errors
 from kvstore_client.hashing import block_hashes
@@ -73,7 +74,7 @@ CALLS = {
 def raw_call(address: str, method: str, metadata: list[tuple[str, str]]) -> grpc.StatusCode:
     kind, request = CALLS[method]
     with grpc.insecure_channel(address) as channel:
-        stub = getattr(channel, kind)(f"/kvstore.v1.KVStore/{method}", lambda m: m.SerializeToString(),
+        stub = getattr(channel, kind)(SERVICE_PREFIX + method, lambda m: m.SerializeToString(),
                                       lambda b: b)  # fmt: skip
         try:
             result = stub(request, timeout=10, metadata=metadata)

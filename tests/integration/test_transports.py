@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from daemon import eventually
 from kvstore_connector.arena_transport import ArenaSave, ArenaTransport
 from kvstore_connector.grpc_transport import GrpcSave, GrpcTransport, SaveBacklog
 from kvstore_connector.layout import StoreLayout
 from kvstore_connector.metadata import LoadSpec, SaveSpec
 from kvstore_connector.transfer import BlockMover
 from kvstore_connector.transport import Committed, Transport
+from support.daemon import eventually
 from support.inproc import InProcServer
 
 from kvstore import arena_format as fmt

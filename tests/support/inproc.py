@@ -11,7 +11,7 @@ Prometheus endpoint if asked, and on `stop()` shuts down in the daemon's order
 with the configured grace, then the reclaim thread, the metrics endpoint, the store and
 the data directory, recorded as a clean stop).
 
-What it leaves to the subprocess `tests/daemon.Daemon`: signals (SIGTERM/SIGKILL/
+What it leaves to the subprocess `tests/support/daemon.Daemon`: signals (SIGTERM/SIGKILL/
 SIGSTOP), the stdout ready line, command-line parsing, start-up failures as exit codes,
 the process's memory and malloc tuning (process-wide settings are not applied here),
 and anything where a second process must read the files (LMDB may be opened only once

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import IO
 
 import redis
-from daemon import eventually
+
+from support.daemon import eventually
 
 NOT_INSTALLED = "redis-server is not installed (scripts/test.sh installs it: apt-get install redis-server)"
 

@@ -7,6 +7,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+from support.hashes import chain as chain  # re-exported: the unit tests' block hashes
+
 from kvstore_server.tiers import Backend, BlockMeta, BlockWrite, LayerSpec, checksum, open_backend
 
 NS = b"ns-a"
@@ -23,10 +25,6 @@ BLOCK_BYTES = sum(layer.nbytes for layer in LAYERS)
 def h(tag: str | int) -> bytes:
     """A distinct 32-byte block hash for a label."""
     return hashlib.sha256(str(tag).encode()).digest()
-
-
-def chain(prefix: str, n: int) -> list[bytes]:
-    return [h(f"{prefix}{i}") for i in range(n)]
 
 
 def layer_bytes(key: bytes, layer: LayerSpec) -> bytes:

@@ -332,17 +332,6 @@ class MemoryTier:
         except ArenaError as exc:
             log.error("%s; %d blocks may come back from the memory tier at restart", exc, len(keys))
 
-    def evictable_extent(self, now: float) -> Extent | None:
-        """The least recently used extent that may leave: unpinned, nothing in it waiting
-        for write-behind (memory-only blocks may go: the persistent tier refused them)."""
-        best: Extent | None = None
-        for extent in self.extents.values():
-            if extent.pins or extent.waiting:
-                continue
-            if best is None or extent.last_use < best.last_use:
-                best = extent
-        return best
-
     # ---- residency (caller holds the lock)
     def place(self, blocks: Sequence[Placed], now: float, *, dirty: bool) -> None:
         """Make `blocks` resident in their extents (one extent, or a promotion's one-block

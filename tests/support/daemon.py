@@ -1,4 +1,4 @@
-"""Start a real kvstore-server process for tests: free port, temp data dir."""
+"""Start a real kvstore-server process for tests and benches: free port, temp data dir."""
 
 from __future__ import annotations
 
