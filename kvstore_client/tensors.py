@@ -1,7 +1,7 @@
 """torch <-> wire: dtype names and zero-copy byte views of tensors.
 
-Only this module and streams.py's tensor methods import torch (lazily); hashing
-and the CLI work without it.
+Only this module, streams.py's tensor methods and arena.py's device paths import
+torch, lazily (tests/unit/test_imports.py): hashing and the CLI work without it.
 """
 
 from __future__ import annotations
