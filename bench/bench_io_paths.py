@@ -23,7 +23,7 @@ from pathlib import Path
 import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import numpy as np
 
-from kvstore_server.tiers.segments import _vec_io
+from kvstore_server.tiers.iopool import _vec_io
 
 
 def address(buf: mmap.mmap) -> int:

@@ -44,7 +44,7 @@ from kvstore.sizes import parse_size
 from kvstore_server.store import Store
 from kvstore_server.tiers import BlockMeta, BlockWrite, checksum, open_backend
 from kvstore_server.tiers.arena import open_memory_tier
-from kvstore_server.tiers.segments import IOPool
+from kvstore_server.tiers.iopool import IOPool
 
 NS = b"bench-promotion"
 LAYER_BYTES = 8192  # 16 tokens x 128 head dim x 2 (K, V) x bf16: one KV head of a block

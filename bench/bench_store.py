@@ -1075,7 +1075,7 @@ def bench_persistent(args: argparse.Namespace, w: Workload, root: Path) -> IoRes
     segments in the page cache and with it dropped."""
     from kvstore_client import KVStoreClient
     from kvstore_server.tiers.chain import layer_groups
-    from kvstore_server.tiers.segments import DEFAULT_THREADS
+    from kvstore_server.tiers.iopool import DEFAULT_THREADS
 
     per_put = w.blocks_per_put * w.block_bytes
     total = max(per_put, args.persistent_total - args.persistent_total % per_put)

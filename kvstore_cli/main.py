@@ -42,6 +42,11 @@ Exit status: 0 success; 1 an error reported by the daemon, an unknown block or
 hash prefix (or one that names several blocks), `evict --namespace` of a
 namespace that holds no blocks, a refused confirmation, or health not SERVING;
 2 a usage error or an unreachable daemon.
+
+NOTE: over 500 lines: the usage above, the parser that implements it and main()'s
+mapping of errors to these exit statuses are one contract, and the daemon commands
+share the client setup, the output helpers and `_resolve_block`. `arenas` lives
+apart (kvstore_cli.arenas) because it needs no daemon.
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ Thread-safe: one client may be shared by threads. Every call has a deadline
 
 Behind it: _rpc (the channel, stubs and gRPC error mapping), streams (Put, Get
 and Watch streams), types (result types), local (the same-host fast path).
+
+NOTE: over 500 lines: this is the public API, one class, and most of its length is
+the docstrings of its calls; each call checks its arguments, picks a path (arena, the
+daemon's files, or gRPC) and shapes the answer, and the machinery is in the modules
+above (here only the sender of calls nobody waits for). Split, one class's methods
+would lie in several files.
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ NOTE: on the CPU path bytes are verified in the arena before the copy. A process
 that maps the arena could still change them between the check and the copy; the
 arena is shared only with processes trusted with the KV (see kvstore_client.arena).
 The staged (CUDA) path checks what it copied.
+
+NOTE: over 500 lines: one Transport implementation (kvstore_connector.transport), and
+its saves and loads must agree on the rank's layout (stored, subset, heads), the
+checksum kind and the layer groups: a staged load's `_writes` undoes `save_layer`.
+Split into save and load modules, that agreement would span two files.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from kvstore_server.tiers.base import (
     StorageFullError,
     StoredBlock,
 )
-from kvstore_server.tiers.segments import IOPool, read_at
+from kvstore_server.tiers.iopool import IOPool, read_at
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,12 @@ can commit on a full filesystem.
 
 NOTE: writemap stays off. With MDB_WRITEMAP a full filesystem turns into a SIGBUS
 inside the daemon instead of an error we can answer with.
+
+NOTE: over 500 lines: the backend is the ordering between LMDB transactions and
+segment extents (payload before record, delete committed before its extent is freed,
+a freed extent held while reads that may see it are open, headroom given up so
+deletions commit); split, the record side and the extent side would each need the
+other's locks and sequence numbers.
 """
 
 from __future__ import annotations
@@ -83,7 +89,8 @@ from kvstore_server.tiers.base import (
     StorageFullError,
     StoredBlock,
 )
-from kvstore_server.tiers.segments import IOPool, Segments, aligned, segment_size_for
+from kvstore_server.tiers.iopool import IOPool
+from kvstore_server.tiers.segments import Segments, aligned, segment_size_for
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from kvstore_server.tiers.segments import IOPool
+from kvstore_server.tiers.iopool import IOPool
 
 
 class Tracker:
