@@ -231,6 +231,7 @@ class LayoutReader(dict[bytes, tuple[LayerSpec, ...]]):
             if len(_LAYOUT_CACHE) > 256:
                 _LAYOUT_CACHE.clear()
             found = _LAYOUT_CACHE[digest] = Layout.parse(raw)
+        self[digest] = found  # the next record of this layout: a plain dict hit
         return found
 
 

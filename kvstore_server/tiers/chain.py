@@ -35,6 +35,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from kvstore import records
 from kvstore.blocks import (
     STOP_EVICTED,
     STOP_LAYER_SET_DIFFERS,
@@ -179,6 +180,12 @@ def _group_rows(one: Any, group: range, extents: Sequence[int]) -> Any:
     return rows
 
 
+def _layers_of(handle: Located) -> tuple[LayerSpec, ...]:
+    """A located block's layers; an LMDB record's without making its whole record (a
+    promotion plans its reads from them and makes the rest while they run)."""
+    return handle.layers if isinstance(handle, records.Record) else handle.meta.layers
+
+
 class Ready(NamedTuple):
     """A promotion's progress: layers [0, layers) of every block are in place, and every
     layer of blocks [0, blocks)."""
@@ -218,11 +225,8 @@ class Promotion:
         self._finished = False
         self._started = started
         self.extents = extents
-        layers = located[0].meta.layers
+        layers = _layers_of(located[0])
         n = len(located)
-        self.placed = [
-            Placed(h.meta, at, 1, 0, getattr(h, "sums", b"")) for at, h in zip(extents, located, strict=True)
-        ]
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
@@ -234,14 +238,24 @@ class Promotion:
         threads = getattr(chain.persistent, "io_threads", 1)
         size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
         self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
-        # every read planned before the first is issued (read_batches), per group
+        # each group's reads planned before its first is issued (read_batches)
         self._futures = []
-        for group in self.groups:
-            spans = _group_rows(one, group, extents)
-            batches = [[(located[p], Pieces(spans[p], memory.file)) for p in chunk] for chunk in self._chunks]
-            self._futures.append(chain.persistent.read_batches(batches, group))
         self._failed_at = n  # the first block a read failed for
-        self.issued = time.perf_counter()
+        try:
+            for group in self.groups:
+                spans = _group_rows(one, group, extents)
+                batches = [[(located[p], Pieces(spans[p], memory.file)) for p in chunk]
+                           for chunk in self._chunks]  # fmt: skip
+                self._futures.append(chain.persistent.read_batches(batches, group))
+            self.issued = time.perf_counter()
+            # the blocks' records made whole while the reads run, not before the first
+            self.placed = [Placed(h.meta, at, 1, 0, getattr(h, "sums", b""))
+                           for at, h in zip(extents, located, strict=True)]  # fmt: skip
+        except BaseException:  # the caller lets the extents go: no read may still write into them
+            for futures in self._futures:
+                for future in futures:
+                    future.exception()
+            raise
         self._found_ms = (found - started) * 1e3
 
     def progress(self) -> Iterator[Ready]:
@@ -514,7 +528,7 @@ class TierChain:
                     return Started(None, (cold[0], STOP_NO_ROOM))
             try:
                 promotion = Promotion(self, memory, cold, located, extents, stopped, window, now, started)
-            except BaseException:  # nothing was issued (every read is planned first)
+            except BaseException:  # every read issued has ended (Promotion waits for them)
                 with self._lock:
                     memory.unpin_extents(extents)
                 raise
@@ -533,10 +547,14 @@ class TierChain:
         """The leading found blocks of the first one's layer set, and the first left out and
         why (None: all of them)."""
         located: list[Located] = []
+        first: tuple[LayerSpec, ...] | None = None
         for key, handle in zip(keys, found, strict=True):
             if handle is None:
                 return located, (key, STOP_EVICTED)
-            if located and handle.meta.layers != located[0].meta.layers:
+            layers = _layers_of(handle)
+            if first is None:
+                first = layers
+            elif layers is not first and layers != first:  # (interned: the same tuple, as a rule)
                 return located, (key, STOP_LAYER_SET_DIFFERS)
             located.append(handle)
         return located, None

@@ -574,7 +574,7 @@ class LmdbBackend(Backend):
             raise TypeError(f"not a record of this backend: {type(handle).__name__}")
         offset, segment, nbytes = handle.where
         if layers is not None:
-            starts = self._starts(handle.meta.layers)  # one more entry: the block's end
+            starts = self._starts(handle.layers)  # one more entry: the block's end
             offset += starts[layers.start]
             nbytes = starts[layers.stop] - starts[layers.start]
         buffers: _Rows | list[memoryview]

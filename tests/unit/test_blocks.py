@@ -114,3 +114,26 @@ def test_a_parsed_record_keeps_its_checksums_packed_and_equal_to_the_written_one
     assert records.pack(back.where, back.meta)[0] == raw  # written back unchanged
     with pytest.raises(records.BAD_RECORD):
         records.parse(records.index_key(b"ns", b"h" * 32), raw[:-1], {layout.digest: layers})
+
+
+def test_a_record_is_checked_whole_when_parsed_though_its_meta_is_made_later() -> None:
+    """parse reads where and layers and checks the rest (kind, layout, length) at once; a
+    record of an unknown kind or layout, or too short, fails there, not when its meta is
+    first used. The meta made later is the written one, from bytes the parse copied."""
+    layers = (LayerSpec("k", "uint8", (16,)), LayerSpec("v", "uint8", (16,)))
+    meta = BlockMeta(b"ns", b"h" * 32, b"", layers, (7, 8), 3.0, kb.WSUM32)
+    raw, layout = records.pack((4, 5, 6), meta)
+    key = records.index_key(b"ns", b"h" * 32)
+    buffer = bytearray(raw)
+    back = records.parse(key, memoryview(buffer), {layout.digest: layers})
+    assert back.where == (4, 5, 6) and back.layers is layers
+    buffer[:] = bytes(len(buffer))  # the caller's buffer reused (an LMDB transaction ended)
+    assert back.meta == meta and back.meta.checksum_kind == kb.WSUM32 and back.meta is back.meta
+    bad_kind = bytearray(raw)
+    bad_kind[records._HEAD.size - 10] = 9  # the kind's code
+    with pytest.raises(IndexError):
+        records.parse(key, bytes(bad_kind), {layout.digest: layers})
+    with pytest.raises(KeyError):
+        records.parse(key, raw, {})
+    with pytest.raises(ValueError, match="too short"):
+        records.parse(key, raw[:-8], {layout.digest: layers})
