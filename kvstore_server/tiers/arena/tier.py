@@ -338,31 +338,33 @@ class MemoryTier:
         extents side by side)."""
         extent: Extent | None = None
         later = 0  # each extent a little older than the one before it: the chain's tail goes first
+        size = -1
         for placed in blocks:
+            meta = placed.meta
+            if size < 0 or meta.layers is not blocks[0].meta.layers:  # (one layout, as a rule)
+                size = meta.size
             if extent is None or extent.offset != placed.extent:
                 extent = self.extents.get(placed.extent)
                 if extent is None:
                     extent = self.extents[placed.extent] = Extent(
-                        placed.extent,
-                        fmt.extent_bytes(placed.meta.size, placed.extent_blocks),
-                        placed.extent_blocks,
+                        placed.extent, fmt.extent_bytes(size, placed.extent_blocks), placed.extent_blocks
                     )
                 extent.last_use = now - later * _TAIL_FIRST
                 later += 1
-            key = placed.meta.key
+            key = meta.key
             extent.live.add(key)
             self.resident[key] = placed
-            self.resident_bytes += placed.meta.size
+            self.resident_bytes += size
             if dirty and self.on_reuse:
                 self.memory_only.add(key)
                 self.unused.add(key)
             elif dirty:
-                if self.dirty_bytes + placed.meta.size > self.write_behind_limit:
+                if self.dirty_bytes + size > self.write_behind_limit:
                     self.memory_only.add(key)
                     self.counters.write_behind_dropped += 1
                 else:
-                    self.dirty[key] = placed.meta.size
-                    self.dirty_bytes += placed.meta.size
+                    self.dirty[key] = size
+                    self.dirty_bytes += size
                     extent.waiting += 1
 
     def _undirty(self, key: BlockKey) -> bool:
