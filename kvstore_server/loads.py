@@ -35,7 +35,7 @@ from kvstore_server.admission import Admitting
 from kvstore_server.errors import InvalidPart, ShuttingDown, StoreError, WaitTimeout
 from kvstore_server.parts import PartError, check_subset
 from kvstore_server.tiers import BlockKey, LayerSpec, StorageError, StoredBlock
-from kvstore_server.tiers.arena import MemoryTier, Placed, Run
+from kvstore_server.tiers.arena import ExtentRun, MemoryTier, Placed
 from kvstore_server.tiers.chain import Promotion, ReadResult, Ready, Started, verified_prefix
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ _FLEET_FETCH_BYTES = 64 << 20
 class PinResult:
     pin_id: int  # 0: nothing pinned (a miss)
     layers: tuple[LayerSpec, ...]
-    runs: list[Run]
+    runs: list[ExtentRun]
     checksums: bytes  # packed as kvstore.wire.pack_checksums does; block b, layer l at b * len(layers) + l
     num_blocks: int
     lease_seconds: float

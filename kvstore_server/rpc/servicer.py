@@ -652,7 +652,7 @@ def _pin_message(pin: PinResult) -> pb.PinResponse:
         num_blocks=pin.num_blocks,
         layers=_layer_messages(pin.layers),
         runs=[
-            pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.first, count=r.count)
+            pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.position, count=r.count)
             for r in pin.runs
         ],
         checksums=pin.checksums,

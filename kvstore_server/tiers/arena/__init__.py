@@ -5,7 +5,7 @@
     allocator.py  Allocator: first-fit free list of ALIGN-sized pages, coalescing on free
     index.py      Placed, ArenaIndex: committed blocks -> where they lie, in a small LMDB
                   environment beside the file (what a restart recovers)
-    leases.py     Extent, Reservation, Pin, Run, Pinned: the bookkeeping records
+    leases.py     Extent, Reservation, Pin, ExtentRun, PinnedRuns: the bookkeeping records
     tier.py       MemoryTier: residency, extents, the write-behind queue, reservations
                   and pins with their leases (tiers.base.Tier)
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from kvstore_server.tiers.arena.allocator import Allocator
 from kvstore_server.tiers.arena.file import ArenaError, ArenaFile, discard_memory_tier, sweep_memory_dir
 from kvstore_server.tiers.arena.index import ArenaIndex, Placed
-from kvstore_server.tiers.arena.leases import Extent, Pin, Pinned, Reservation, Run
+from kvstore_server.tiers.arena.leases import Extent, ExtentRun, Pin, PinnedRuns, Reservation
 from kvstore_server.tiers.arena.tier import ArenaCounters, MemoryTier, NoRoom, open_memory_tier
 
 __all__ = [
@@ -32,13 +32,13 @@ __all__ = [
     "ArenaFile",
     "ArenaIndex",
     "Extent",
+    "ExtentRun",
     "MemoryTier",
     "NoRoom",
     "Pin",
-    "Pinned",
+    "PinnedRuns",
     "Placed",
     "Reservation",
-    "Run",
     "discard_memory_tier",
     "open_memory_tier",
     "sweep_memory_dir",

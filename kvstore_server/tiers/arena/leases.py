@@ -6,7 +6,7 @@ Extent       blocks that lie together in one allocation (a save's, a promotion's
 Reservation  an extent a saver writes, then commits (its blocks become resident) or
              aborts; reclaimed when its lease runs out uncommitted
 Pin          extents a loader reads; reclaimed when its lease runs out unreleased
-Run, Pinned  what MemoryTier.pin answers: the pinned blocks as runs of positions
+ExtentRun, PinnedRuns  what MemoryTier.pin answers: the pinned blocks as runs of positions
 """
 
 from __future__ import annotations
@@ -70,23 +70,24 @@ class Pin:
 
 
 @dataclass(frozen=True, slots=True)
-class Run:
-    """`count` blocks of a pinned prefix, at positions first.. of the extent at `extent`."""
+class ExtentRun:
+    """`count` blocks of a pinned prefix, at positions position.. of the extent at `extent`
+    (the wire's ArenaRun; the client's Run adds where they start in the prefix)."""
 
     extent: int
     extent_blocks: int
-    first: int
+    position: int
     count: int
 
 
 @dataclass(frozen=True, slots=True)
-class Pinned:
+class PinnedRuns:
     """The leading blocks MemoryTier.pin pinned: `num_blocks` of the keys it was given (the
     next one is not in memory, or `layout_differs`); `pin_id` 0 when none."""
 
     pin_id: int
     layers: tuple[LayerSpec, ...]
-    runs: list[Run]
+    runs: list[ExtentRun]
     sums: bytes  # packed as kvstore.wire.pack_checksums does; block b, layer l at b * len(layers) + l
     kinds: list[str]  # each block's checksum kind
     layout_differs: bool = False

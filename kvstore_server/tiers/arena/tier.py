@@ -35,7 +35,7 @@ from kvstore_server.datadir import claim_arena, withdraw_arena_claim
 from kvstore_server.tiers.arena.allocator import Allocator
 from kvstore_server.tiers.arena.file import ArenaError, ArenaFile
 from kvstore_server.tiers.arena.index import ArenaIndex, Placed
-from kvstore_server.tiers.arena.leases import Extent, Pin, Pinned, Reservation, Run
+from kvstore_server.tiers.arena.leases import Extent, ExtentRun, Pin, PinnedRuns, Reservation
 from kvstore_server.tiers.base import (
     BlockKey,
     BlockMeta,
@@ -634,7 +634,7 @@ class MemoryTier:
         pending: dict[BlockKey, Placed],
         now: float,
         holders: int = 1,
-    ) -> Pinned:
+    ) -> PinnedRuns:
         """Pin the leading `keys` that are resident (or `pending`: a promotion's, still being
         read) with one layer set, for the lease, until `holders` Releases (caller holds the
         lock)."""
@@ -663,8 +663,8 @@ class MemoryTier:
             sums.append(placed.sums)
             kinds.append(meta.checksum_kind)
         if not spans:
-            return Pinned(0, (), [], b"", [], differs)
-        runs = [Run(*span) for span in spans]
+            return PinnedRuns(0, (), [], b"", [], differs)
+        runs = [ExtentRun(*span) for span in spans]
         extents = list(dict.fromkeys(run.extent for run in runs))
         self.pin_extents(extents, now)
         pin_id = self.new_id()
@@ -672,7 +672,7 @@ class MemoryTier:
             pin_id, prefix, namespace, extents, time.monotonic() + self.lease_seconds, holders
         )
         self.counters.pins += 1
-        return Pinned(pin_id, layers, runs, b"".join(sums), kinds, differs)
+        return PinnedRuns(pin_id, layers, runs, b"".join(sums), kinds, differs)
 
     def pin_owner(self, pin_id: int, prefix: bytes) -> bytes | None:
         """The namespace of `prefix`'s pin `pin_id`, or None (expired, released, another's)."""
