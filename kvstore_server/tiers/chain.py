@@ -514,7 +514,9 @@ class TierChain:
         try:
             # NOTE: every block found before the first read is issued: finding the rest
             # while the first reads ran (their Python competing for the GIL) made cold loads
-            # on the H200 slower, not faster (bench/results/persistent_h200_run9.txt)
+            # on the H200 slower, not faster (bench/results/persistent_h200_run9.txt). Only
+            # the records' meta is made while they run (Promotion), at the daemon's 1 ms
+            # switch interval: not yet measured through the daemon on a GPU host
             located, stopped = self._located(cold, window.enter_context(self.persistent.locate(cold)))
             if not located:
                 window.close()
