@@ -120,7 +120,8 @@ def parse(key: bytes, raw: bytes | memoryview, layouts: dict[bytes, tuple[LayerS
     raw = bytes(raw)
     head = _HEAD.unpack_from(raw)
     layers = layouts[bytes(head[5])]
-    KINDS[head[4]]  # an unknown kind raises IndexError now, not when meta is made
+    if head[4] >= len(KINDS):  # now, not when meta is first made
+        raise IndexError(f"unknown checksum kind code {head[4]}")
     if len(raw) < _HEAD.size + head[6] + 8 * len(layers):
         raise ValueError(f"a record of {len(raw)} bytes is too short for {len(layers)} layers' checksums")
     return Record(key, raw, head, layers)
