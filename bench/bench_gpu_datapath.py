@@ -166,7 +166,8 @@ class Probe:
 
 
 def instrument(client: Any, probe: Probe) -> None:
-    import kvstore_client.arena as arena_mod
+    import kvstore_client.arena.load as arena_load
+    import kvstore_client.arena.save as arena_save
 
     arena = client._arena
     call = arena._call
@@ -205,10 +206,13 @@ def instrument(client: Any, probe: Probe) -> None:
             probe.add(method, start)
 
     arena._call = timed_call  # Reservation / Pinned take the arena's call when made
-    if not getattr(arena_mod.checksums, "_bench", False):
-        plain = arena_mod.checksums
+    # the save and load sides each look checksums up in their own module
+    for side in (arena_save, arena_load):
+        if getattr(side.checksums, "_bench", False):
+            continue
+        plain = side.checksums
 
-        def timed_checksums(pieces: Any) -> list[int]:
+        def timed_checksums(pieces: Any, plain: Callable[[Any], list[int]] = plain) -> list[int]:
             start = now()
             try:
                 return plain(pieces)
@@ -216,7 +220,7 @@ def instrument(client: Any, probe: Probe) -> None:
                 probe.add("xxh3", start)
 
         timed_checksums._bench = True  # type: ignore[attr-defined]
-        arena_mod.checksums = timed_checksums
+        side.checksums = timed_checksums
 
 
 # ---- a registered /dev/shm mapping (what the arena is), for the ceilings ----------------

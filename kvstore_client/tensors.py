@@ -1,6 +1,6 @@
 """torch <-> wire: dtype names and zero-copy byte views of tensors.
 
-Only this module, streams.py's tensor methods and arena.py's device paths import
+Only this module, streams.py's tensor methods and arena/'s device paths import
 torch, lazily (tests/unit/test_imports.py): hashing and the CLI work without it.
 """
 

@@ -109,7 +109,10 @@ RULES = (
         allowed={
             "connector/kvstore_connector/": "moves KV between vLLM's paged torch buffers and the store",
             "kvstore_client/tensors.py": "dtype names and zero-copy byte views of tensors (lazy)",
-            "kvstore_client/arena.py": "the arena and reservations as tensors, tensor writes (lazy)",
+            "kvstore_client/arena/mapping.py": "the whole arena as one uint8 tensor (lazy)",
+            "kvstore_client/arena/views.py": "typed views over extents (annotations only, under TYPE_CHECKING)",
+            "kvstore_client/arena/save.py": "reservations as tensors, tensor writes (lazy)",
+            "kvstore_client/arena/load.py": "pinned blocks as tensors (annotations only, under TYPE_CHECKING)",
             "kvstore_client/streams.py": "yields a Get's layers as tensors (lazy)",
             "kvstore_client/client.py": "annotations only, under TYPE_CHECKING",
             "kvstore_client/types.py": "annotations only, under TYPE_CHECKING",

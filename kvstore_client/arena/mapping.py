@@ -1,0 +1,129 @@
+"""The arena file mapped once per process: `Mapping`, shared by every client in the
+process that uses one daemon run's arena (`_acquire`/`_release` count them)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvstore import arena_format as fmt
+
+if TYPE_CHECKING:
+    import torch
+
+Call = Callable[..., Any]
+"""call(method, request, timeout=None) -> response: a unary KVStore RPC (raises
+KVStoreError); call(method, request, background=True) sends it and returns None at once
+(a failure is logged)."""
+
+
+class ArenaUnavailable(Exception):
+    """The arena cannot be used now; the message says why (callers use gRPC)."""
+
+
+# ---- the mapping, once per process -----------------------------------------------------
+class Mapping:
+    """One arena file mapped into this process, shared by every client in it that uses
+    this daemon run's arena (`_acquire`/`_release` count them). When the last one lets go
+    (closed, or moved on to a restarted daemon's arena), the mapping runs its `on_close`
+    callbacks and leaves the registry; it is unmapped once no view of it is left (a
+    pinned view handed to the caller keeps it). Until then, the pages of an arena file
+    the daemon already removed stay allocated (in /dev/shm: memory)."""
+
+    def __init__(self, path: Path, size: int, store_id: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise ArenaUnavailable(f"cannot open {path}: {exc.strerror}") from exc
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ArenaUnavailable(f"{path} is not the size the daemon reports")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise ArenaUnavailable(f"cannot map {path}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.store_id = store_id
+        self.view = memoryview(self._mmap)
+        self._tensor: torch.Tensor | None = None
+        self._on_close: list[Callable[[], None]] = []
+        self._closed = False
+        self._lock = threading.Lock()
+        self.users = 0  # clients using it (under _MAPPINGS_LOCK)
+        if not self.current():
+            raise ArenaUnavailable(
+                f"{path} belongs to another daemon run than the one at this address "
+                "(another host, or another /dev/shm)"
+            )
+
+    def current(self) -> bool:
+        """Whether the daemon run that offered this file still owns it."""
+        try:
+            return fmt.Header.unpack(self.view[: fmt.HEADER_BYTES]).store_id == self.store_id
+        except fmt.ArenaFormatError:
+            return False
+
+    def tensor(self) -> torch.Tensor:
+        """The whole arena as one uint8 tensor (made once)."""
+        with self._lock:
+            if self._tensor is None:
+                import torch
+
+                self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            return self._tensor
+
+    def on_close(self, callback: Callable[[], None]) -> bool:
+        """Call `callback` when the mapping's last client lets go (to undo what the caller did
+        to the mapping: a CUDA registration, a pre-fault thread). False, and never called:
+        the mapping is closed already."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._on_close.append(callback)
+            return True
+
+    def close(self) -> None:
+        """Its last client let go: run the `on_close` callbacks. The pages are unmapped when
+        the last view of them goes."""
+        with self._lock:
+            self._closed = True
+            callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
+            callback()
+
+
+_MAPPINGS: dict[tuple[str, str], Mapping] = {}
+_MAPPINGS_LOCK = threading.Lock()
+
+
+def _acquire(path: Path, size: int, store_id: str) -> Mapping:
+    """The process's mapping of this daemon run's arena, mapped if no client has it yet;
+    the caller `_release`s it when done."""
+    key = (str(path), store_id)
+    with _MAPPINGS_LOCK:
+        mapping = _MAPPINGS.get(key)
+        if mapping is None:
+            # an older run's mapping of this path is of no use to new clients: its users
+            # release it as they notice the restart
+            for old in [k for k in _MAPPINGS if k[0] == key[0]]:
+                del _MAPPINGS[old]
+            mapping = _MAPPINGS[key] = Mapping(path, size, store_id)
+        mapping.users += 1
+        return mapping
+
+
+def _release(mapping: Mapping) -> None:
+    with _MAPPINGS_LOCK:
+        mapping.users -= 1
+        if mapping.users > 0:
+            return
+        key = (str(mapping.path), mapping.store_id)
+        if _MAPPINGS.get(key) is mapping:
+            del _MAPPINGS[key]
+    mapping.close()
