@@ -61,6 +61,7 @@ for sub in ("", "connector"):
 
 from kvstore_connector.host_memory import prepare_arena  # noqa: E402
 from kvstore_connector.transfer import BlockMover  # noqa: E402
+from store_harness import fs_of  # noqa: E402  (bench/, this script's directory)
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -960,20 +961,6 @@ def child(args: argparse.Namespace, phase: str, daemon: Daemon, results: Path) -
     if rc != 0:
         raise SystemExit(f"the {phase} child failed (exit {rc})")
     return json.loads(results.read_text())
-
-
-def fs_of(path: Path) -> str:
-    best = ("?", "")
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/mounts").read_text().splitlines():
-            fields = line.split()
-            if (
-                len(fields) > 2
-                and str(path.resolve()).startswith(fields[1])
-                and len(fields[1]) >= len(best[1])
-            ):
-                best = (fields[2], fields[1])
-    return f"{best[0]} at {best[1]}"
 
 
 def parent(args: argparse.Namespace) -> None:

@@ -249,8 +249,8 @@ class Promotion:
                 self._futures.append(chain.persistent.read_batches(batches, group))
             self.issued = time.perf_counter()
             # the blocks' records made whole while the reads run, not before the first
-            self.placed = [Placed(h.meta, at, 1, 0, getattr(h, "sums", b""))
-                           for at, h in zip(extents, located, strict=True)]  # fmt: skip
+            # (the sums: the meta's packed ones, PackedSums.packed: not copied again)
+            self.placed = [Placed(h.meta, at, 1, 0) for at, h in zip(extents, located, strict=True)]
         except BaseException:  # the caller lets the extents go: no read may still write into them
             for futures in self._futures:
                 for future in futures:

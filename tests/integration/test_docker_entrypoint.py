@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.daemon import stop_daemon
 from support.dockerfiles import (
     BIN,
     COMPOSE,
@@ -61,16 +62,7 @@ class Entrypoint:
         return Path(f"/proc/{self.proc.pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
+        return stop_daemon(self.proc, sig)
 
 
 @pytest.fixture

@@ -16,6 +16,21 @@ from typing import Any
 READY_TIMEOUT = 30.0
 
 
+def stop_daemon(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+    """Send `sig` to a daemon process and wait for its exit status (SIGKILL if it has not
+    exited within `timeout`); its stdout pipe is closed."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
 @dataclass
 class Daemon:
     """A kvstore-server subprocess. `address` is valid once started."""
@@ -79,16 +94,7 @@ class Daemon:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
+        rc = stop_daemon(self.proc, sig, timeout)
         self.proc = None
         return rc
 

@@ -338,11 +338,9 @@ class MemoryTier:
         extents side by side)."""
         extent: Extent | None = None
         later = 0  # each extent a little older than the one before it: the chain's tail goes first
-        size = -1
         for placed in blocks:
             meta = placed.meta
-            if size < 0 or meta.layers is not blocks[0].meta.layers:  # (one layout, as a rule)
-                size = meta.size
+            size = meta.size  # (once: it is looked up per layout)
             if extent is None or extent.offset != placed.extent:
                 extent = self.extents.get(placed.extent)
                 if extent is None:
