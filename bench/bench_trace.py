@@ -64,7 +64,7 @@ from typing import Any
 
 import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import numpy as np
-from bench_store import _machine_busy, _proc_cpu, layer_shape
+from store_harness import _machine_busy, _proc_cpu, layer_shape
 from support.daemon import Daemon  # the same start-up as the tests use
 
 from kvstore.sizes import format_size, parse_size
