@@ -158,3 +158,11 @@ INDEX_SUFFIX = ".index"
 
 def index_path(arena: Path) -> Path:
     return arena.with_name(arena.name + INDEX_SUFFIX)
+
+
+SOCKET_SUFFIX = ".sock"
+"""The daemon's control socket (kvstore.control) is the arena file's path with this suffix."""
+
+
+def socket_path(arena: Path) -> Path:
+    return arena.with_suffix(SOCKET_SUFFIX)

@@ -218,6 +218,7 @@ def scan(memory_dir: Path) -> list[ArenaInfo]:
 def _remove(path: Path) -> None:
     path.unlink(missing_ok=True)
     shutil.rmtree(fmt.index_path(path), ignore_errors=True)
+    fmt.socket_path(path).unlink(missing_ok=True)
 
 
 def remove_orphans(
@@ -226,7 +227,8 @@ def remove_orphans(
     """Remove the orphaned arenas of `memory_dir` (and `UNOWNED` ones if asked), each
     with its index, deciding under the arena's lock; `keep`: an arena never touched
     (the caller's own). Also removes indexes whose arena file is gone. Returns what
-    was removed; logs each at WARNING (the shared memory it gave back)."""
+    was removed; logs each at WARNING (the shared memory it gave back). Also removes
+    indexes and control sockets whose arena file is gone."""
     removed = []
     for path in _arena_files(memory_dir):
         if keep is not None and _same_file(path, keep):
@@ -246,9 +248,19 @@ def remove_orphans(
     except FileNotFoundError:
         names = []
     for name in names:
-        if name.startswith(fmt.ARENA_PREFIX) and name.endswith(fmt.ARENA_SUFFIX + fmt.INDEX_SUFFIX):
+        if not name.startswith(fmt.ARENA_PREFIX):
+            continue
+        if name.endswith(fmt.ARENA_SUFFIX + fmt.INDEX_SUFFIX):
             arena = memory_dir / name[: -len(fmt.INDEX_SUFFIX)]
-            if not arena.exists() and (keep is None or arena.name != keep.name):
-                shutil.rmtree(memory_dir / name, ignore_errors=True)
-                log.info("removed %s: its arena is gone", memory_dir / name)
+        elif name.endswith(fmt.SOCKET_SUFFIX):
+            arena = (memory_dir / name).with_suffix(fmt.ARENA_SUFFIX)
+        else:
+            continue
+        if not arena.exists() and (keep is None or arena.name != keep.name):
+            leftover = memory_dir / name
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+            log.info("removed %s: its arena is gone", leftover)
     return removed

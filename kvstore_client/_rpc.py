@@ -1,8 +1,10 @@
 """The client's gRPC edge, and the only client module that imports grpc.
 
-    Channel       the channel (TLS, bearer token, keepalive), one stub per RPC, unary calls
+    Channel       the channel (TLS, bearer token, keepalive), one stub per RPC, unary calls;
+                  on the daemon's host, its control socket for the calls it answers there
     ServerStream  a server-streaming call (Get, DropSelect, Watch): its messages
     PutCall       a Put in flight: its answer, or cancel it
+    Control       the daemon's control socket (kvstore.control): a pool of connections
 
 Every grpc.RpcError is turned into a kvstore_client.errors exception here
 (`raise ... from exc`); the rest of the client sees only those.
@@ -11,16 +13,22 @@ Every grpc.RpcError is turned into a kvstore_client.errors exception here
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Sequence
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from kvstore import wire
+from kvstore import control, wire
 from kvstore.service import SERVICE_NAME, SERVICE_PREFIX
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
+
+log = logging.getLogger(__name__)
 
 
 def _pem(value: str | Path | bytes | None) -> bytes | None:
@@ -153,6 +161,301 @@ class ProgressStream:
     def cancel(self) -> None:
         self._call.cancel()
 
+    def finish(self) -> None:
+        """Every message needed was read: end the call (as cancel)."""
+        self._call.cancel()
+
+
+class _Code(collections.namedtuple("_Code", ("name",))):
+    """A status code as errors.from_rpc_error reads it (grpc.StatusCode's `name`)."""
+
+
+class ControlError(Exception):
+    """A call on the control socket that ended with a status other than OK."""
+
+    def __init__(self, code: int | str, details: str) -> None:
+        super().__init__(details)
+        self._code = _Code(control.status_name(code) if isinstance(code, int) else code)
+        self._details = details
+
+    def code(self) -> _Code:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CONNECT_TIMEOUT = 2.0
+_FINISH_WAIT = 0.5  # for the end of a stream whose last message was read
+_IDLE_CONNECTIONS = 16
+
+
+class _Connection:
+    """One connection to the control socket, READY read (the daemon run checked)."""
+
+    def __init__(self, path: Path, store_id: str, timeout: float | None) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(min(_CONNECT_TIMEOUT, timeout or _CONNECT_TIMEOUT))
+            control.connect(sock, path)
+            ran = control.parse_ready(control.recv_frame(sock, limit=4096))
+            if ran != store_id:
+                raise control.FrameError(f"it belongs to daemon run {ran}, not {store_id}")
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.pid = os.getpid()
+
+    def alive(self) -> bool:
+        """Whether the daemon still holds this idle connection open (it sends nothing
+        between calls: anything readable is its end)."""
+        try:
+            self.sock.settimeout(0.0)
+            self.sock.recv(1, socket.MSG_PEEK)  # b"": closed; bytes: not a call's answer
+            return False
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+    def send(self, method: str, request: bytes, timeout: float | None, token: str | None) -> None:
+        self.sock.settimeout(timeout)
+        control.send_frame(self.sock, control.call_head(method, timeout, token), request)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __del__(self) -> None:
+        # a client dropped without close(): its idle connections go with it (as its
+        # gRPC channel's do)
+        sock = getattr(self, "sock", None)  # None: __init__ failed (and closed it)
+        if sock is not None:
+            sock.close()
+
+
+class Control:
+    """The daemon's control socket at `path` (offered in ArenaAccessResponse.control_socket):
+    unary calls and PinStream for a fraction of a gRPC call's cost, on a pool of
+    connections, one call at a time each. A call that cannot connect (the socket gone, too
+    many connections, another daemon run) answers None: its caller uses gRPC, and so does
+    every later call (`usable` is then false). Thread-safe; a forked child opens its own."""
+
+    def __init__(self, path: Path, store_id: str, token: str | None) -> None:
+        self.path = path
+        self.store_id = store_id
+        self._token = token
+        self._idle: list[_Connection] = []
+        self._lock = threading.Lock()
+        self.usable = True
+
+    def _take(self, timeout: float | None) -> _Connection | None:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if conn.pid == os.getpid() and conn.alive():
+                    return conn
+                conn.close()  # the daemon closed it (it stopped), or the parent's across a fork
+            if not self.usable:
+                return None
+        try:
+            return _Connection(self.path, self.store_id, timeout)
+        except (OSError, control.Closed, control.FrameError) as exc:
+            self.usable = False
+            log.info("the control socket %s cannot be used (%s): calls go over gRPC", self.path, exc)
+            return None
+
+    def _give_back(self, conn: _Connection) -> None:
+        with self._lock:
+            if self.usable and len(self._idle) < _IDLE_CONNECTIONS:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def unary(self, method: str, request: bytes, timeout: float | None) -> memoryview | None:
+        """The serialized response; None: not reachable here, use gRPC. Raises ControlError."""
+        conn = self._take(timeout)
+        if conn is None:
+            return None
+        try:
+            conn.send(method, request, timeout, self._token)
+            frame = control.recv_frame(conn.sock)
+        except _LOST as exc:
+            conn.close()
+            raise _lost(method, exc) from exc
+        except BaseException:
+            conn.close()
+            raise
+        if frame[0] == control.REPLY:
+            self._give_back(conn)
+            return frame[1:]
+        if frame[0] == control.STATUS:
+            self._give_back(conn)
+            raise ControlError(*control.parse_status(frame))
+        conn.close()
+        raise ControlError("INTERNAL", f"{method}: the daemon answered a frame of kind {frame[0]}")
+
+    def stream(
+        self, method: str, request: bytes, decode: Callable[[bytes], Any], timeout: float | None
+    ) -> ControlStream | None:
+        """A server stream's messages; None: not reachable here, use gRPC."""
+        conn = self._take(timeout)
+        if conn is None:
+            return None
+        try:
+            conn.send(method, request, timeout, self._token)
+        except _LOST as exc:
+            conn.close()
+            raise _lost(method, exc) from exc
+        except BaseException:
+            conn.close()
+            raise
+        return ControlStream(self, conn, method, decode)
+
+    def close(self) -> None:
+        with self._lock:
+            self.usable = False
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+_LOST = (OSError, control.Closed, control.FrameError)
+
+
+def _lost(method: str, exc: Exception) -> errors.KVStoreError:
+    """What a call whose connection failed raises: DEADLINE_EXCEEDED for a timeout, else
+    UNAVAILABLE (as gRPC reports a connection lost mid-call)."""
+    if isinstance(exc, TimeoutError):
+        return errors.from_rpc_error(ControlError("DEADLINE_EXCEEDED", f"{method}: the deadline passed"))
+    return errors.from_rpc_error(ControlError("UNAVAILABLE", f"{method}: the control socket: {exc}"))
+
+
+class ControlStream:
+    """A server stream on the control socket (PinStream): iterate its messages (KVStoreError
+    for a failed call); cancel() ends it from any thread. A stream cancelled after its
+    last message, its end already received, keeps its connection for the next call."""
+
+    def __init__(
+        self, owner: Control, conn: _Connection, method: str, decode: Callable[[bytes], Any]
+    ) -> None:
+        self._owner = owner
+        self._conn: _Connection | None = conn
+        self._method = method
+        self._decode = decode
+        self._cancelled = False
+        self._reading = threading.Lock()  # held by the thread in __next__
+
+    def __iter__(self) -> ControlStream:
+        return self
+
+    def __next__(self) -> Any:
+        with self._reading:
+            conn = self._conn
+            if conn is None:
+                raise StopIteration
+            try:
+                frame = control.recv_frame(conn.sock)
+            except BaseException as exc:
+                self._end(keep=False)
+                if not isinstance(exc, _LOST):
+                    raise
+                if self._cancelled:
+                    raise errors.from_rpc_error(
+                        ControlError("CANCELLED", f"{self._method} was cancelled")
+                    ) from exc
+                raise _lost(self._method, exc) from exc
+            if frame[0] == control.MESSAGE:
+                return self._decode(bytes(frame[1:]))
+            if frame[0] == control.STATUS:
+                code, details = control.parse_status(frame)
+                self._end(keep=True)
+                if code == 0:
+                    raise StopIteration
+                raise errors.from_rpc_error(ControlError(code, details))
+            self._end(keep=False)
+            raise errors.from_rpc_error(
+                ControlError("INTERNAL", f"{self._method}: a frame of kind {frame[0]}")
+            )
+
+    def _end(self, *, keep: bool) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if keep:
+            self._owner._give_back(conn)
+        else:
+            conn.close()
+
+    def _read_end(self, conn: _Connection, wait: float) -> bool:
+        """Read the call's remaining messages and its status, waiting `wait` seconds at
+        most; whether the end was read (the connection is then ready for another call)."""
+        try:
+            conn.sock.settimeout(wait)
+            while True:
+                frame = control.recv_frame(conn.sock)
+                if frame[0] == control.STATUS:
+                    return True
+                if frame[0] != control.MESSAGE:
+                    return False
+        except _LOST:  # nothing more yet, or halfway through a frame
+            return False
+
+    def cancel(self) -> None:
+        """End the call (the daemon sees the connection close); safe from any thread, and twice."""
+        self._close(wait=0.0)
+
+    def finish(self) -> None:
+        """The caller has every message it needs and the daemon is ending the stream: read
+        its end (briefly), so the connection serves the next call; else as cancel()."""
+        self._close(wait=_FINISH_WAIT)
+
+    def _close(self, wait: float) -> None:
+        self._cancelled = True
+        if not self._reading.acquire(blocking=False):
+            conn = self._conn  # another thread waits in __next__: wake it
+            if conn is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError as exc:
+                    log.debug("cancelling %s: %s", self._method, exc)
+            return
+        try:
+            conn = self._conn
+            if conn is not None:
+                self._end(keep=self._read_end(conn, wait))
+        finally:
+            self._reading.release()
+
+    def __del__(self) -> None:
+        # dropped unfinished (as a gRPC call is cancelled when dropped)
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.close()
+
+
+class _Routed:
+    """A unary call that goes over the control socket when the channel has one it can
+    reach, else over gRPC: called like a gRPC stub, `(request, timeout=...)`."""
+
+    def __init__(self, channel: Channel, name: str, stub: Any, decode: Callable[[bytes], Any]) -> None:
+        self._channel = channel
+        self.name = name
+        self._stub = stub
+        self._decode = decode
+
+    def __call__(self, request: Any, timeout: float | None = None) -> Any:
+        ctl = self._channel.control
+        if ctl is not None and ctl.usable:
+            try:
+                raw = ctl.unary(self.name, request.SerializeToString(), timeout)
+            except ControlError as exc:
+                raise errors.from_rpc_error(exc) from exc
+            if raw is not None:
+                return self._decode(bytes(raw))
+        return self._stub(request, timeout=timeout)
+
 
 class Channel:
     """One daemon's channel and a stub per RPC. Thread-safe, like grpc's channel."""
@@ -186,9 +489,17 @@ class Channel:
             raw = grpc.insecure_channel(address, options=options)
         self._raw = raw
         self._channel = grpc.intercept_channel(raw, _Bearer(token)) if token else raw
+        self._token = token
+        # the daemon's control socket, once ArenaAccess offered one (use_control)
+        self.control: Control | None = None
         unary = self._channel.unary_unary
-        self.lookup = unary(
-            SERVICE_PREFIX + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+        self.lookup = _Routed(
+            self,
+            "Lookup",
+            unary(
+                SERVICE_PREFIX + "Lookup", pb.LookupRequest.SerializeToString, pb.LookupResponse.FromString
+            ),
+            pb.LookupResponse.FromString,
         )
         self._put = self._channel.stream_unary(
             SERVICE_PREFIX + "Put", wire.encode_put_request, pb.PutResponse.FromString
@@ -223,9 +534,17 @@ class Channel:
             pb.LocalAccessResponse.FromString,
         )
 
-        # the memory tier's control plane (kvstore_client.arena), by method name
+        # the memory tier's control plane (kvstore_client.arena), by method name; all but
+        # ArenaAccess (which offers the control socket) go over that socket where it can
         self.arena = {
-            name: unary(SERVICE_PREFIX + name, request.SerializeToString, response.FromString)
+            name: _Routed(
+                self,
+                name,
+                unary(SERVICE_PREFIX + name, request.SerializeToString, response.FromString),
+                response.FromString,
+            )
+            if name != "ArenaAccess"
+            else unary(SERVICE_PREFIX + name, request.SerializeToString, response.FromString)
             for name, request, response in (
                 ("ArenaAccess", pb.ArenaAccessRequest, pb.ArenaAccessResponse),
                 ("Reserve", pb.ReserveRequest, pb.ReserveResponse),
@@ -247,9 +566,25 @@ class Channel:
         except grpc.RpcError as exc:
             raise errors.from_rpc_error(exc) from exc
 
-    def pin_stream(self, request: pb.PinRequest, timeout: float) -> ProgressStream:
+    def pin_stream(self, request: pb.PinRequest, timeout: float) -> ProgressStream | ControlStream:
         """The PinStream call: PinProgress messages (KVStoreError on failure)."""
+        ctl = self.control
+        if ctl is not None and ctl.usable:
+            stream = ctl.stream("PinStream", request.SerializeToString(), pb.PinProgress.FromString, timeout)
+            if stream is not None:
+                return stream
         return ProgressStream(self._pin_stream(request, timeout=timeout))
+
+    def use_control(self, path: str, store_id: str) -> None:
+        """Send the calls the daemon answers on its control socket at `path` (this host's
+        daemon run `store_id`; empty: none) there from now on; gRPC where it cannot be
+        reached. Kept while the daemon run is the same."""
+        old = self.control
+        if old is not None and old.store_id == store_id and str(old.path) == path:
+            return
+        self.control = Control(Path(path), store_id, self._token) if path else None
+        if old is not None:
+            old.close()
 
     def get(self, request: pb.GetRequest, timeout: float) -> ServerStream:
         return ServerStream(self._get(request, timeout=timeout))
@@ -273,4 +608,6 @@ class Channel:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
         self._raw.close()

@@ -136,12 +136,13 @@ class KVStoreClient:
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
         self._arena = Arena(self._arena_call, LayerSpec) if arena else None
+        self._control_asked = False  # arena_access asked (it offers the control socket)
 
     def _arena_call(
         self, method: str, request: Any, timeout: float | None = None, *, background: bool = False
     ) -> Any:
         if method == "ArenaAccess":
-            timeout = min(self.timeout, 2.0)
+            return self.arena_access(timeout=min(self.timeout, 2.0))
         if method == "PinStream":
             return self._rpc.pin_stream(request, timeout or self.timeout)
         if background:
@@ -209,6 +210,7 @@ class KVStoreClient:
             if n is not None:
                 self._send_later(self._rpc.lookup, req, timeout or self.timeout)
                 return n
+        self._ask_for_control()
         return int(self._unary(self._rpc.lookup, req, timeout).num_blocks)
 
     def where(
@@ -243,6 +245,7 @@ class KVStoreClient:
             req.namespace = spaces[0]
         else:
             req.namespaces.extend(spaces)
+        self._ask_for_control()
         taken = time.monotonic()
         resp = self._unary(self._rpc.lookup, req, timeout)
         tiers = (
@@ -658,10 +661,26 @@ class KVStoreClient:
 
     def arena_access(self, *, timeout: float | None = None) -> pb.ArenaAccessResponse:
         """Where the daemon's arena is (see kvstore_client.arena). Raises errors.NotOffered
-        when the daemon has none or does not offer it to clients."""
-        return self._rpc.unary(
+        when the daemon has none or does not offer it to clients. With the arena on, this
+        client's later calls go over the daemon's control socket where it offers one."""
+        resp = self._rpc.unary(
             self._rpc.arena["ArenaAccess"], pb.ArenaAccessRequest(), timeout or self.timeout
         )
+        self._control_asked = True
+        if self._arena is not None:
+            self._rpc.use_control(resp.control_socket, resp.store_id)
+        return resp
+
+    def _ask_for_control(self) -> None:
+        """Once, before this client's first Lookup: whether the daemon offers its control
+        socket here (ArenaAccess; a daemon that does not offer its arena offers none)."""
+        if self._control_asked or self._arena is None:
+            return
+        self._control_asked = True
+        try:
+            self.arena_access()
+        except errors.KVStoreError as exc:
+            log.debug("no control socket: %s", exc)
 
     def reserve(
         self,

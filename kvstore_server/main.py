@@ -42,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore import wire
+from kvstore.arena_format import socket_path
 from kvstore.memory import limit_arenas, tune_malloc
 from kvstore.service import SERVICE_NAME
 from kvstore.sizes import attach_values, format_size, parse_size
@@ -55,6 +56,7 @@ from kvstore_server.events import EventLog
 from kvstore_server.metrics import Metrics, MetricsServer
 from kvstore_server.rpc import Servicer, generic_handler
 from kvstore_server.rpc.auth import AuthInterceptor, Scope
+from kvstore_server.rpc.control import ControlSocket
 from kvstore_server.rpc.metrics import MetricsInterceptor
 from kvstore_server.store import Store
 from kvstore_server.tiers import StorageError, open_backend
@@ -89,6 +91,7 @@ class Running:
     servicer: Servicer
     # None unless config.metrics_port is set; serving them over HTTP is main()'s job
     metrics: Metrics | None = None
+    control_socket: ControlSocket | None = None  # where clients are offered the arena
 
     @property
     def events(self) -> EventLog:
@@ -101,9 +104,14 @@ class Running:
         self.store.begin_shutdown()
         self.parts.events.close()  # Watch streams end now (UNAVAILABLE), not at the grace deadline
         self.server.stop(grace).wait()
+        if self.control_socket is not None:
+            self.control_socket.close()
 
     def close(self) -> None:
-        """The run's threads and sockets (idle reclaim, KV events); the store is the caller's."""
+        """The run's threads and sockets (idle reclaim, KV events, the control socket); the
+        store is the caller's."""
+        if self.control_socket is not None:
+            self.control_socket.close()
         self.parts.close()
 
 
@@ -194,7 +202,12 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
             store.memory.file.publish(parts.run_id)
         if metrics is not None:
             metrics.watch(store, servicer)
-        server.add_generic_rpc_handlers((generic_handler(servicer),))
+        handler = generic_handler(servicer)
+        server.add_generic_rpc_handlers((handler,))
+        control_socket = _open_control_socket(config, store, handler, interceptors, parts.run_id)
+        if control_socket is not None:
+            undo.callback(control_socket.close)
+            servicer.control_socket = str(control_socket.path)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
@@ -228,7 +241,29 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         undo.pop_all()
-    return Running(server, port, health_servicer, store, parts, servicer, metrics)
+    return Running(server, port, health_servicer, store, parts, servicer, metrics, control_socket)
+
+
+def _open_control_socket(
+    config: ServerConfig,
+    store: Store,
+    handler: grpc.GenericRpcHandler,
+    interceptors: list[grpc.ServerInterceptor],
+    run_id: str,
+) -> ControlSocket | None:
+    """The control socket beside the arena file, where clients are offered the arena; None
+    without (or when it cannot be made: clients then use gRPC for every call)."""
+    if store.memory is None or not config.offers_memory():
+        return None
+    path = socket_path(store.memory.file.path.resolve())
+    try:
+        return ControlSocket(
+            path, handler, interceptors, run_id,
+            group=_group_id(config.memory_group), max_connections=config.workers,
+        )  # fmt: skip
+    except OSError as exc:
+        log.warning("no control socket at %s (%s): same-host clients use gRPC for every call", path, exc)
+        return None
 
 
 def open_store(config: ServerConfig, *, rebooted: bool = False) -> Store:

@@ -467,18 +467,20 @@ class ArenaAccessRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ArenaAccessResponse(_message.Message):
-    __slots__ = ("path", "size_bytes", "store_id", "namespace_prefix", "lease_seconds")
+    __slots__ = ("path", "size_bytes", "store_id", "namespace_prefix", "lease_seconds", "control_socket")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     path: str
     size_bytes: int
     store_id: str
     namespace_prefix: bytes
     lease_seconds: float
-    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    control_socket: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., control_socket: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset", "in_place")

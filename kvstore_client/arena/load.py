@@ -111,7 +111,7 @@ class Pinned:
         self.ready_blocks = progress[1].ready_blocks if progress is not None else self.num_blocks
         """Every layer of blocks [0, ready_blocks) is in place."""
         if self.ready_layers >= len(self.layers):
-            self._progress = None
+            self._end_progress(finished=True)
             self.ready_blocks = self.num_blocks
 
     def wait_layers(self, count: int) -> None:
@@ -151,12 +151,17 @@ class Pinned:
             self.ready_blocks = max(self.ready_blocks, message.ready_blocks)
         if self.ready_layers >= len(self.layers):
             self.ready_blocks = self.num_blocks
-            self._end_progress()
+            self._end_progress(finished=True)
 
-    def _end_progress(self) -> None:
+    def _end_progress(self, *, finished: bool = False) -> None:
+        """Stop reading progress: `finished` (every layer in place: the daemon is ending
+        the stream) or cancelled."""
         call, self._progress = self._progress, None
         if call is not None:
-            call.cancel()
+            if finished:
+                call.finish()
+            else:
+                call.cancel()
 
     def _at(self, run: Run, layer: int, block: int) -> int:
         """Offset of block `block` (index within `run`) of `layer`."""

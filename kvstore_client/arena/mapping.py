@@ -40,8 +40,10 @@ class Mapping:
         except OSError as exc:
             raise ArenaUnavailable(f"cannot open {path}: {exc.strerror}") from exc
         try:
-            if os.fstat(fd).st_size != size:
+            st = os.fstat(fd)
+            if st.st_size != size:
                 raise ArenaUnavailable(f"{path} is not the size the daemon reports")
+            self._file_id = (st.st_dev, st.st_ino)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             raise ArenaUnavailable(f"cannot map {path}: {exc.strerror}") from exc
@@ -63,11 +65,16 @@ class Mapping:
             )
 
     def current(self) -> bool:
-        """Whether the daemon run that offered this file still owns it."""
+        """Whether the daemon run that offered this file still owns it, and it is still
+        the file at its path: a daemon stopped cleanly removes its arena, and the next run
+        makes a new file there (this mapping's header then still names the old run)."""
         try:
-            return fmt.Header.unpack(self.view[: fmt.HEADER_BYTES]).store_id == self.store_id
-        except fmt.ArenaFormatError:
+            if fmt.Header.unpack(self.view[: fmt.HEADER_BYTES]).store_id != self.store_id:
+                return False
+            st = os.stat(self.path)
+        except (fmt.ArenaFormatError, OSError):
             return False
+        return (st.st_dev, st.st_ino) == self._file_id
 
     def tensor(self) -> torch.Tensor:
         """The whole arena as one uint8 tensor (made once)."""

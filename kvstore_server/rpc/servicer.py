@@ -83,6 +83,7 @@ class Servicer:
         self._puts = parts.puts
         self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
+        self.control_socket = ""  # offered in ArenaAccess once create_server opened it
 
     @property
     def inflight_put_bytes(self) -> int:
@@ -387,6 +388,7 @@ class Servicer:
             store_id=self.run_id,
             namespace_prefix=self.scope.prefix(context),
             lease_seconds=memory.lease_seconds,
+            control_socket=self.control_socket,
         )
 
     @translated

@@ -456,6 +456,26 @@ def test_clients_share_one_mapping_and_the_last_to_let_go_unmaps_it(make_daemon)
     assert mappings(path) == 0  # and closing b unmapped this run's
 
 
+def test_after_a_clean_restart_a_client_maps_the_new_arena_and_reports_nothing_corrupt(make_daemon) -> None:
+    """A clean stop removes the arena file and the next run makes a new one at the same
+    path: a client still mapping the old file must see that (its header still names the
+    old run), not read the new run's offsets from the old pages and call good blocks
+    corrupt (the daemon would drop them)."""
+    d = make_daemon(extra_args=["--listen", f"127.0.0.1:{free_port()}"])  # restarts keep the address
+    hashes, layers = chain("new-file", 3), make_layers(3)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 3
+        old = kv.arena_mapping()
+        assert old is not None
+        d.restart()
+        eventually(lambda: _reachable(kv))
+        assert_same(kv.select(NS, hashes), layers)
+        assert kv.arena_mapping() is not old
+        stats = kv.stats()
+        assert stats["checksum_failures"] == 0
+        assert kv.lookup(NS, hashes) == 3  # nothing dropped
+
+
 def test_tenants_keep_the_arena_off_unless_asked(make_server, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens.toml"
     tokens.write_text('[[tokens]]\ntoken = "secret-a-0123456789abcdef"\ntenant = "a"\nrole = "writer"\n')
