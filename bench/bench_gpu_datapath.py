@@ -197,6 +197,9 @@ def instrument(client: Any, probe: Probe) -> None:
         def cancel(self) -> None:
             self.stream.cancel()
 
+        def finish(self) -> None:
+            self.stream.finish()
+
     def timed_call(method: str, request: Any, timeout: float | None = None, **kw: Any) -> Any:
         start = now()
         if method == "PinStream":
@@ -478,7 +481,7 @@ def hot_child(args: argparse.Namespace) -> None:
     )
     kv = probe = transport = None
     if side is not None:
-        kv = KVStoreClient(args.address, timeout=60)
+        kv = KVStoreClient(args.address, timeout=60, control_socket=args.control_socket)
         start = now()
         if not prepare_arena(kv, cuda=d.cuda):
             raise SystemExit("the daemon offers no arena to this process")
@@ -747,7 +750,7 @@ def cold_child(args: argparse.Namespace) -> None:
 
     tune_malloc()
     d = Device(args.device)
-    kv = KVStoreClient(args.address, timeout=120)
+    kv = KVStoreClient(args.address, timeout=120, control_socket=args.control_socket)
     start = now()
     if not prepare_arena(kv, cuda=d.cuda):
         raise SystemExit("the restarted daemon offers no arena to this process")
@@ -1152,6 +1155,8 @@ def main() -> None:
     )
     p.add_argument("--compression", choices=("none", "fp8", "int8"), default="none",
                    help="the connector's compression, on the device (GB/s stay of the raw KV)")  # fmt: skip
+    p.add_argument("--no-control-socket", dest="control_socket", action="store_false",
+                   help="the arena clients make every call over gRPC (to compare)")  # fmt: skip
     p.add_argument("--phase", default="", help=argparse.SUPPRESS)
     p.add_argument("--address", default="", help=argparse.SUPPRESS)
     p.add_argument("--metrics-url", default="", help=argparse.SUPPRESS)

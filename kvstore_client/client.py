@@ -86,6 +86,7 @@ class KVStoreClient:
         local_reads: bool = False,
         local_data_dir: str | Path | None = None,
         arena: bool = True,
+        control_socket: bool = True,
     ) -> None:
         """`address`: HOST:PORT, or HOST alone for the daemon's default port (50051), or a
         gRPC target URI (unix:PATH); ValueError for a port that is not a number.
@@ -97,7 +98,10 @@ class KVStoreClient:
         this process sees the daemon's data directory, if not at the daemon's own path.
         `arena`: on the daemon's host, put_stream/put/insert and get_stream/select move the
         bytes through the daemon's shared-memory arena when it offers one and this process
-        can map it (see kvstore_client.arena); else, and for drop_select, over gRPC."""
+        can map it (see kvstore_client.arena); else, and for drop_select, over gRPC.
+        `control_socket`: with the arena, the calls the daemon answers on its control
+        socket (lookups, reservations, commits, pins) go there instead of over gRPC, for
+        a fraction of a gRPC call's cost, when it offers one this process can open."""
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         if not 0 < chunk_bytes <= wire.MAX_CHUNK_BYTES:
@@ -136,7 +140,9 @@ class KVStoreClient:
         self._inserts = ThreadPoolExecutor(max_workers=insert_workers, thread_name_prefix="kvstore-insert")
         self._closed = threading.Event()
         self._arena = Arena(self._arena_call, LayerSpec) if arena else None
-        self._control_asked = False  # arena_access asked (it offers the control socket)
+        # arena_access asked (it offers the control socket); never, without the socket
+        self._control_asked = not control_socket
+        self._control_socket = control_socket
 
     def _arena_call(
         self, method: str, request: Any, timeout: float | None = None, *, background: bool = False
@@ -667,7 +673,7 @@ class KVStoreClient:
             self._rpc.arena["ArenaAccess"], pb.ArenaAccessRequest(), timeout or self.timeout
         )
         self._control_asked = True
-        if self._arena is not None:
+        if self._arena is not None and self._control_socket:
             self._rpc.use_control(resp.control_socket, resp.store_id)
         return resp
 

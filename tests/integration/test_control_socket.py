@@ -73,6 +73,17 @@ def test_a_same_host_client_calls_over_the_socket_and_gets_the_same_answers(serv
     assert ctl.calls > calls + 4
 
 
+def test_a_client_may_keep_every_call_on_grpc(server) -> None:
+    hashes, layers = chain("grpc-only", 2), make_layers(2)
+    ctl = server.running.control_socket
+    with KVStoreClient(server.address, arena=True, control_socket=False) as kv:
+        kv.put(NS, hashes, layers)  # through the arena
+        assert kv.arena_available() and kv.lookup(NS, hashes) == 2
+        assert_same(kv.select(NS, hashes), layers)
+        assert kv._rpc.control is None
+    assert ctl.calls == 0 and ctl.accepted == 0
+
+
 def test_refusals_keep_their_status_codes(server) -> None:
     spec = LayerSpec("k", "bfloat16", (2,))
     with KVStoreClient(server.address, arena=True) as kv:
