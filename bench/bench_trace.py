@@ -494,6 +494,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--large-bytes", type=parse_size, default="128MiB", help="the large put/select (128MiB)")
     p.add_argument("--large-repeat", type=int, default=3)
     p.add_argument("--data-root", default=None, help="where the daemon's data dir goes ($TMPDIR)")
+    p.add_argument("--no-control-socket", dest="control_socket", action="store_false",
+                   help="every call over gRPC, not the daemon's control socket (to compare)")  # fmt: skip
     p.add_argument("--memory-root", default="/dev/shm", help="a tmpfs; the arena goes in a private dir there")
     p.add_argument("--progress", type=float, default=15.0, help="seconds between progress lines")
     p.add_argument("--daemon-arg", action="append", default=[], help="extra daemon argument (repeatable)")
@@ -536,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         daemon.start()
         print(f"  {daemon.ready_line}", flush=True)
-        with KVStoreClient(daemon.address, timeout=120.0) as client:
+        with KVStoreClient(daemon.address, timeout=120.0, control_socket=args.control_socket) as client:
             if not client.arena_available():
                 raise SystemExit("the client could not map the daemon's arena")
             stats = client.stats()
