@@ -38,8 +38,13 @@ STATUS: Final = 5
 
 MAX_METHOD_BYTES: Final = 64
 MAX_TOKEN_BYTES: Final = 4096
-# a frame holds one message of at most wire.MAX_MESSAGE_BYTES and its call's header
-MAX_FRAME_BYTES: Final = wire.MAX_MESSAGE_BYTES + MAX_METHOD_BYTES + MAX_TOKEN_BYTES + 64
+# a frame from the daemon holds one message of at most wire.MAX_MESSAGE_BYTES
+MAX_FRAME_BYTES: Final = wire.MAX_MESSAGE_BYTES + 64
+# A call's serialized request on the socket (a client sends a larger one over gRPC): the
+# daemon holds at most CALL_BUDGET_BYTES of them at once, whatever the connections
+MAX_REQUEST_BYTES: Final = 4 << 20
+MAX_CALL_FRAME_BYTES: Final = MAX_REQUEST_BYTES + MAX_METHOD_BYTES + MAX_TOKEN_BYTES + 64
+CALL_BUDGET_BYTES: Final = 32 << 20
 
 _LENGTH = struct.Struct("<I")
 _CALL = struct.Struct("<BBIBH")  # kind, version, timeout ms, method length, token length
@@ -96,10 +101,19 @@ def connect(sock: socket.socket, path: Path) -> None:
 def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> memoryview:
     """One frame's bytes (kind first). Raises Closed at a clean end between frames, and
     FrameError for a frame over `limit` or one cut short."""
-    head = _recv_exactly(sock, _LENGTH.size, between_frames=True)
-    (length,) = _LENGTH.unpack(head)
+    return recv_body(sock, recv_length(sock, limit))
+
+
+def recv_length(sock: socket.socket, limit: int) -> int:
+    """The next frame's length (then recv_body). Raises Closed at a clean end between
+    frames, FrameError over `limit`."""
+    (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size, between_frames=True))
     if length == 0 or length > limit:
         raise FrameError(f"a frame of {length} bytes (at most {limit})")
+    return length
+
+
+def recv_body(sock: socket.socket, length: int) -> memoryview:
     return _recv_exactly(sock, length, between_frames=False)
 
 

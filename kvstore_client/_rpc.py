@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,9 @@ class ControlError(Exception):
 
 
 _CONNECT_TIMEOUT = 2.0
+# an idle connection is reused for this long: half the daemon's idle limit
+# (kvstore_server.rpc.control.IDLE_SECONDS), so it never closes one as a call arrives
+_REUSE_SECONDS = 60.0
 _FINISH_WAIT = 0.5  # for the end of a stream whose last message was read
 _IDLE_CONNECTIONS = 16
 
@@ -206,6 +210,7 @@ class _Connection:
             raise
         self.sock = sock
         self.pid = os.getpid()
+        self.used = time.monotonic()  # when its last call ended
 
     def alive(self) -> bool:
         """Whether the daemon still holds this idle connection open (it sends nothing
@@ -253,9 +258,11 @@ class Control:
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
-                if conn.pid == os.getpid() and conn.alive():
+                if conn.pid == os.getpid() and time.monotonic() - conn.used < _REUSE_SECONDS and conn.alive():
                     return conn
-                conn.close()  # the daemon closed it (it stopped), or the parent's across a fork
+                # the daemon closed it (it stopped), or soon will (idle), or the parent's
+                # across a fork
+                conn.close()
             if not self.usable:
                 return None
         try:
@@ -266,6 +273,7 @@ class Control:
             return None
 
     def _give_back(self, conn: _Connection) -> None:
+        conn.used = time.monotonic()
         with self._lock:
             if self.usable and len(self._idle) < _IDLE_CONNECTIONS:
                 self._idle.append(conn)
@@ -448,12 +456,14 @@ class _Routed:
     def __call__(self, request: Any, timeout: float | None = None) -> Any:
         ctl = self._channel.control
         if ctl is not None and ctl.usable:
-            try:
-                raw = ctl.unary(self.name, request.SerializeToString(), timeout)
-            except ControlError as exc:
-                raise errors.from_rpc_error(exc) from exc
-            if raw is not None:
-                return self._decode(bytes(raw))
+            serialized = request.SerializeToString()
+            if len(serialized) <= control.MAX_REQUEST_BYTES:  # else over gRPC
+                try:
+                    raw = ctl.unary(self.name, serialized, timeout)
+                except ControlError as exc:
+                    raise errors.from_rpc_error(exc) from exc
+                if raw is not None:
+                    return self._decode(bytes(raw))
         return self._stub(request, timeout=timeout)
 
 
@@ -569,8 +579,9 @@ class Channel:
     def pin_stream(self, request: pb.PinRequest, timeout: float) -> ProgressStream | ControlStream:
         """The PinStream call: PinProgress messages (KVStoreError on failure)."""
         ctl = self.control
-        if ctl is not None and ctl.usable:
-            stream = ctl.stream("PinStream", request.SerializeToString(), pb.PinProgress.FromString, timeout)
+        serialized = request.SerializeToString() if ctl is not None and ctl.usable else b""
+        if ctl is not None and 0 < len(serialized) <= control.MAX_REQUEST_BYTES:
+            stream = ctl.stream("PinStream", serialized, pb.PinProgress.FromString, timeout)
             if stream is not None:
                 return stream
         return ProgressStream(self._pin_stream(request, timeout=timeout))

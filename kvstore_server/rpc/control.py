@@ -2,11 +2,14 @@
 the arena file (framing: kvstore.control), answered by the same method handlers as gRPC,
 through the same interceptors (metrics, auth), so a call means the same either way.
 
-Only clients that can open the arena reach it: the socket has the arena file's mode and
+A call's request is at most kvstore.control.MAX_REQUEST_BYTES (a client sends a larger
+one over gRPC), and the daemon holds at most CALL_BUDGET_BYTES of them at once, so the
+socket adds at most that to the daemon's memory. Only clients that can open the arena
+reach it: the socket has the arena file's mode and
 group, and is offered in ArenaAccessResponse.control_socket. A connection has a thread of
 its own and carries one call at a time; beyond `max_connections` the daemon closes a new
-connection at once and its client uses gRPC. Put (a client stream) is not offered here:
-UNIMPLEMENTED.
+connection at once and its client uses gRPC, and it closes one idle for `IDLE_SECONDS`.
+Put (a client stream) is not offered here: UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -28,6 +31,10 @@ from kvstore import control
 from kvstore.service import SERVICE_PREFIX
 
 log = logging.getLogger(__name__)
+
+
+IDLE_SECONDS = 120.0
+"""A connection without a call for this long is closed (clients reuse theirs for half of it)."""
 
 
 class _Details(NamedTuple):
@@ -120,6 +127,29 @@ class _Context:
         return code.value[0], self._details
 
 
+class _Budget:
+    """Bytes of requests held at once, across connections: a call whose request would go
+    over waits for others to be answered (a request is at most a tenth of the budget)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._used = 0
+        self._freed = threading.Condition()
+
+    @contextlib.contextmanager
+    def taking(self, n: int) -> Iterator[None]:
+        with self._freed:
+            while self._used + n > self._limit:
+                self._freed.wait()
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._freed:
+                self._used -= n
+                self._freed.notify_all()
+
+
 def _serialized(handler: Any, response: Any) -> bytes:
     serialize = handler.response_serializer
     return serialize(response) if serialize is not None else response  # type: ignore[no-any-return]
@@ -138,12 +168,15 @@ class ControlSocket:
         *,
         group: int | None = None,
         max_connections: int = 64,
+        idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.path = path
         self._handler = handler
         self._interceptors = tuple(interceptors)
         self._ready = control.ready_frame(store_id)
         self._max_connections = max_connections
+        self._idle_seconds = idle_seconds
+        self._budget = _Budget(control.CALL_BUDGET_BYTES)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._closed = False
@@ -193,16 +226,22 @@ class ControlSocket:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            # a connection that sends no call for this long is closed: a client that went
+            # away without closing it, or one that keeps connections it does not use
+            conn.settimeout(self._idle_seconds)
             control.send_frame(conn, self._ready)
             while True:
-                frame = control.recv_frame(conn)
-                try:
-                    method, timeout, token, payload = control.parse_call(frame)
-                except control.FrameError as exc:
-                    self._send_status(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                    return
-                self.calls += 1
-                self._call(conn, method, timeout, token, payload)
+                length = control.recv_length(conn, control.MAX_CALL_FRAME_BYTES)
+                with self._budget.taking(length):  # the request's bytes, until it is answered
+                    frame = control.recv_body(conn, length)
+                    try:
+                        method, timeout, token, payload = control.parse_call(frame)
+                    except control.FrameError as exc:
+                        self._send_status(conn, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                        return
+                    self.calls += 1
+                    self._call(conn, method, timeout, token, payload)
+                    del frame, payload
         except control.Closed:
             pass
         except control.FrameError as exc:

@@ -19,7 +19,9 @@ from support.ports import free_port
 
 from kvstore import control
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client import KVStoreClient, LayerSpec, errors
+from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
+from kvstore_server.rpc import generic_handler
+from kvstore_server.rpc.control import ControlSocket
 
 from .helpers import assert_same, make_layers
 
@@ -84,6 +86,25 @@ def test_a_client_may_keep_every_call_on_grpc(server) -> None:
     assert ctl.calls == 0 and ctl.accepted == 0
 
 
+def test_a_request_over_the_sockets_limit_goes_over_grpc(server) -> None:
+    """The daemon holds a bounded number of bytes of socket requests; a larger request
+    (here a ReserveMany of 6.8 MB of hashes) is sent over gRPC, and answered the same."""
+    spec = LayerSpec("k", "bfloat16", (2,))
+    chains = [Chain(chain(f"big-{i}", 1000)) for i in range(200)]
+    assert sum(len(h) for c in chains for h in c.hashes) > control.MAX_REQUEST_BYTES
+    ctl = server.running.control_socket
+    with KVStoreClient(server.address, arena=True) as kv:
+        kv.lookup(NS, chains[0].hashes[:1])
+        calls = ctl.calls
+        answers = kv.reserve_many(NS, chains, [spec])
+        assert answers is not None and len(answers) == 200
+        assert all(not isinstance(a, Exception) and a.num_blocks == 1000 for a in answers)
+        assert ctl.calls == calls  # not on the socket
+        for a in answers:
+            a.abort()
+        assert ctl.calls == calls + 200  # each Abort is small: on the socket
+
+
 def test_refusals_keep_their_status_codes(server) -> None:
     spec = LayerSpec("k", "bfloat16", (2,))
     with KVStoreClient(server.address, arena=True) as kv:
@@ -111,7 +132,7 @@ def test_the_socket_refuses_what_it_does_not_serve(server) -> None:
         sock.settimeout(10)
         control.connect(sock, path)
         control.recv_frame(sock)
-        sock.sendall(struct.pack("<I", control.MAX_FRAME_BYTES + 1))  # over the frame limit
+        sock.sendall(struct.pack("<I", control.MAX_CALL_FRAME_BYTES + 1))  # over the frame limit
         frame = control.recv_frame(sock)
         code, _ = control.parse_status(frame)
         assert control.status_name(code) == "RESOURCE_EXHAUSTED"
@@ -266,3 +287,22 @@ def test_grpc_status_names_are_the_wires() -> None:
     assert [control.status_name(code.value[0]) for code in grpc.StatusCode] == [
         code.name for code in grpc.StatusCode
     ]
+
+
+def test_a_connection_idle_too_long_is_closed(server, tmp_path: Path) -> None:
+    ctl = ControlSocket(
+        tmp_path / "idle.sock", generic_handler(server.running.servicer), (), "run-1", idle_seconds=0.3
+    )
+    try:
+        lookup = pb.LookupRequest(namespace=NS.encode(), block_hashes=chain("idle", 1)).SerializeToString()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(30)
+            control.connect(sock, ctl.path)
+            assert control.parse_ready(control.recv_frame(sock)) == "run-1"
+            control.send_frame(sock, control.call_head("Lookup", 5.0, None), lookup)
+            assert control.recv_frame(sock)[0] == control.REPLY  # a call in time is answered
+            assert sock.recv(1) == b""  # then, idle, the daemon closes it
+        assert ctl.connections() == 0
+    finally:
+        ctl.close()
+    assert not (tmp_path / "idle.sock").exists()
