@@ -207,7 +207,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         control_socket = _open_control_socket(config, store, handler, interceptors, parts.run_id)
         if control_socket is not None:
             undo.callback(control_socket.close)
-            servicer.control_socket = str(control_socket.path)
+            servicer.control = control_socket
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

@@ -28,6 +28,8 @@ servicer at scrape time, so there is no second set of books to drift:
     kvstore_inflight_put_bytes                  Put data buffered now (max_inflight_put_bytes)
     kvstore_active_watchers                     open Watch streams (max_watchers)
     kvstore_events_total                        events recorded for Watch since start
+    kvstore_control_connections, kvstore_control_calls_total, kvstore_control_refused_connections_total
+                                                the control socket (where the arena is offered)
     kvstore_start_time_seconds                  unix time the daemon started
     kvstore_info{version,backend,store_id}      always 1
 
@@ -236,6 +238,20 @@ class StoreCollector(Collector):
                 "kvstore_events", "Events recorded for Watch since start.", value=events.next_sequence - 1
             )
             labels["store_id"] = self.servicer.run_id
+            control = self.servicer.control
+            if control is not None:
+                yield GaugeMetricFamily(
+                    "kvstore_control_connections", "Open connections to the control socket.",
+                    value=control.connections(),
+                )  # fmt: skip
+                yield CounterMetricFamily(
+                    "kvstore_control_calls", "Calls answered on the control socket.", value=control.calls
+                )
+                yield CounterMetricFamily(
+                    "kvstore_control_refused_connections",
+                    "Control-socket connections closed at once, over the limit (their clients use gRPC).",
+                    value=control.refused,
+                )
         info.add_metric([], labels)
         yield info
 

@@ -39,6 +39,7 @@ from kvstore_server.errors import (
 from kvstore_server.events import STORED, Event
 from kvstore_server.putbuffer import PutBuffer
 from kvstore_server.rpc.auth import Scope
+from kvstore_server.rpc.control import ControlSocket
 from kvstore_server.rpc.status import REFUSALS, _decoded, _decoder, status_of, translated
 from kvstore_server.rpc.validation import (
     _chunk_size,
@@ -83,7 +84,7 @@ class Servicer:
         self._puts = parts.puts
         self._waiters = threading.BoundedSemaphore(config.max_waiting_drop_selects)
         self._watchers = threading.BoundedSemaphore(config.max_watchers)
-        self.control_socket = ""  # offered in ArenaAccess once create_server opened it
+        self.control: ControlSocket | None = None  # offered in ArenaAccess once create_server opened it
 
     @property
     def inflight_put_bytes(self) -> int:
@@ -388,7 +389,7 @@ class Servicer:
             store_id=self.run_id,
             namespace_prefix=self.scope.prefix(context),
             lease_seconds=memory.lease_seconds,
-            control_socket=self.control_socket,
+            control_socket=str(self.control.path) if self.control is not None else "",
         )
 
     @translated

@@ -197,3 +197,6 @@ def test_memory_tier_metrics_follow_saves_and_loads_through_the_arena(make_serve
         == calls(after, "Release")
         == 1
     )
+    # made on the control socket (the client maps the arena), counted as over gRPC
+    assert delta("kvstore_control_calls_total") >= 4
+    assert value(after, "kvstore_control_refused_connections_total") == 0
