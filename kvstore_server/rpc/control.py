@@ -2,14 +2,14 @@
 the arena file (framing: kvstore.control), answered by the same method handlers as gRPC,
 through the same interceptors (metrics, auth), so a call means the same either way.
 
-A call's request is at most kvstore.control.MAX_REQUEST_BYTES (a client sends a larger
-one over gRPC), and the daemon holds at most CALL_BUDGET_BYTES of them at once, so the
-socket adds at most that to the daemon's memory. Only clients that can open the arena
-reach it: the socket has the arena file's mode and
+Only clients that can open the arena reach it: the socket has the arena file's mode and
 group, and is offered in ArenaAccessResponse.control_socket. A connection has a thread of
 its own and carries one call at a time; beyond `max_connections` the daemon closes a new
-connection at once and its client uses gRPC, and it closes one idle for `IDLE_SECONDS`.
-Put (a client stream) is not offered here: UNIMPLEMENTED.
+connection at once (its client uses gRPC), and it closes one idle for `IDLE_SECONDS`.
+A call's request is at most kvstore.control.MAX_REQUEST_BYTES (a client sends a larger
+one over gRPC), and the daemon holds at most CALL_BUDGET_BYTES of them at once: all the
+socket adds to the daemon's memory. Put (a client stream) is not offered here:
+UNIMPLEMENTED.
 """
 
 from __future__ import annotations
