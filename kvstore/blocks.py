@@ -299,6 +299,10 @@ class StoredBlock:
     meta: BlockMeta
     layers: list[memoryview]
 
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        return self.meta.layers
+
     def corrupt_layer(self, layers: Sequence[int] | None = None) -> int | None:
         """Index of the first layer (of `layers`, default all) whose bytes fail the checksum,
         or None."""

@@ -75,6 +75,11 @@ class Record:
         self._meta: BlockMeta | None = None
 
     @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        """meta.layers, without making meta."""
+        return self.layers
+
+    @property
     def sums(self) -> bytes:
         """meta.checksums, packed."""
         at = _HEAD.size + self._head[6]

@@ -70,10 +70,14 @@ class StorageFullError(StorageError):
 
 
 class Located(Protocol):
-    """What `locate` yields per block: at least its record."""
+    """What `locate` yields per block: at least its record, and its layers' specs (which a
+    promotion plans its reads from, before it needs the rest of the record)."""
 
     @property
     def meta(self) -> BlockMeta: ...
+
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,6 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from kvstore import records
 from kvstore.blocks import (
     STOP_EVICTED,
     STOP_LAYER_SET_DIFFERS,
@@ -180,12 +179,6 @@ def _group_rows(one: Any, group: range, extents: Sequence[int]) -> Any:
     return rows
 
 
-def _layers_of(handle: Located) -> tuple[LayerSpec, ...]:
-    """A located block's layers; an LMDB record's without making its whole record (a
-    promotion plans its reads from them and makes the rest while they run)."""
-    return handle.layers if isinstance(handle, records.Record) else handle.meta.layers
-
-
 class Ready(NamedTuple):
     """A promotion's progress: layers [0, layers) of every block are in place, and every
     layer of blocks [0, blocks)."""
@@ -225,7 +218,7 @@ class Promotion:
         self._finished = False
         self._started = started
         self.extents = extents
-        layers = _layers_of(located[0])
+        layers = located[0].specs
         n = len(located)
         self.width = len(layers)
         self.groups = layer_groups([layer.nbytes for layer in layers])
@@ -553,7 +546,7 @@ class TierChain:
         for key, handle in zip(keys, found, strict=True):
             if handle is None:
                 return located, (key, STOP_EVICTED)
-            layers = _layers_of(handle)
+            layers = handle.specs
             if first is None:
                 first = layers
             elif layers is not first and layers != first:  # (interned: the same tuple, as a rule)

@@ -34,6 +34,7 @@ from kvstore_server.tiers.base import (
     BlockKey,
     BlockMeta,
     BlockWrite,
+    LayerSpec,
     Located,
     Pieces,
     StorageError,
@@ -55,6 +56,10 @@ class _BlockFile:
     meta: BlockMeta
     fd: int
     starts: list[int]
+
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        return self.meta.layers
 
 
 class DiskBackend(Backend):
