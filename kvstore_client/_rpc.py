@@ -190,6 +190,8 @@ _CONNECT_TIMEOUT = 2.0
 # an idle connection is reused for this long: half the daemon's idle limit
 # (kvstore_server.rpc.control.IDLE_SECONDS), so it never closes one as a call arrives
 _REUSE_SECONDS = 60.0
+# after a connect failed (too many connections, the socket gone, another daemon run)
+_RETRY_SECONDS = 30.0
 _FINISH_WAIT = 0.5  # for the end of a stream whose last message was read
 _IDLE_CONNECTIONS = 16
 
@@ -243,8 +245,9 @@ class Control:
     """The daemon's control socket at `path` (offered in ArenaAccessResponse.control_socket):
     unary calls and PinStream for a fraction of a gRPC call's cost, on a pool of
     connections, one call at a time each. A call that cannot connect (the socket gone, too
-    many connections, another daemon run) answers None: its caller uses gRPC, and so does
-    every later call (`usable` is then false). Thread-safe; a forked child opens its own."""
+    many connections, another daemon run) answers None: its caller uses gRPC, and so do
+    the calls of the next _RETRY_SECONDS (`usable` is false meanwhile). Thread-safe; a
+    forked child opens its own."""
 
     def __init__(self, path: Path, store_id: str, token: str | None) -> None:
         self.path = path
@@ -252,7 +255,12 @@ class Control:
         self._token = token
         self._idle: list[_Connection] = []
         self._lock = threading.Lock()
-        self.usable = True
+        self._closed = False
+        self._down_until = 0.0  # after a failed connect: gRPC until then
+
+    @property
+    def usable(self) -> bool:
+        return not self._closed and time.monotonic() >= self._down_until
 
     def _take(self, timeout: float | None) -> _Connection | None:
         with self._lock:
@@ -268,8 +276,11 @@ class Control:
         try:
             return _Connection(self.path, self.store_id, timeout)
         except (OSError, control.Closed, control.FrameError) as exc:
-            self.usable = False
-            log.info("the control socket %s cannot be used (%s): calls go over gRPC", self.path, exc)
+            self._down_until = time.monotonic() + _RETRY_SECONDS
+            log.info(
+                "the control socket %s cannot be used (%s): calls go over gRPC for %.0f s",
+                self.path, exc, _RETRY_SECONDS,
+            )  # fmt: skip
             return None
 
     def _give_back(self, conn: _Connection) -> None:
@@ -322,7 +333,7 @@ class Control:
 
     def close(self) -> None:
         with self._lock:
-            self.usable = False
+            self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()

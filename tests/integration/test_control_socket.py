@@ -14,12 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.daemon import eventually
 from support.hashes import NS, chain
 from support.ports import free_port
 
 from kvstore import control
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
+from kvstore_client import Chain, KVStoreClient, LayerSpec, _rpc, errors
 from kvstore_server.rpc import generic_handler
 from kvstore_server.rpc.control import ControlSocket
 
@@ -202,24 +203,32 @@ def test_no_arena_offered_no_socket(make_server) -> None:
         assert kv._rpc.control is None
 
 
-def test_a_client_beyond_the_connection_limit_uses_grpc(make_server) -> None:
+def test_a_client_beyond_the_connection_limit_uses_grpc_then_tries_again(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_rpc, "_RETRY_SECONDS", 0.0)  # (its wait before trying again: none)
     server = make_server(workers=2)  # the socket serves as many connections as gRPC workers
     ctl = server.running.control_socket
     hashes, layers = chain("many", 2), make_layers(2)
     with KVStoreClient(server.address, arena=True) as first:
         first.put(NS, hashes, layers)
     held = []
-    for _ in range(2):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        control.connect(sock, ctl.path)
-        control.recv_frame(sock)  # READY: served
-        held.append(sock)
     try:
+        for _ in range(2):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(sock)
+            control.connect(sock, ctl.path)
+            control.recv_frame(sock)  # READY: served
         with KVStoreClient(server.address, arena=True) as kv:
-            assert kv.lookup(NS, hashes) == 2  # over gRPC
-            assert kv._rpc.control is not None and not kv._rpc.control.usable
+            calls = ctl.calls
+            assert kv.lookup(NS, hashes) == 2  # refused a connection: over gRPC
             assert_same(kv.select(NS, hashes), layers)
-        assert ctl.refused >= 1
+            assert ctl.refused >= 1 and ctl.calls == calls
+            for sock in held:
+                sock.close()
+            eventually(lambda: ctl.connections() == 0)  # the daemon saw them go
+            assert kv.lookup(NS, hashes) == 2
+            assert ctl.calls == calls + 1  # on the socket again
     finally:
         for sock in held:
             sock.close()
