@@ -71,8 +71,9 @@ def test_a_same_host_client_calls_over_the_socket_and_gets_the_same_answers(serv
             streamed.wait_layers(len(layers))
             streamed.release()
         # the caller's thread and the client's sender of Releases: a connection each,
-        # reused by every call (a finished PinStream's too)
-        assert ctl.accepted <= 2
+        # reused by every call (a finished PinStream's too: were each closed, the five
+        # would open five more; one more is allowed, for a PinStream whose end came late)
+        assert ctl.accepted <= 3
     assert ctl.calls > calls + 4
 
 
