@@ -61,7 +61,7 @@ for sub in ("", "connector"):
 
 from kvstore_connector.host_memory import prepare_arena  # noqa: E402
 from kvstore_connector.transfer import BlockMover  # noqa: E402
-from store_harness import fs_of  # noqa: E402  (bench/, this script's directory)
+from store_harness import drop_page_cache, fs_of  # noqa: E402  (bench/, this script's directory)
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -735,14 +735,6 @@ def legacy_part(args, d: Device, mover, caches, ids, specs, side, bs, tokens, ro
 
 
 # ---- the cold child: loads whose blocks only LMDB holds --------------------------------
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError as exc:
-        print(f"  (could not drop the page cache: {exc})")
-        return False
 
 
 def cold_child(args: argparse.Namespace) -> None:

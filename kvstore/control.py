@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
 
@@ -71,31 +73,28 @@ class Closed(Exception):
     """The peer closed the connection."""
 
 
-def _via_directory(path: Path) -> tuple[int | None, str]:
+@contextmanager
+def _address(path: Path) -> Iterator[str]:
     """An address for `path` that fits sun_path: the path itself, or, when it is too long,
-    /proc/self/fd/N/NAME through an fd of its directory (the caller closes N)."""
+    /proc/self/fd/N/NAME through an fd of its directory (open while in use)."""
     if len(os.fsencode(path)) <= _SUN_PATH_BYTES:
-        return None, str(path)
+        yield str(path)
+        return
     fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
-    return fd, f"/proc/self/fd/{fd}/{path.name}"
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
 
 
 def bind(sock: socket.socket, path: Path) -> None:
-    fd, address = _via_directory(path)
-    try:
+    with _address(path) as address:
         sock.bind(address)
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def connect(sock: socket.socket, path: Path) -> None:
-    fd, address = _via_directory(path)
-    try:
+    with _address(path) as address:
         sock.connect(address)
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> memoryview:

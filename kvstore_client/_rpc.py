@@ -13,6 +13,7 @@ Every grpc.RpcError is turned into a kvstore_client.errors exception here
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import socket
@@ -291,20 +292,21 @@ class Control:
                 return
         conn.close()
 
+    def _start(self, method: str, request: bytes, timeout: float | None) -> _Connection | None:
+        """A connection with the call sent on it; None: not reachable here, use gRPC."""
+        conn = self._take(timeout)
+        if conn is not None:
+            with _closing_on_failure(conn, method):
+                conn.send(method, request, timeout, self._token)
+        return conn
+
     def unary(self, method: str, request: bytes, timeout: float | None) -> memoryview | None:
         """The serialized response; None: not reachable here, use gRPC. Raises ControlError."""
-        conn = self._take(timeout)
+        conn = self._start(method, request, timeout)
         if conn is None:
             return None
-        try:
-            conn.send(method, request, timeout, self._token)
+        with _closing_on_failure(conn, method):
             frame = control.recv_frame(conn.sock)
-        except _LOST as exc:
-            conn.close()
-            raise _lost(method, exc) from exc
-        except BaseException:
-            conn.close()
-            raise
         if frame[0] == control.REPLY:
             self._give_back(conn)
             return frame[1:]
@@ -318,18 +320,8 @@ class Control:
         self, method: str, request: bytes, decode: Callable[[bytes], Any], timeout: float | None
     ) -> ControlStream | None:
         """A server stream's messages; None: not reachable here, use gRPC."""
-        conn = self._take(timeout)
-        if conn is None:
-            return None
-        try:
-            conn.send(method, request, timeout, self._token)
-        except _LOST as exc:
-            conn.close()
-            raise _lost(method, exc) from exc
-        except BaseException:
-            conn.close()
-            raise
-        return ControlStream(self, conn, method, decode)
+        conn = self._start(method, request, timeout)
+        return ControlStream(self, conn, method, decode) if conn is not None else None
 
     def close(self) -> None:
         with self._lock:
@@ -340,6 +332,20 @@ class Control:
 
 
 _LOST = (OSError, control.Closed, control.FrameError)
+
+
+@contextlib.contextmanager
+def _closing_on_failure(conn: _Connection, method: str) -> Iterator[None]:
+    """A call's send or receive: on any failure the connection is closed (its stream is
+    out of step), and a lost connection raises as gRPC would (_lost)."""
+    try:
+        yield
+    except _LOST as exc:
+        conn.close()
+        raise _lost(method, exc) from exc
+    except BaseException:
+        conn.close()
+        raise
 
 
 def _lost(method: str, exc: Exception) -> errors.KVStoreError:

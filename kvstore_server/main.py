@@ -91,7 +91,11 @@ class Running:
     servicer: Servicer
     # None unless config.metrics_port is set; serving them over HTTP is main()'s job
     metrics: Metrics | None = None
-    control_socket: ControlSocket | None = None  # where clients are offered the arena
+
+    @property
+    def control_socket(self) -> ControlSocket | None:
+        """Where clients are offered the arena (the servicer offers it in ArenaAccess)."""
+        return self.servicer.control
 
     @property
     def events(self) -> EventLog:
@@ -241,7 +245,7 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         for service in ("", SERVICE_NAME):
             health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         undo.pop_all()
-    return Running(server, port, health_servicer, store, parts, servicer, metrics, control_socket)
+    return Running(server, port, health_servicer, store, parts, servicer, metrics)
 
 
 def _open_control_socket(

@@ -8,8 +8,8 @@ its own and carries one call at a time; beyond `max_connections` the daemon clos
 connection at once (its client uses gRPC), and it closes one idle for `IDLE_SECONDS`.
 A call's request is at most kvstore.control.MAX_REQUEST_BYTES (a client sends a larger
 one over gRPC), and the daemon holds at most CALL_BUDGET_BYTES of them at once: all the
-socket adds to the daemon's memory. Put (a client stream) is not offered here:
-UNIMPLEMENTED.
+socket adds to the daemon's memory. Put, Get, DropSelect and Watch are not offered
+here: UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ from kvstore.service import SERVICE_PREFIX
 
 log = logging.getLogger(__name__)
 
+
+# The server streams served here: the others (Get, DropSelect, Watch) answer in initial
+# metadata, which this socket does not carry
+_STREAMS = frozenset({"PinStream"})
 
 IDLE_SECONDS = 120.0
 """A connection without a call for this long is closed (clients reuse theirs for half of it)."""
@@ -101,7 +105,7 @@ class _Context:
         return not self._cancelled
 
     def send_initial_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
-        """Not carried: the calls served here answer nothing in it."""
+        """Not carried: the calls served here (_STREAMS) answer nothing in it."""
 
     def peer(self) -> str:
         return "unix:control"
@@ -260,8 +264,12 @@ class ControlSocket:
     ) -> None:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         handler = self._method_handler(_Details(SERVICE_PREFIX + method, metadata))
-        if handler is None or handler.request_streaming:
-            what = "not a method of this service" if handler is None else "a client stream (use gRPC)"
+        if (
+            handler is None
+            or handler.request_streaming
+            or (handler.response_streaming and method not in _STREAMS)
+        ):
+            what = "not a method of this service" if handler is None else "not served here (use gRPC)"
             self._send_status(conn, grpc.StatusCode.UNIMPLEMENTED, f"{method}: {what}")
             return
         context = _Context(conn, metadata, timeout)

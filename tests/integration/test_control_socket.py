@@ -126,6 +126,8 @@ def test_the_socket_refuses_what_it_does_not_serve(server) -> None:
     path = _socket(server)
     code, details = _raw_call(path, "Put", b"")
     assert control.status_name(code) == "UNIMPLEMENTED" and b"gRPC" in details
+    code, details = _raw_call(path, "Watch", pb.WatchRequest().SerializeToString())
+    assert control.status_name(code) == "UNIMPLEMENTED" and b"gRPC" in details  # answers in metadata
     code, _ = _raw_call(path, "NoSuchMethod", b"")
     assert control.status_name(code) == "UNIMPLEMENTED"
     code, details = _raw_call(path, "Lookup", b"\xff\xff\xff")  # not a LookupRequest
