@@ -390,7 +390,21 @@ def arena_load(
     release_start = probe.span("Release")[0]
     verify = probe.total("xxh3")
     ready = [end for what, _, end in probe.events if what == "Ready"]
+    stages = [end for what, _, end in probe.events if what == "Stage"]
+    staged = [end for what, _, end in probe.events if what == "Staged"]
+    timeline = {}
+    if ready and staged:  # a cold load: what follows the daemon's last report
+        timeline = {
+            "t_last_ready": ready[-1] - t0,
+            "t_ranges": float(len(stages)),
+            "t_first_stage": (stages[0] - t0) if stages else 0.0,
+            "t_staged": staged[-1] - t0,
+            "t_first_done": issued[0] - t0,
+            "t_last_done": issued[-1] - t0,
+            "t_end": t1 - t0,
+        }
     return {
+        **timeline,
         "total": t1 - t0,
         # the daemon's reports of blocks read (cold loads): the first after the pin's
         # answer, the last (everything read) after the pin was sent
@@ -405,6 +419,29 @@ def arena_load(
         "other": (t1 - t0) - (probe.total("Pin") + (issued[-1] - pin_end) + (release_start - issued[-1])
                               + probe.total("Release")),
     }  # fmt: skip
+
+
+def instrument_transport(transport: Any, probe: Probe) -> None:
+    """Time each copy of a promotion's range of blocks to the device ("Stage": issued, not
+    landed) and the end of a run's staging ("Staged"), for the cold loads' timeline."""
+    mover, plain_stage, plain_blocks = transport.mover, transport.mover.stage_into, transport._stage_blocks
+
+    def stage_into(*args: Any, **kw: Any) -> Any:
+        start = now()
+        try:
+            return plain_stage(*args, **kw)
+        finally:
+            probe.add("Stage", start)
+
+    def stage_blocks(*args: Any, **kw: Any) -> Any:
+        start = now()
+        try:
+            return plain_blocks(*args, **kw)
+        finally:
+            probe.add("Staged", start)
+
+    mover.stage_into = stage_into
+    transport._stage_blocks = stage_blocks
 
 
 LAYOUTS: dict[int, Any] = {}
@@ -437,7 +474,10 @@ def build_transport(args: argparse.Namespace, kv: Any, d: Device, caches: dict, 
 
 
 def medians(runs: list[dict]) -> dict:
-    return {k: med([r[k] for r in runs]) for k in runs[0]} if runs else {}
+    """Each figure's median over the runs that have it (a cold load's timeline: those that
+    promoted)."""
+    keys = dict.fromkeys(k for r in runs for k in r)
+    return {k: med([r[k] for r in runs if k in r]) for k in keys}
 
 
 SAVE_PARTS = [
@@ -765,6 +805,7 @@ def cold_child(args: argparse.Namespace) -> None:
                 cache[bs] = make_caches(d, bs, args.pool_tokens)
             caches = cache[bs]
             transport = build_transport(args, kv, d, caches, bs)
+            instrument_transport(transport, probe)
             block_ids = block_ids_for(args.pool_tokens // bs, tokens // bs, tokens + bs)
             runs = []
             if label == "page cache":  # the first cold load warms this process's kernels up
@@ -1038,6 +1079,12 @@ def print_cold(results: dict) -> None:
             if m.get("last_ready"):
                 print(f"      (the daemon's first report of blocks read came {m['first_ready'] * 1e3:.2f} ms after "
                       f"the pin's answer; its last, all read, {m['last_ready'] * 1e3:.2f} ms after the pin was sent)")  # fmt: skip
+            if m.get("t_staged"):
+                print(f"      timeline from the pin sent (ms): the pin's answer {m['pin_rpc'] * 1e3:.2f}, first range "
+                      f"copied {m['t_first_stage'] * 1e3:.2f}, last report {m['t_last_ready'] * 1e3:.2f}, last range "
+                      f"copied {m['t_staged'] * 1e3:.2f} ({m['t_ranges']:.0f} ranges), checks done and the first "
+                      f"group scattered {m['t_first_done'] * 1e3:.2f}, the last {m['t_last_done'] * 1e3:.2f}, "
+                      f"landed {m['t_end'] * 1e3:.2f}")  # fmt: skip
 
 
 def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float], io: dict) -> None:
