@@ -274,7 +274,7 @@ class Admitting(Ledger):
         memory = self._tier()
         with self._commit_lock:
             try:
-                res = memory.reserve(prefix=b"", namespace=namespace, parent_hash=parents[0],
+                res = memory.reserve(tenant=b"", namespace=namespace, parent_hash=parents[0],
                                      hashes=hashes, parents=parents, layers=layers, token_ids=tokens,
                                      lease=False)  # fmt: skip
             except NoRoom as exc:
@@ -463,7 +463,7 @@ class Admitting(Ledger):
 
     def reserve(
         self,
-        prefix: bytes,
+        tenant: bytes,
         namespace: bytes,
         parent_hash: bytes,
         hashes: Sequence[bytes],
@@ -505,7 +505,7 @@ class Admitting(Ledger):
         with self._commit_lock:
             try:
                 return memory.reserve(
-                    prefix=prefix, namespace=namespace, parent_hash=parent_hash,
+                    tenant=tenant, namespace=namespace, parent_hash=parent_hash,
                     hashes=new_hashes, parents=new_parents, layers=carried,
                     request_index=todo, skipped=len(hashes) - len(todo),
                     token_ids=_block_tokens(token_ids, len(hashes), todo), subset=subset, full_layers=full,
@@ -536,7 +536,7 @@ class Admitting(Ledger):
             return at
 
     def commit(
-        self, prefix: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
+        self, tenant: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
     ) -> PutResult:
         """Make a reservation's blocks visible, all or nothing; `checksums` block-major, of
         `kind` (kvstore.blocks.CHECKSUMS). A partial save's layers go to its blocks' parts."""
@@ -544,14 +544,14 @@ class Admitting(Ledger):
         if kind not in CHECKSUMS:
             raise InvalidCommit(f"unknown checksum kind {kind!r}; known: {', '.join(CHECKSUMS)}")
         with self._lock:
-            res = memory.reservation(reservation_id, prefix)
+            res = memory.reservation(reservation_id, tenant)
             if res is None:
                 raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
             n, width = len(res.hashes), len(res.layers)
             if len(checksums) != n * width:
                 raise InvalidCommit(f"a commit of {n} blocks of {width} layers needs {n * width} checksums, "
                                     f"not {len(checksums)}")  # fmt: skip
-            memory.take_reservation(reservation_id, prefix)
+            memory.take_reservation(reservation_id, tenant)
         with memory.committing(res):
             if res.subset is not None:
                 result = self._commit_part(memory, res, checksums, kind)
@@ -601,8 +601,8 @@ class Admitting(Ledger):
         )  # fmt: skip
         return _sum([result], res.skipped)
 
-    def abort(self, prefix: bytes, reservation_id: int) -> None:
-        if not self._tier().abort(reservation_id, prefix):
+    def abort(self, tenant: bytes, reservation_id: int) -> None:
+        if not self._tier().abort(reservation_id, tenant):
             raise LeaseNotFound(f"no reservation {reservation_id} (expired, committed or aborted)")
 
 

@@ -87,18 +87,18 @@ def _pack(
 class Cursor:
     """One watcher's position in the log: the next sequence it wants, and its filter."""
 
-    __slots__ = ("next_sequence", "namespace", "prefix", "cancelled")
+    __slots__ = ("next_sequence", "namespace", "tenant", "cancelled")
 
-    def __init__(self, next_sequence: int, namespace: bytes | None, prefix: bytes = b"") -> None:
+    def __init__(self, next_sequence: int, namespace: bytes | None, tenant: bytes = b"") -> None:
         self.next_sequence = next_sequence
         self.namespace = namespace  # exact match, or None for every namespace ...
-        self.prefix = prefix  # ... that starts with this (a tenant's scope)
+        self.tenant = tenant  # ... of this tenant (that starts with its bytes)
         self.cancelled = False
 
     def matches(self, namespace: bytes) -> bool:
         if self.namespace is not None:
             return namespace == self.namespace
-        return namespace.startswith(self.prefix)
+        return namespace.startswith(self.tenant)
 
 
 class EventLog:
@@ -154,7 +154,7 @@ class EventLog:
             return self._watchers
 
     def subscribe(
-        self, from_sequence: int = 0, namespace: bytes | None = None, prefix: bytes = b""
+        self, from_sequence: int = 0, namespace: bytes | None = None, tenant: bytes = b""
     ) -> Cursor:
         """A cursor at `from_sequence` (0: the next new event). Release it with `unsubscribe`.
 
@@ -177,7 +177,7 @@ class EventLog:
             else:
                 start = from_sequence
             self._watchers += 1
-            return Cursor(start, namespace, prefix)
+            return Cursor(start, namespace, tenant)
 
     def unsubscribe(self, cursor: Cursor) -> None:
         """Release a cursor; called exactly once per subscribe."""

@@ -60,14 +60,14 @@ def subtree(index: PrefixIndex, namespace: bytes, block_hash: bytes) -> list[Blo
     return keys
 
 
-def older_than(index: PrefixIndex, cutoff: float, prefix: bytes = b"") -> list[BlockKey]:
+def older_than(index: PrefixIndex, cutoff: float, tenant: bytes = b"") -> list[BlockKey]:
     """Evict blocks last used before `cutoff` (unix seconds), with what hangs below them.
 
-    Only namespaces starting with `prefix` (a tenant's) are considered.
+    Only `tenant`'s namespaces (those starting with its bytes) are considered.
     """
     old = [
         key
-        for key in index.keys(prefix=prefix)
+        for key in index.keys(prefix=tenant)
         if (entry := index.get(*key)) is not None and entry.last_access < cutoff
     ]
     victims: list[BlockKey] = []
@@ -76,9 +76,9 @@ def older_than(index: PrefixIndex, cutoff: float, prefix: bytes = b"") -> list[B
     return victims
 
 
-def namespace(index: PrefixIndex, ns: bytes | None, prefix: bytes = b"") -> list[BlockKey]:
-    """Evict every block of one namespace, or of all (starting with `prefix`) when `ns` is None."""
-    keys = list(index.keys(ns, prefix))
+def namespace(index: PrefixIndex, ns: bytes | None, tenant: bytes = b"") -> list[BlockKey]:
+    """Evict every block of one namespace, or of all of `tenant`'s when `ns` is None."""
+    keys = list(index.keys(ns, tenant))
     # Newest first: children go before their parents, so no removal has
     # descendants left to walk (root-first is quadratic in chain length).
     keys.reverse()

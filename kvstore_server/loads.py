@@ -279,7 +279,7 @@ class Loading(Admitting):
             self.counters.bytes_read += used * result.num_blocks
 
     # ---- pins: pin -> the client reads -> release
-    def pin(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
+    def pin(self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:
         """Pin the stored prefix of `hashes` in the arena (promoting blocks only the
         persistent tier holds, and waiting for them) for the lease; a miss pins nothing
         (pin_id 0)."""
@@ -292,12 +292,12 @@ class Loading(Admitting):
             read, left_out = started.promotion.read_prefix()
             pending = {p.meta.key: p for p in read}
         try:
-            return self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop, left_out,
+            return self._pinned(memory, tenant, namespace, hashes, keys, cold, now, stop, left_out,
                                 pending)  # fmt: skip
         finally:
             self.tiers.let_go(started)
 
-    def lease(self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes], holders: int) -> PinResult:
+    def lease(self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes], holders: int) -> PinResult:
         """A Lookup's lease: pin the leading blocks of `hashes` (a found prefix, the lookup
         touched them) that the memory tier holds, until `holders` Releases or the lease
         ends. Never promotes nor asks the fleet: a lookup does not wait for reads."""
@@ -305,14 +305,14 @@ class Loading(Admitting):
         keys = [(namespace, h) for h in hashes]
         with self._lock:
             memory.expire(time.monotonic())
-        result = self._pinned(memory, prefix, namespace, hashes, keys, [], time.time(), STOP_NONE, None, {},
+        result = self._pinned(memory, tenant, namespace, hashes, keys, [], time.time(), STOP_NONE, None, {},
                               holders, lease=True)  # fmt: skip
         if result.stop == STOP_NO_ROOM:  # not brought into memory: a lease never does
             result = dataclasses.replace(result, stop=STOP_NOT_IN_MEMORY)
         return result
 
     def pin_stream(
-        self, prefix: bytes, namespace: bytes, hashes: Sequence[bytes]
+        self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes]
     ) -> Generator[PinResult | Ready | str, None, None]:
         """Pin without waiting for the promotion: yields the PinResult at once (its
         ready_layers: -1 when every block is in place; else 0, and its ready_blocks the
@@ -329,7 +329,7 @@ class Loading(Admitting):
         try:
             pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
             try:
-                result = self._pinned(memory, prefix, namespace, hashes, keys, cold, now, stop,
+                result = self._pinned(memory, tenant, namespace, hashes, keys, cold, now, stop,
                                       started.left_out, pending)  # fmt: skip
             finally:
                 self.tiers.let_go(started)
@@ -392,7 +392,7 @@ class Loading(Admitting):
     def _pinned(
         self,
         memory: MemoryTier,
-        prefix: bytes,
+        tenant: bytes,
         namespace: bytes,
         hashes: Sequence[bytes],
         keys: list[BlockKey],
@@ -411,7 +411,7 @@ class Loading(Admitting):
             stored = 0
             while stored < len(keys) and self._index.get(*keys[stored]) is not None:
                 stored += 1
-            pinned = memory.pin(prefix, namespace, keys[:stored], pending, now, holders)
+            pinned = memory.pin(tenant, namespace, keys[:stored], pending, now, holders)
             got = pinned.num_blocks
             queued = memory.reused(keys[:got])
             if got < len(keys):
@@ -436,13 +436,13 @@ class Loading(Admitting):
                          pinned.kinds, stop)  # fmt: skip
 
     def release(
-        self, prefix: bytes, pin_id: int, corrupt: Sequence[bytes] = (), *, all_holders: bool = False
+        self, tenant: bytes, pin_id: int, corrupt: Sequence[bytes] = (), *, all_holders: bool = False
     ) -> bool:
         """End a pin (one holder's share of a lease, or with `all_holders` all of it);
         `corrupt`: blocks the client found failing their checksum (verified here again, and
         removed if so). False: the pin had already expired."""
         memory = self._tier()
-        namespace = memory.pin_owner(pin_id, prefix)
+        namespace = memory.pin_owner(pin_id, tenant)
         with self._lock:
             placing = self._placing.get(pin_id) if namespace is not None else None
         if placing is not None and (corrupt or placing.promotion.all_read):
@@ -460,7 +460,7 @@ class Loading(Admitting):
                     self.counters.checksum_failures += 1
                 self._remove_corrupt(key)
         with self._lock:
-            pin = memory.release_pin(pin_id, prefix, all_holders=all_holders)
+            pin = memory.release_pin(pin_id, tenant, all_holders=all_holders)
             if pin is not None and pin.hits is not None and not all_holders:  # a lease, loaded
                 self._count_hits(pin.hits)
                 pin.hits = None

@@ -256,12 +256,12 @@ class Store(Loading):
         }
 
     def list_blocks(
-        self, namespace: bytes | None, limit: int, after: BlockKey | None, prefix: bytes = b""
+        self, namespace: bytes | None, limit: int, after: BlockKey | None, tenant: bytes = b""
     ) -> tuple[list[BlockInfo], BlockKey | None]:
         """Blocks in (namespace, hash) order, after `after`; at most `limit`; and the key
         to continue after (None: that was the last page).
 
-        `namespace` None: every namespace that starts with `prefix`. The lock is
+        `namespace` None: every namespace of `tenant` (starting with its bytes). The lock is
         held only to copy one namespace's hashes at a time (C speed) and to read
         the page's entries: ordering a large store's keys (seconds for millions)
         never stalls lookups and puts. A block removed meanwhile is left out.
@@ -269,7 +269,7 @@ class Store(Loading):
         with self._lock:
             spaces = [namespace] if namespace is not None else self._index.namespaces()
         keys: list[BlockKey] = []
-        for ns in sorted(s for s in spaces if s.startswith(prefix) and (after is None or s >= after[0])):
+        for ns in sorted(s for s in spaces if s.startswith(tenant) and (after is None or s >= after[0])):
             with self._lock:
                 hashes = self._index.hashes(ns)
             if after is not None and ns == after[0]:
@@ -281,11 +281,11 @@ class Store(Loading):
             infos = [self._info(k) for k in keys if self._index.get(*k) is not None]
         return infos, keys[-1] if len(keys) == limit else None
 
-    def namespaces(self, prefix: bytes = b"") -> list[bytes]:
-        """The namespaces that hold blocks and start with `prefix`, sorted."""
+    def namespaces(self, tenant: bytes = b"") -> list[bytes]:
+        """The namespaces of `tenant` (starting with its bytes) that hold blocks, sorted."""
         with self._lock:
             spaces = self._index.namespaces()
-        return sorted(ns for ns in spaces if ns.startswith(prefix))
+        return sorted(ns for ns in spaces if ns.startswith(tenant))
 
     def describe(self, namespace: bytes, block_hash: bytes) -> tuple[BlockInfo, BlockMeta]:
         with self._lock:

@@ -68,7 +68,9 @@ class Scope:
     def __init__(self, tokens: TokenTable | None) -> None:
         self.tokens = tokens
 
-    def prefix(self, context: grpc.ServicerContext) -> bytes:
+    def tenant(self, context: grpc.ServicerContext) -> bytes:
+        """The caller's tenant: the bytes before each of its stored namespaces
+        (`tenant_prefix`; b"" without auth)."""
         if self.tokens is None:
             return b""
         token = bearer_token(context.invocation_metadata())

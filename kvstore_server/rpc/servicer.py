@@ -98,8 +98,8 @@ class Servicer:
         return tokens if self.kv_events is not None else []
 
     def _ns(self, context: grpc.ServicerContext, namespace: bytes) -> bytes:
-        """The stored namespace for a caller's: the tenant's prefix + the validated name."""
-        return self.scope.prefix(context) + check_namespace(namespace)
+        """The stored namespace for a caller's: the caller's tenant + the validated name."""
+        return self.scope.tenant(context) + check_namespace(namespace)
 
     # ---- serving path
     @translated
@@ -138,16 +138,16 @@ class Servicer:
             and self.store.memory is not None
             and self.config.offers_memory()
         ):
-            prefix, leased = self.scope.prefix(context), hashes[request.lease_from : n]
+            tenant, leased = self.scope.tenant(context), hashes[request.lease_from : n]
             with self.reclaim.busy():
                 leases = [
-                    _pin_message(self.store.lease(prefix, ns, leased, max(1, request.lease_holders)))
+                    _pin_message(self.store.lease(tenant, ns, leased, max(1, request.lease_holders)))
                     for ns in spaces
                 ]
             if sum(lease.ByteSize() for lease in leases) > wire.MAX_LEASE_ANSWER_BYTES:
                 for lease in leases:  # too large to answer: the loads pin their own
                     if lease.pin_id:
-                        self.store.release(prefix, lease.pin_id, all_holders=True)
+                        self.store.release(tenant, lease.pin_id, all_holders=True)
             else:
                 resp.leases.extend(leases)
                 resp.store_id = self.run_id
@@ -267,7 +267,7 @@ class Servicer:
     @translated
     def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         which = request.WhichOneof("selector")
-        prefix = self.scope.prefix(context)
+        tenant = self.scope.tenant(context)
         if request.fleet and which not in ("all", "namespace"):
             raise InvalidRequest("fleet eviction takes a namespace or all")
         if request.fleet and self.store.fleet is None:
@@ -275,7 +275,7 @@ class Servicer:
         if which == "all":
             if not request.all:
                 raise InvalidRequest("all must be true to evict everything")
-            count, freed = self.store.evict(lambda index: eviction.namespace(index, None, prefix))
+            count, freed = self.store.evict(lambda index: eviction.namespace(index, None, tenant))
         elif which == "namespace":
             ns = self._ns(context, request.namespace)
             count, freed = self.store.evict(lambda index: eviction.namespace(index, ns))
@@ -287,9 +287,9 @@ class Servicer:
             if not request.older_than_seconds >= 0:
                 raise InvalidRequest("older_than_seconds must be a non-negative number")
             cutoff = time.time() - request.older_than_seconds
-            count, freed = self.store.evict(lambda index: eviction.older_than(index, cutoff, prefix))
+            count, freed = self.store.evict(lambda index: eviction.older_than(index, cutoff, tenant))
         elif which == "target_bytes":
-            if prefix:
+            if tenant:
                 # the byte budget is shared by every tenant: one may not squeeze the others out
                 context.abort(
                     grpc.StatusCode.PERMISSION_DENIED, "target_bytes eviction is not available with tenants"
@@ -304,7 +304,7 @@ class Servicer:
         if request.fleet:  # every namespace of this tenant (all), or the one asked
             whole = which == "namespace"
             removed = self.store.evict_fleet(
-                self._ns(context, request.namespace) if whole else prefix, whole=whole
+                self._ns(context, request.namespace) if whole else tenant, whole=whole
             )
         return pb.EvictResponse(blocks_evicted=count, bytes_freed=freed, fleet_objects_removed=removed)
 
@@ -314,22 +314,22 @@ class Servicer:
 
     @translated
     def List(self, request: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        prefix = self.scope.prefix(context)
+        tenant = self.scope.tenant(context)
         if request.namespaces_only:
-            return pb.ListResponse(namespaces=[ns[len(prefix) :] for ns in self.store.namespaces(prefix)])
+            return pb.ListResponse(namespaces=[ns[len(tenant) :] for ns in self.store.namespaces(tenant)])
         namespace = self._ns(context, request.namespace) if request.namespace else None
         if request.limit > MAX_LIST_LIMIT:
             raise InvalidRequest(f"limit {request.limit} is above {MAX_LIST_LIMIT}")
         limit = request.limit or DEFAULT_LIST_LIMIT
         after = _decode_page_token(request.page_token) if request.page_token else None
         if after is not None:
-            after = (prefix + after[0], after[1])
-        infos, last = self.store.list_blocks(namespace, limit, after, prefix)
+            after = (tenant + after[0], after[1])
+        infos, last = self.store.list_blocks(namespace, limit, after, tenant)
         token = b""
         if last is not None:
-            name = last[0][len(prefix) :]
+            name = last[0][len(tenant) :]
             token = len(name).to_bytes(2, "big") + name + last[1]
-        return pb.ListResponse(blocks=[_block_info(i, prefix) for i in infos], next_page_token=token)
+        return pb.ListResponse(blocks=[_block_info(i, tenant) for i in infos], next_page_token=token)
 
     @translated
     def Describe(self, request: pb.DescribeRequest, context: grpc.ServicerContext) -> pb.DescribeResponse:
@@ -337,7 +337,7 @@ class Servicer:
         block_hash = check_hash(request.block_hash)
         info, meta = self.store.describe(namespace, block_hash)
         return pb.DescribeResponse(
-            block=_block_info(info, self.scope.prefix(context)),
+            block=_block_info(info, self.scope.tenant(context)),
             layers=[
                 pb.LayerInfo(
                     spec=pb.LayerSpec(name=layer.name, dtype=layer.dtype, shape=layer.shape),
@@ -359,7 +359,7 @@ class Servicer:
             backend=self.config.backend,
             data_dir=str(self.config.data_dir.resolve()),
             store_id=self.run_id,
-            namespace_prefix=self.scope.prefix(context),
+            namespace_prefix=self.scope.tenant(context),
             pid_namespace=pid_namespace(),
             fleet=self.store.fleet is not None,
         )
@@ -387,7 +387,7 @@ class Servicer:
             path=str(memory.file.path.resolve()),
             size_bytes=memory.file.size,
             store_id=self.run_id,
-            namespace_prefix=self.scope.prefix(context),
+            namespace_prefix=self.scope.tenant(context),
             lease_seconds=memory.lease_seconds,
             control_socket=str(self.control.path) if self.control is not None else "",
         )
@@ -440,7 +440,7 @@ class Servicer:
         total = sum(layer.nbytes for layer in carried) * len(hashes)
         if total > self.config.max_put_bytes:
             raise CapacityError(f"save of {total} bytes exceeds max_put_bytes ({self.config.max_put_bytes})")
-        res = self.store.reserve(self.scope.prefix(context), namespace, parent, hashes, layers,
+        res = self.store.reserve(self.scope.tenant(context), namespace, parent, hashes, layers,
                                  token_ids=tokens, subset=subset, in_place=in_place)  # fmt: skip
         if res is None:
             return pb.ReserveResponse(reservation_id=0)
@@ -477,7 +477,7 @@ class Servicer:
         except ValueError as exc:
             raise InvalidRequest(f"packed checksums: {exc}") from exc
         result = self.store.commit(
-            self.scope.prefix(context), request.reservation_id, checksums, request.checksum_kind or "xxh3"
+            self.scope.tenant(context), request.reservation_id, checksums, request.checksum_kind or "xxh3"
         )
         return pb.PutResponse(
             blocks_written=result.blocks_written,
@@ -489,7 +489,7 @@ class Servicer:
     @translated
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         self._memory_offered()
-        self.store.abort(self.scope.prefix(context), request.reservation_id)
+        self.store.abort(self.scope.tenant(context), request.reservation_id)
         return pb.AbortResponse()
 
     @translated
@@ -516,7 +516,7 @@ class Servicer:
         self, context: grpc.ServicerContext, namespace: bytes, chain: pb.PinRequest | pb.PinChain
     ) -> pb.PinResponse:
         hashes = check_hashes(chain.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
-        return _pin_message(self.store.pin(self.scope.prefix(context), namespace, hashes))
+        return _pin_message(self.store.pin(self.scope.tenant(context), namespace, hashes))
 
     @translated
     def PinStream(self, request: pb.PinRequest, context: grpc.ServicerContext) -> Iterator[pb.PinProgress]:
@@ -524,7 +524,7 @@ class Servicer:
         namespace = self._ns(context, request.namespace)
         hashes = check_hashes(request.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
         with self.reclaim.busy():
-            progress = self.store.pin_stream(self.scope.prefix(context), namespace, hashes)
+            progress = self.store.pin_stream(self.scope.tenant(context), namespace, hashes)
             try:
                 for item in progress:
                     if isinstance(item, PinResult):
@@ -542,19 +542,19 @@ class Servicer:
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         self._memory_offered()
         corrupt = check_hashes(request.corrupt_block_hashes, wire.MAX_BLOCKS_PER_LOOKUP, allow_empty=True)
-        found = self.store.release(self.scope.prefix(context), request.pin_id, corrupt,
+        found = self.store.release(self.scope.tenant(context), request.pin_id, corrupt,
                                    all_holders=request.all_holders)  # fmt: skip
         return pb.ReleaseResponse(was_pinned=found)
 
     # ---- routers and observers
     @translated
     def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Event]:
-        prefix = self.scope.prefix(context)
+        tenant = self.scope.tenant(context)
         namespace = self._ns(context, request.namespace) if request.namespace else None
         if not self._watchers.acquire(blocking=False):
             raise CapacityError(f"more than {self.config.max_watchers} Watch streams open (max_watchers)")
         try:
-            cursor = self.events.subscribe(request.from_sequence, namespace, prefix)
+            cursor = self.events.subscribe(request.from_sequence, namespace, tenant)
             try:
                 context.add_callback(lambda: self.events.cancel(cursor))
                 # Once this arrives, every event committed afterwards reaches this stream.
@@ -572,18 +572,18 @@ class Servicer:
                     if batch is None:
                         raise ShuttingDown("the daemon is shutting down; watch again once it is back")
                     for event in batch:
-                        yield _event_message(event, self.run_id, prefix)
+                        yield _event_message(event, self.run_id, tenant)
             finally:
                 self.events.unsubscribe(cursor)
         finally:
             self._watchers.release()
 
 
-def _event_message(event: Event, store_id: str, prefix: bytes = b"") -> pb.Event:
+def _event_message(event: Event, store_id: str, tenant: bytes = b"") -> pb.Event:
     return pb.Event(
         sequence=event.sequence,
         kind=pb.Event.STORED if event.kind == STORED else pb.Event.REMOVED,
-        namespace=event.namespace[len(prefix) :],
+        namespace=event.namespace[len(tenant) :],
         block_hashes=event.block_hashes(),
         parent_hashes=event.parent_hashes(),
         timestamp=event.timestamp,
@@ -615,9 +615,9 @@ def _decode_page_token(token: bytes) -> tuple[bytes, bytes]:
     return token[2 : 2 + size], token[2 + size :]
 
 
-def _block_info(info: Any, prefix: bytes = b"") -> pb.BlockInfo:
+def _block_info(info: Any, tenant: bytes = b"") -> pb.BlockInfo:
     return pb.BlockInfo(
-        namespace=info.namespace[len(prefix) :],
+        namespace=info.namespace[len(tenant) :],
         block_hash=info.block_hash,
         parent_hash=info.entry.parent,
         size_bytes=info.entry.size,

@@ -33,7 +33,7 @@ class Reservation:
     daemon's own (blocks it copies in: a fleet hit, a block made whole from parts), no lease."""
 
     id: int
-    prefix: bytes  # the caller's tenant: only it may commit or abort
+    tenant: bytes  # the caller's: only it may commit or abort
     namespace: bytes
     parent_hash: bytes
     hashes: list[bytes]  # the blocks to write, in extent order
@@ -59,7 +59,7 @@ class Reservation:
 @dataclass
 class Pin:
     id: int
-    prefix: bytes
+    tenant: bytes  # the caller's: only it may release
     namespace: bytes
     extents: list[int]
     expires: float

@@ -156,7 +156,7 @@ class MemoryTier:
             return
         first = puts[0].meta
         res = self.reserve(
-            prefix=b"", namespace=first.namespace, parent_hash=first.parent_hash,
+            tenant=b"", namespace=first.namespace, parent_hash=first.parent_hash,
             hashes=[p.meta.block_hash for p in puts], parents=[p.meta.parent_hash for p in puts],
             layers=first.layers, lease=False,
         )  # fmt: skip
@@ -480,7 +480,7 @@ class MemoryTier:
     def reserve(
         self,
         *,
-        prefix: bytes,
+        tenant: bytes,
         namespace: bytes,
         parent_hash: bytes,
         hashes: list[bytes],
@@ -494,7 +494,7 @@ class MemoryTier:
         lease: bool = True,
         in_group: tuple[int, int, int] | None = None,
     ) -> Reservation:
-        """An extent for `hashes` of `layers` (make_room), leased to `prefix` when `lease`
+        """An extent for `hashes` of `layers` (make_room), leased to `tenant` when `lease`
         (else the daemon's own: id 0, committed or let go by its caller). `in_group`: a
         partial save written in place, (extent, its blocks, first position) of its blocks'
         part group, which the caller has held once for it (see Reservation.extent_blocks).
@@ -508,7 +508,7 @@ class MemoryTier:
             offset = self.make_room(nbytes, time.time())
         with self.lock:
             res = Reservation(
-                id=self.new_id() if lease else 0, prefix=prefix, namespace=namespace,
+                id=self.new_id() if lease else 0, tenant=tenant, namespace=namespace,
                 parent_hash=parent_hash, hashes=hashes, parents=parents,
                 request_index=request_index if request_index is not None else list(range(len(hashes))),
                 skipped=skipped, layers=layers, extent=offset, nbytes=nbytes,
@@ -552,24 +552,24 @@ class MemoryTier:
             for k in range(len(res.layers)):
                 view(i, k)[:] = data(i, k)
 
-    def reservation(self, reservation_id: int, prefix: bytes) -> Reservation | None:
-        """`prefix`'s reservation of that id, still leased (caller holds the lock)."""
+    def reservation(self, reservation_id: int, tenant: bytes) -> Reservation | None:
+        """`tenant`'s reservation of that id, still leased (caller holds the lock)."""
         res = self.reservations.get(reservation_id)
-        return res if res is not None and res.prefix == prefix else None
+        return res if res is not None and res.tenant == tenant else None
 
-    def take_reservation(self, reservation_id: int, prefix: bytes) -> Reservation | None:
+    def take_reservation(self, reservation_id: int, tenant: bytes) -> Reservation | None:
         """The reservation, no longer leased (its caller commits it or lets it go), or None
-        when `prefix` has none of that id (caller holds the lock)."""
+        when `tenant` has none of that id (caller holds the lock)."""
         res = self.reservations.get(reservation_id)
-        if res is None or res.prefix != prefix:
+        if res is None or res.tenant != tenant:
             return None
         del self.reservations[reservation_id]
         return res
 
-    def abort(self, reservation_id: int, prefix: bytes) -> bool:
+    def abort(self, reservation_id: int, tenant: bytes) -> bool:
         """Give a reservation's space back; False when there is none of that id."""
         with self.lock:
-            res = self.take_reservation(reservation_id, prefix)
+            res = self.take_reservation(reservation_id, tenant)
             if res is None:
                 return False
             self._give_back(res)
@@ -626,7 +626,7 @@ class MemoryTier:
     # ---- pins: pin -> the client reads -> release
     def pin(
         self,
-        prefix: bytes,
+        tenant: bytes,
         namespace: bytes,
         keys: Sequence[BlockKey],
         pending: dict[BlockKey, Placed],
@@ -667,22 +667,22 @@ class MemoryTier:
         self.pin_extents(extents, now)
         pin_id = self.new_id()
         self.pins[pin_id] = Pin(
-            pin_id, prefix, namespace, extents, time.monotonic() + self.lease_seconds, holders
+            pin_id, tenant, namespace, extents, time.monotonic() + self.lease_seconds, holders
         )
         self.counters.pins += 1
         return PinnedRuns(pin_id, layers, runs, b"".join(sums), kinds, differs)
 
-    def pin_owner(self, pin_id: int, prefix: bytes) -> bytes | None:
-        """The namespace of `prefix`'s pin `pin_id`, or None (expired, released, another's)."""
+    def pin_owner(self, pin_id: int, tenant: bytes) -> bytes | None:
+        """The namespace of `tenant`'s pin `pin_id`, or None (expired, released, another's)."""
         with self.lock:
             pin = self.pins.get(pin_id)
-            return pin.namespace if pin is not None and pin.prefix == prefix else None
+            return pin.namespace if pin is not None and pin.tenant == tenant else None
 
-    def release_pin(self, pin_id: int, prefix: bytes, *, all_holders: bool = False) -> Pin | None:
+    def release_pin(self, pin_id: int, tenant: bytes, *, all_holders: bool = False) -> Pin | None:
         """One holder's Release (or every holder's); the pin ends with its last (caller holds
         the lock)."""
         pin = self.pins.get(pin_id)
-        if pin is None or pin.prefix != prefix:
+        if pin is None or pin.tenant != tenant:
             return None
         pin.holders = 0 if all_holders else pin.holders - 1
         if pin.holders > 0:
