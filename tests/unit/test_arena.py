@@ -134,6 +134,25 @@ def test_index_keeps_committed_records_of_its_own_arena_only(tmp_path: Path) -> 
     other.close()
 
 
+def test_index_after_a_reopen_goes_on_in_commit_order_and_deletes_what_it_recovered(tmp_path: Path) -> None:
+    """Records are keyed by a sequence number: a reopened index continues after the last
+    one (an append below it would fail), deletes a recovered block by its key, and a block
+    indexed again keeps only its newest record."""
+    index = ArenaIndex(tmp_path / "idx", "arena-1")
+    index.put([Placed(meta(i), PAGE, 2, i) for i in range(2)])
+    index.close()
+    again = ArenaIndex(tmp_path / "idx", "arena-1")
+    assert len(list(again.scan())) == 2
+    again.put([Placed(meta(2), 3 * PAGE, 1, 0)])
+    again.put([Placed(meta(1), 5 * PAGE, 1, 0)])  # block 1 again, elsewhere
+    again.delete([meta(0).key, meta(7).key])  # a recovered block, and one never indexed
+    again.close()
+    last = ArenaIndex(tmp_path / "idx", "arena-1")
+    found = {p.meta.block_hash: p.extent for p in last.scan()}
+    assert found == {meta(1).block_hash: 5 * PAGE, meta(2).block_hash: 3 * PAGE}
+    last.close()
+
+
 # ---- state: recovery, placement, leases
 @pytest.fixture
 def tier(tmp_path: Path) -> MemoryTier:
