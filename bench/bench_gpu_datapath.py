@@ -467,7 +467,7 @@ def build_transport(args: argparse.Namespace, kv: Any, d: Device, caches: dict, 
         specs = [LayerSpec(n, "bfloat16", (KV_HEADS, bs, 2 * HEAD_DIM)) for n in NAMES]
         return ArenaTransport(kv, namespace, specs, caches, mover, reserve_timeout=30)
     layout = StoreLayout.build(caches, num_kv_heads=KV_HEADS, tp_size=1, tp_rank=0, mla=False, codec=codec)
-    transport = ArenaTransport(kv, namespace, layout.own_specs, layout.views, mover, stored=layout.specs,
+    transport = ArenaTransport(kv, namespace, layout.subset_specs, layout.views, mover, stored=layout.specs,
                                subset=layout.subset, heads=layout.head_targets, reserve_timeout=30)  # fmt: skip
     LAYOUTS[id(transport)] = layout
     return transport

@@ -83,7 +83,7 @@ class Rank:
         self.register_s = time.perf_counter() - start
         layout = StoreLayout.build(self.caches, num_kv_heads=g.KV_HEADS, tp_size=self.tp, tp_rank=self.rank,
                                    mla=False, codec=None)  # fmt: skip
-        self.transport = ArenaTransport(self.kv, g.NAMESPACE + b"|tp", layout.own_specs, layout.views,
+        self.transport = ArenaTransport(self.kv, g.NAMESPACE + b"|tp", layout.subset_specs, layout.views,
                                         g.BlockMover(self.d.dev), stored=layout.specs, subset=layout.subset,
                                         heads=layout.head_targets, reserve_timeout=30)  # fmt: skip
         g.LAYOUTS[id(self.transport)] = layout

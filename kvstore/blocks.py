@@ -7,7 +7,7 @@
     StoredBlock     a block read back: its record and one view per layer
     leading_blocks  the usable prefix of a read (present, one layout, verified)
     STOP_*          why a read returned fewer blocks than it was asked for
-    selected_layers a read's choice of layers (a tensor-parallel rank's KV heads)
+    subset_indices  the layer indices a layer subset means (a tensor-parallel rank's KV heads)
     PutResult       what a committed put did
     StorageError    stored files that cannot be opened or read
 
@@ -303,13 +303,13 @@ class StoredBlock:
     def specs(self) -> tuple[LayerSpec, ...]:
         return self.meta.layers
 
-    def corrupt_layer(self, layers: Sequence[int] | None = None) -> int | None:
-        """Index of the first layer (of `layers`, default all) whose bytes fail the checksum,
-        or None."""
+    def corrupt_layer(self, subset: Sequence[int] | None = None) -> int | None:
+        """Index of the first layer (of layer subset `subset`, default all) whose bytes fail
+        the checksum, or None."""
         digest = CHECKSUMS[self.meta.checksum_kind]
         if len(self.layers) != len(self.meta.checksums):
             return 0
-        for i in range(len(self.layers)) if layers is None else layers:
+        for i in range(len(self.layers)) if subset is None else subset:
             view = self.layers[i]
             if len(view) != self.meta.layers[i].nbytes or digest(view) != self.meta.checksums[i]:
                 return i
@@ -365,11 +365,11 @@ class BlockPrefix:
 
 
 def leading_blocks(
-    blocks: Iterable[StoredBlock | None], *, verify: bool = True, layers: Sequence[int] | None = None
+    blocks: Iterable[StoredBlock | None], *, verify: bool = True, subset: Sequence[int] | None = None
 ) -> BlockPrefix:
     """The leading present blocks of `blocks` (a read, in key order) that share the first
-    one's layer layout, each verified against its checksums (of `layers` only, when the
-    read uses only those).
+    one's layer layout, each verified against its checksums (of layer subset `subset` only,
+    when the read carries only those).
 
     verify=False leaves the checksums to the caller, which must check every layer just
     before it uses the bytes (the same-host reader does, so the copy finds them in cache).
@@ -378,10 +378,10 @@ def leading_blocks(
     for block in blocks:
         if block is None:
             return BlockPrefix(good, "missing")
-        if layers is not None and layers and layers[-1] >= len(block.meta.layers):
+        if subset is not None and subset and subset[-1] >= len(block.meta.layers):
             return BlockPrefix(good, "layout")
         if verify:
-            bad = block.corrupt_layer(layers)
+            bad = block.corrupt_layer(subset)
             if bad is not None:
                 return BlockPrefix(good, "corrupt", bad)
         if good and block.meta.layers != good[0].meta.layers:
@@ -390,14 +390,14 @@ def leading_blocks(
     return BlockPrefix(good)
 
 
-def selected_layers(layers: Sequence[int], width: int) -> list[int]:
-    """A read's layer selection of `width` stored layers (empty: all). Raises ValueError for
-    indices out of range or not strictly increasing."""
-    if not layers:
+def subset_indices(subset: Sequence[int], width: int) -> list[int]:
+    """The indices of a layer subset of `width` stored layers (empty: all of them). Raises
+    ValueError for indices out of range or not strictly increasing."""
+    if not subset:
         return list(range(width))
-    if any(b <= a for a, b in zip(layers, layers[1:], strict=False)) or layers[0] < 0 or layers[-1] >= width:
-        raise ValueError(f"layers must be strictly increasing indices below {width}, not {list(layers)[:8]}")
-    return list(layers)
+    if any(b <= a for a, b in zip(subset, subset[1:], strict=False)) or subset[0] < 0 or subset[-1] >= width:
+        raise ValueError(f"layers must be strictly increasing indices below {width}, not {list(subset)[:8]}")
+    return list(subset)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from kvstore import wire
-from kvstore.blocks import STOP_NONE, selected_layers
+from kvstore.blocks import STOP_NONE, subset_indices
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client._rpc import Channel
@@ -357,7 +357,7 @@ class KVStoreClient:
         covered all their layers (each tensor-parallel rank puts its own KV heads)."""
         if not layers:
             raise ValueError("a put needs at least one layer")
-        carried = [layers[k] for k in selected_layers(subset, len(layers))]
+        carried = [layers[k] for k in subset_indices(subset, len(layers))]
         stream_timeout = timeout or max(self.timeout, 60.0)
         if self._arena is not None and arena:
             try:
@@ -433,10 +433,11 @@ class KVStoreClient:
         *,
         timeout: float | None = None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
-        layers: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> LayerStream:
         """Start reading the stored prefix of `block_hashes`, one layer at a time.
-        `layers`: only these of the stored layers (their bytes only are read and verified).
+        `subset`: a layer subset, only these of the stored layers (their bytes only are read
+        and verified); empty: all.
 
         Through the arena or with local reads the stream may end in errors.LocalDataCorrupt
         (the daemon was told and drops the bad block; read again for the good prefix)."""
@@ -444,16 +445,16 @@ class KVStoreClient:
             pinned = self._arena.pin(_ns(namespace), block_hashes, timeout)
             if pinned is not None:
                 try:
-                    source = ArenaSource(pinned, block_hashes, layers)
+                    source = ArenaSource(pinned, block_hashes, subset)
                 except ValueError:
                     pinned.release()
                     raise
                 return LayerStream(source, allocate, via="arena")
         if self._local is not None:
-            local = self._local.stream_source(_ns(namespace), block_hashes, layers)
+            local = self._local.stream_source(_ns(namespace), block_hashes, subset)
             if local is not None:
                 return LayerStream(local, allocate, via="files")
-        return self._get_call(namespace, block_hashes, timeout, allocate, layers)
+        return self._get_call(namespace, block_hashes, timeout, allocate, subset)
 
     def _get_call(
         self,
@@ -461,13 +462,13 @@ class KVStoreClient:
         block_hashes: Sequence[bytes],
         timeout: float | None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
-        layers: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> LayerStream:
         req = pb.GetRequest(
             namespace=_ns(namespace),
             block_hashes=block_hashes,
             max_chunk_bytes=self.chunk_bytes,
-            layers=layers,
+            layers=subset,
         )
         return LayerStream(CallSource(self._rpc.get(req, timeout or max(self.timeout, 60.0))), allocate)
 
@@ -506,10 +507,11 @@ class KVStoreClient:
         *,
         transfer_timeout: float | None = None,
         allocate: Callable[[LayerSpec, int], torch.Tensor] | None = None,
-        layers: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> LayerStream:
         """Streaming drop_select: wait up to `wait` s for all blocks, then take them layer by
-        layer. `layers`: take only these; a block is removed once takes covered all its layers."""
+        layer. `subset`: take only this layer subset; a block is removed once takes covered
+        all its layers."""
         if not wait >= 0:
             raise ValueError("wait must be a non-negative number of seconds")
         req = pb.DropSelectRequest(
@@ -517,7 +519,7 @@ class KVStoreClient:
             block_hashes=block_hashes,
             wait_seconds=wait,
             max_chunk_bytes=self.chunk_bytes,
-            layers=layers,
+            layers=subset,
         )
         call = self._rpc.drop_select(req, wait + (transfer_timeout or max(self.timeout, 60.0)))
         return LayerStream(CallSource(call), allocate)
@@ -704,7 +706,7 @@ class KVStoreClient:
         `token_ids`, `subset`: as for put_stream (the reservation holds the subset's layers)."""
         if self._arena is None:
             return None
-        selected_layers(subset, len(layers))
+        subset_indices(subset, len(layers))
         return self._arena.reserve(
             _ns(namespace), block_hashes, layers, parent_hash, timeout, token_ids, subset
         )
@@ -724,7 +726,7 @@ class KVStoreClient:
         arena here (use put_stream)."""
         if self._arena is None:
             return None
-        selected_layers(subset, len(layers))
+        subset_indices(subset, len(layers))
         return self._arena.reserve_many(_ns(namespace), chains, layers, timeout, subset)
 
     def commit_many(

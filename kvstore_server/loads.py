@@ -68,13 +68,13 @@ class Placing:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-def _selection(blocks: Sequence[StoredBlock | None], layers: Sequence[int]) -> tuple[int, ...] | None:
-    """A read's layer selection, checked against the first block's layout (None: all)."""
+def _read_subset(blocks: Sequence[StoredBlock | None], subset: Sequence[int]) -> tuple[int, ...] | None:
+    """A read's layer subset, checked against the first block's layout (None: all)."""
     first = blocks[0] if blocks else None
-    if not layers or first is None:
+    if not subset or first is None:
         return None
     try:
-        return check_subset(layers, len(first.meta.layers))
+        return check_subset(subset, len(first.meta.layers))
     except PartError as exc:
         raise InvalidPart(str(exc)) from exc
 
@@ -156,10 +156,10 @@ class Loading(Admitting):
 
     @contextmanager
     def read(
-        self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[int] = ()
+        self, namespace: bytes, hashes: Sequence[bytes], subset: Sequence[int] = ()
     ) -> Iterator[ReadResult]:
         """The stored prefix of `hashes`, verified; a bad or vanished block ends it.
-        `layers`: the read uses only these (verified, counted); empty: all."""
+        `subset`: the read's layer subset, the only layers it verifies and counts; empty: all."""
         self._from_fleet(namespace, hashes)
         with self._lock:
             n = self._index.prefix_len(namespace, hashes)
@@ -169,7 +169,7 @@ class Loading(Admitting):
         if queued and self._writer is not None:
             self._writer.wake()
         with self.tiers.read(keys) as blocks:
-            result = self._verified_prefix(blocks, keys, selected=_selection(blocks, layers))
+            result = self._verified_prefix(blocks, keys, subset=_read_subset(blocks, subset))
             if result.stop == STOP_NONE and n < len(hashes):
                 result = dataclasses.replace(result, stop=STOP_NOT_STORED)
             _log_short("read", namespace, hashes, result.num_blocks, result.stop)
@@ -183,11 +183,11 @@ class Loading(Admitting):
         hashes: Sequence[bytes],
         wait_seconds: float,
         is_active: Callable[[], bool],
-        layers: Sequence[int] = (),
+        subset: Sequence[int] = (),
     ) -> Iterator[ReadResult]:
         """DropSelect: wait until the whole prefix is stored, then read and remove it.
-        `layers`: take only these; a block is removed once takes have covered all of its
-        layers (each tensor-parallel rank takes its own heads)."""
+        `subset`: take only this layer subset; a block is removed once takes have covered
+        all of its layers (each tensor-parallel rank takes its own heads)."""
         deadline = time.monotonic() + wait_seconds
         keys = [(namespace, h) for h in hashes]
         with ExitStack() as stack:
@@ -198,31 +198,32 @@ class Loading(Admitting):
                         if self._index.prefix_len(namespace, hashes) != len(hashes):
                             continue  # another DropSelect or an eviction was first: wait again
                     blocks = stack.enter_context(self.tiers.read(keys))
-                    selected = _selection(blocks, layers)
+                    checked_subset = _read_subset(blocks, subset)
                     with self._lock:
-                        gone = self._taken_whole(keys, blocks, selected)
+                        gone = self._taken_whole(keys, blocks, checked_subset)
                         for key in reversed(gone):  # tail first: nothing left below to walk
                             self._index.remove(*key)
                         self._emit_removed(gone)
                     # The read snapshot keeps the bytes readable after this delete.
                     self.tiers.delete(gone)
                 break
-            result = self._verified_prefix(blocks, keys, remove_bad=False, selected=selected)
+            result = self._verified_prefix(blocks, keys, remove_bad=False, subset=checked_subset)
             _log_short("take", namespace, hashes, result.num_blocks, result.stop)
             yield result
         self._count_read(result)
 
     def _taken_whole(
-        self, keys: list[BlockKey], blocks: list[StoredBlock | None], selected: tuple[int, ...] | None
+        self, keys: list[BlockKey], blocks: list[StoredBlock | None], subset: tuple[int, ...] | None
     ) -> list[BlockKey]:
         """Of a DropSelect's blocks, those it takes the last layers of (all of them when it
-        takes every layer); the others remember which layers are taken (caller holds the lock)."""
-        if selected is None:
+        takes every layer: `subset` None); the others remember which layers are taken
+        (caller holds the lock)."""
+        if subset is None:
             return keys
         gone = []
         for key, block in zip(keys, blocks, strict=True):
             taken = self._taken.setdefault(key, set())
-            taken.update(selected)
+            taken.update(subset)
             if block is None or len(taken) >= len(block.meta.layers):
                 gone.append(key)
         return gone
@@ -254,9 +255,9 @@ class Loading(Admitting):
         blocks: list[StoredBlock | None],
         keys: list[BlockKey],
         remove_bad: bool = True,
-        selected: tuple[int, ...] | None = None,
+        subset: tuple[int, ...] | None = None,
     ) -> ReadResult:
-        result, bad = verified_prefix(blocks, keys, selected)
+        result, bad = verified_prefix(blocks, keys, subset)
         if bad is not None:
             with self._lock:
                 self.counters.checksum_failures += 1
@@ -275,8 +276,8 @@ class Loading(Admitting):
 
     def _count_read(self, result: ReadResult) -> None:
         with self._lock:
-            used = sum(result.layers[k].nbytes for k in result.used) if result.layers else 0
-            self.counters.bytes_read += used * result.num_blocks
+            per_block = sum(result.layers[k].nbytes for k in result.subset_indices) if result.layers else 0
+            self.counters.bytes_read += per_block * result.num_blocks
 
     # ---- pins: pin -> the client reads -> release
     def pin(self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes]) -> PinResult:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import CHECKSUMS, XXH3, BlockKey, LayerSpec, PackedSums, checksum, selected_layers
+from kvstore.blocks import CHECKSUMS, XXH3, BlockKey, LayerSpec, PackedSums, checksum, subset_indices
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def check_subset(subset: Sequence[int], num_layers: int) -> tuple[int, ...] | No
     if not subset:
         return None
     try:
-        chosen = selected_layers(subset, num_layers)
+        chosen = subset_indices(subset, num_layers)
     except ValueError as exc:
         raise PartError(str(exc)) from exc
     return None if len(chosen) == num_layers else tuple(chosen)

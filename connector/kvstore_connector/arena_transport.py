@@ -140,9 +140,9 @@ class ArenaTransport:
         self._layer_index = {spec.name: i for i, spec in enumerate(specs)}
         self.stored = list(specs if stored is None else stored)
         self.subset = tuple(subset)
-        self._own = list(self.subset) if self.subset else list(range(len(self.stored)))
+        self._subset_indices = list(self.subset) if self.subset else list(range(len(self.stored)))
         self._heads = heads or {}
-        if [self.stored[k] for k in self._own] != list(specs):
+        if [self.stored[k] for k in self._subset_indices] != list(specs):
             raise ValueError("specs must be layers `subset` of `stored`")
 
     def describe(self) -> str:
@@ -451,7 +451,7 @@ class ArenaTransport:
         """Per layer: verify its checksums in the arena, then copy each pinned run into the
         paged blocks (see the NOTE above on what that trusts)."""
         events = []
-        for index in self._own:  # this rank's layers only: the others' bytes are never read
+        for index in self._subset_indices:  # this rank's layers only: the others' bytes are never read
             layer_spec = pinned.layers[index]
             pinned.wait_layers(index + 1)
             bad = pinned.verify([index])
@@ -486,7 +486,7 @@ class ArenaTransport:
         sizes = pinned.layer_bytes
         expected = torch.frombuffer(bytearray(pinned.packed_checksums), dtype=torch.int64)
         expected = self.mover.to_device_for_load(expected.view(-1, width))
-        groups = _layer_groups(sizes, pinned.num_blocks, self._own)
+        groups = _layer_groups(sizes, pinned.num_blocks, self._subset_indices)
         layer_major = [run for run in pinned.runs if not run.stride]
         # each group's verdict lands here (pinned: read by the host once its event fired,
         # no synchronising call on any stream); the last: the block-major ranges'
@@ -631,10 +631,10 @@ def _same_size(sizes: Sequence[int]) -> list[range]:
     return runs
 
 
-def _layer_groups(sizes: Sequence[int], num_blocks: int, layers: Sequence[int] | None = None) -> list[range]:
-    """Runs of consecutive layers (of `layers`, default all) of one block size, about
-    _GROUP_BYTES of the request each."""
-    todo = list(range(len(sizes))) if layers is None else list(layers)
+def _layer_groups(sizes: Sequence[int], num_blocks: int, subset: Sequence[int] | None = None) -> list[range]:
+    """Runs of consecutive layers (of layer subset `subset`, default all) of one block size,
+    about _GROUP_BYTES of the request each."""
+    todo = list(range(len(sizes))) if subset is None else list(subset)
     groups: list[range] = []
     for layer in todo:
         last = groups[-1] if groups else None

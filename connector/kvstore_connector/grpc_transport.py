@@ -313,12 +313,12 @@ class GrpcTransport:
     def _take_stream(self, hashes: list[bytes], timeout: float) -> LayerStream:
         return self.client.take_stream(
             self.namespace, hashes, wait=1.0, transfer_timeout=timeout, allocate=self._host_buffer,
-            layers=self.subset,
+            subset=self.subset,
         )  # fmt: skip
 
     def _get_stream(self, hashes: list[bytes], timeout: float) -> LayerStream:
         return self.client.get_stream(
-            self.namespace, hashes, timeout=timeout, allocate=self._host_buffer, layers=self.subset
+            self.namespace, hashes, timeout=timeout, allocate=self._host_buffer, subset=self.subset
         )
 
     def _host_buffer(self, spec: LayerSpec, num_blocks: int) -> torch.Tensor:

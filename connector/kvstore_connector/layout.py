@@ -60,14 +60,15 @@ def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int,
 class StoreLayout:
     """One rank's view of the stored layout.
 
-    `specs`: every store layer of a block (all heads), in stored order; `own`: the
-    indices of this rank's; `views`: by store layer name, the paged view a rank's store
-    layer is copied from and to ([num_blocks, *spec.shape], a strided view into vLLM's
-    cache); `by_layer`: vLLM's layer name -> this rank's store layer names; `saves`:
-    whether this rank writes its store layers (the first replica)."""
+    `specs`: every store layer of a block (all heads), in stored order; `subset_indices`:
+    the indices of this rank's (its layer subset, every index listed even when it holds
+    all: `subset` is the form a put or read passes); `views`: by store layer name, the
+    paged view a rank's store layer is copied from and to ([num_blocks, *spec.shape], a
+    strided view into vLLM's cache); `by_layer`: vLLM's layer name -> this rank's store
+    layer names; `saves`: whether this rank writes its store layers (the first replica)."""
 
     specs: tuple[LayerSpec, ...]
-    own: tuple[int, ...]
+    subset_indices: tuple[int, ...]
     views: dict[str, torch.Tensor]
     by_layer: dict[str, list[str]]
     saves: bool
@@ -76,13 +77,14 @@ class StoreLayout:
     a rank's store layers of one layer are consecutive, so one indexed copy moves them all."""
 
     @property
-    def own_specs(self) -> list[LayerSpec]:
-        return [self.specs[k] for k in self.own]
+    def subset_specs(self) -> list[LayerSpec]:
+        """The specs of this rank's store layers (its layer subset)."""
+        return [self.specs[k] for k in self.subset_indices]
 
     @property
     def subset(self) -> tuple[int, ...]:
-        """The rank's store layers as a put's or read's subset: empty when it holds all."""
-        return () if len(self.own) == len(self.specs) else self.own
+        """The rank's layer subset as a put or read passes it: empty when it holds all."""
+        return () if len(self.subset_indices) == len(self.specs) else self.subset_indices
 
     @property
     def head_targets(self) -> dict[str, tuple[torch.Tensor, int]]:
@@ -95,9 +97,9 @@ class StoreLayout:
         }
 
     @property
-    def own_bytes(self) -> int:
-        """One block's bytes of this rank's store layers."""
-        return sum(self.specs[k].nbytes for k in self.own)
+    def subset_bytes(self) -> int:
+        """One block's bytes of this rank's store layers (its layer subset)."""
+        return sum(self.specs[k].nbytes for k in self.subset_indices)
 
     @classmethod
     def build(
@@ -120,7 +122,7 @@ class StoreLayout:
             return LayerSpec(name, "uint8", codec.stored_shape(shape))
 
         specs: list[LayerSpec] = []
-        own: list[int] = []
+        subset: list[int] = []
         views: dict[str, torch.Tensor] = {}
         by_layer: dict[str, list[str]] = {}
         for name in caches:
@@ -128,11 +130,11 @@ class StoreLayout:
                 raise ValueError(f"layer name {name!r} contains {HEAD_SEP!r}")
         if mla:
             for name, view in caches.items():
-                own.append(len(specs))
+                subset.append(len(specs))
                 specs.append(spec(name, view, tuple(view.shape[1:])))
                 views[name] = view
                 by_layer[name] = [name]
-            return cls(tuple(specs), tuple(own), views, by_layer, tp_rank == 0)
+            return cls(tuple(specs), tuple(subset), views, by_layer, tp_rank == 0)
         first, end, saves = head_range(num_kv_heads, tp_size, tp_rank)
         local = end - first
         for name, view in caches.items():
@@ -146,9 +148,9 @@ class StoreLayout:
             for head in range(num_kv_heads):
                 store_name = f"{name}{HEAD_SEP}{head}"
                 if first <= head < end:
-                    own.append(len(specs))
+                    subset.append(len(specs))
                     views[store_name] = view.select(1, head - first)
                     by_layer[name].append(store_name)
                 specs.append(spec(store_name, view, shape))
         heads = {name: caches[name] for name in by_layer}
-        return cls(tuple(specs), tuple(own), views, by_layer, saves, heads)
+        return cls(tuple(specs), tuple(subset), views, by_layer, saves, heads)

@@ -141,8 +141,8 @@ class WorkerSide:
         if not layout.saves:  # another rank holds the same heads (replicas, MLA) and saves them
             self.save = False
         self._caches = layout.views
-        self._specs = layout.own_specs
-        self._block_bytes = layout.own_bytes
+        self._specs = layout.subset_specs
+        self._block_bytes = layout.subset_bytes
         self._mover = BlockMover(first.device, self.codec)
         self._load_inline = first.device.type == "cpu"
         grpc = GrpcTransport(
@@ -182,7 +182,7 @@ class WorkerSide:
             self.tp_rank,
             "saves and loads" if layout.saves else "loads",
             len(self._specs),
-            layout.own_bytes,
+            layout.subset_bytes,
             sum(s.nbytes for s in layout.specs),
             self.namespace.decode(errors="replace"),
         )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvstore import arena_format as fmt
 from kvstore import wire
-from kvstore.blocks import CHECKSUMS, STOP_NONE, XXH3, selected_layers
+from kvstore.blocks import CHECKSUMS, STOP_NONE, XXH3, subset_indices
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client.arena.mapping import Call, Mapping
@@ -238,12 +238,12 @@ class Pinned:
                 return self.mapping.view[at : at + self._sizes[layer]]
         raise IndexError(block)
 
-    def verify(self, layers: Sequence[int] | None = None) -> int | None:
-        """Index of the first block whose bytes fail a checksum (of `layers`, default all),
-        or None when all match."""
+    def verify(self, subset: Sequence[int] | None = None) -> int | None:
+        """Index of the first block whose bytes fail a checksum (of layer subset `subset`,
+        default all), or None when all match."""
         width = len(self.layers)
         bad: int | None = None
-        for layer in range(width) if layers is None else layers:
+        for layer in range(width) if subset is None else subset:
             size = self._sizes[layer]
             pieces = [
                 view[i * size : (i + 1) * size]
@@ -303,21 +303,22 @@ class ArenaSource:
     meanwhile ends it with StoreTimeout (the bytes may have been reused).
     """
 
-    def __init__(self, pinned: Pinned, hashes: Sequence[bytes], layers: Sequence[int] = ()) -> None:
-        """`layers`: stream only these of the pinned blocks' layers (chunks count within them)."""
+    def __init__(self, pinned: Pinned, hashes: Sequence[bytes], subset: Sequence[int] = ()) -> None:
+        """`subset`: stream only this layer subset of the pinned blocks' layers (chunks count
+        within it); empty: all."""
         self._pinned = pinned
         self._hashes = list(hashes[: pinned.num_blocks])
         self.num_blocks = pinned.num_blocks
         self.stop_reason = pinned.stop_reason
-        self._used = selected_layers(layers, len(pinned.layers)) if self.num_blocks else []
-        self.layers = [pinned.layers[k] for k in self._used]
+        self._subset_indices = subset_indices(subset, len(pinned.layers)) if self.num_blocks else []
+        self.layers = [pinned.layers[k] for k in self._subset_indices]
         self._cancelled = False
 
     def chunks(self) -> Iterator[wire.Chunk]:
         pinned = self._pinned
         width = len(pinned.layers)
         try:
-            for position, layer in enumerate(self._used):
+            for position, layer in enumerate(self._subset_indices):
                 size = pinned._sizes[layer]
                 for first, view in pinned.views(layer):
                     if self._cancelled:

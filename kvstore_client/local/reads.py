@@ -20,7 +20,7 @@ from kvstore.blocks import (
     StoredBlock,
     checksum,
     leading_blocks,
-    selected_layers,
+    subset_indices,
 )
 from kvstore.host import pid_namespace
 from kvstore.layouts import STORE_ID_FILE
@@ -129,10 +129,10 @@ class LocalSource:
         stack: ExitStack,
         blocks: list[StoredBlock],
         report: Callable[[bytes], None],
-        layers: Sequence[int] = (),
+        subset: Sequence[int] = (),
         stop_reason: str = STOP_UNKNOWN,
     ) -> None:
-        """`layers`: stream only these of the blocks' layers (chunks count within them);
+        """`subset`: stream only this layer subset of the blocks' layers (chunks count within it);
         `stop_reason`: why `blocks` stop short of the request (kvstore.blocks.STOP_*)."""
         self.stop_reason = stop_reason
         self._files = files
@@ -142,14 +142,14 @@ class LocalSource:
         self._cancelled = False
         self.num_blocks = len(blocks)
         stored = blocks[0].meta.layers if blocks else ()
-        self._used = selected_layers(layers, len(stored)) if blocks else []
-        self.layers: list[LayerSpec] = [stored[k] for k in self._used]
+        self._subset_indices = subset_indices(subset, len(stored)) if blocks else []
+        self.layers: list[LayerSpec] = [stored[k] for k in self._subset_indices]
 
     def chunks(self) -> Iterator[wire.Chunk]:
         """Every (layer, block) view in stream order, each verified just before it is yielded."""
         try:
             chunk, digest, blocks = wire.Chunk, checksum, self._blocks
-            for position, layer in enumerate(self._used):
+            for position, layer in enumerate(self._subset_indices):
                 for index, block in enumerate(blocks):
                     if self._cancelled:
                         raise errors.StoreTimeout("local read cancelled")
@@ -242,10 +242,10 @@ class LocalReads:
         return n
 
     def stream_source(
-        self, namespace: bytes, hashes: Sequence[bytes], layers: Sequence[int] = ()
+        self, namespace: bytes, hashes: Sequence[bytes], subset: Sequence[int] = ()
     ) -> LocalSource | None:
-        """A verified snapshot of the stored prefix of `hashes` (of `layers` only, when given),
-        or None: use Get."""
+        """A verified snapshot of the stored prefix of `hashes` (of layer subset `subset`
+        only, when given), or None: use Get."""
         files = self._acquire([namespace], hashes)
         if files is None:
             return None
@@ -267,7 +267,7 @@ class LocalReads:
             return None
         try:
             return LocalSource(
-                files, stack, good, functools.partial(self._report, namespace), layers, prefix.stop_reason()
+                files, stack, good, functools.partial(self._report, namespace), subset, prefix.stop_reason()
             )
         except ValueError:
             stack.close()

@@ -593,15 +593,15 @@ def _event_message(event: Event, store_id: str, tenant: bytes = b"") -> pb.Event
 
 def _stream(result: ReadResult, chunk_bytes: int) -> Iterator[pb.GetResponse | bytes]:
     """GetHeader, then each layer's blocks in chunks of at most `chunk_bytes`."""
-    used = result.used
+    subset_indices = result.subset_indices
     yield pb.GetResponse(
         header=pb.GetHeader(
             num_blocks=result.num_blocks,
-            layers=_layer_messages(tuple(result.layers[k] for k in used)),
+            layers=_layer_messages(tuple(result.layers[k] for k in subset_indices)),
             stop_reason=wire.STOP_REASONS[result.stop],
         )
     )
-    for position, index in enumerate(used):  # a selection: chunks count within it
+    for position, index in enumerate(subset_indices):  # a layer subset: chunks count within it
         per_chunk = max(1, chunk_bytes // result.layers[index].nbytes)
         for first in range(0, result.num_blocks, per_chunk):
             blocks = result.blocks[first : first + per_chunk]

@@ -82,8 +82,8 @@ class ReadResult:
 
     layers: tuple[LayerSpec, ...]
     blocks: list[StoredBlock] = field(default_factory=list)
-    selected: tuple[int, ...] | None = None
-    """The layers the read uses (verified, sent), by index; None: all of them."""
+    subset: tuple[int, ...] | None = None
+    """The read's layer subset (the layers it verifies and sends), by index; None: all."""
     stop: str = STOP_NONE
     """Why the read stopped before the end of the keys it was given (kvstore.blocks.STOP_*)."""
 
@@ -92,19 +92,19 @@ class ReadResult:
         return len(self.blocks)
 
     @property
-    def used(self) -> list[int]:
-        """Indices of the layers the read uses."""
-        return list(range(len(self.layers))) if self.selected is None else list(self.selected)
+    def subset_indices(self) -> list[int]:
+        """Indices of the layers of the read's subset (all of them when it has none)."""
+        return list(range(len(self.layers))) if self.subset is None else list(self.subset)
 
 
 def verified_prefix(
-    blocks: Sequence[StoredBlock | None], keys: Sequence[BlockKey], layers: tuple[int, ...] | None = None
+    blocks: Sequence[StoredBlock | None], keys: Sequence[BlockKey], subset: tuple[int, ...] | None = None
 ) -> tuple[ReadResult, BlockKey | None]:
-    """The leading blocks that are present, pass their checksums (of `layers`, default
-    all) and share one layer layout (kvstore.blocks.leading_blocks), logged where that ends
-    early; and the key of the block that failed its checksum, if one did. A block missing
-    from the read (the caller found it in the index) counts as evicted."""
-    prefix = leading_blocks(blocks, layers=layers)
+    """The leading blocks that are present, pass their checksums (of layer subset `subset`,
+    default all) and share one layer layout (kvstore.blocks.leading_blocks), logged where
+    that ends early; and the key of the block that failed its checksum, if one did. A block
+    missing from the read (the caller found it in the index) counts as evicted."""
+    prefix = leading_blocks(blocks, subset=subset)
     n = len(prefix.blocks)
     stop = prefix.stop_reason(missing=STOP_EVICTED)
     if prefix.stop == "corrupt" and prefix.bad_layer is not None:
@@ -115,10 +115,10 @@ def verified_prefix(
             keys[n][1].hex(),
             layer,
         )
-        return ReadResult(prefix.layers, prefix.blocks, layers, stop), keys[n]
+        return ReadResult(prefix.layers, prefix.blocks, subset, stop), keys[n]
     if prefix.stop == "layout":
         log.warning("block %s has another layer layout than its prefix; stopping there", keys[n][1].hex())
-    return ReadResult(prefix.layers, prefix.blocks, layers, stop), None
+    return ReadResult(prefix.layers, prefix.blocks, subset, stop), None
 
 
 # Promotions read each block's layers in groups of about this many bytes (at most

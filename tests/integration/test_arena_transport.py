@@ -220,7 +220,7 @@ def heads_rank(
     caches = {n: (source[n] if source else torch.zeros_like(full[n]))[:, r * 4 // tp : (r + 1) * 4 // tp]
               .contiguous() for n in ATTN}  # fmt: skip
     layout = StoreLayout.build(caches, num_kv_heads=4, tp_size=tp, tp_rank=r, mla=False, codec=codec)
-    t = ArenaTransport(kv, NS, layout.own_specs, layout.views, BlockMover(torch.device("cpu"), codec),
+    t = ArenaTransport(kv, NS, layout.subset_specs, layout.views, BlockMover(torch.device("cpu"), codec),
                        device_checksums=device_checksums, stored=layout.specs, subset=layout.subset,
                        heads=layout.head_targets)  # fmt: skip
     return t, layout

@@ -204,7 +204,7 @@ def test_each_rank_reads_only_its_layers_and_only_their_bytes_move(server, arena
     client = arena_kv if via == "arena" else kv
     for subset in (RANK0, RANK1):
         before = kv.stats()["bytes_read"]
-        got = client.get_stream(NS, hashes, layers=subset).read_all()
+        got = client.get_stream(NS, hashes, subset=subset).read_all()
         assert list(got) == [names[k] for k in subset]
         for k in subset:
             assert as_bytes(got[names[k]]) == as_bytes(layers[names[k]])
@@ -272,10 +272,10 @@ def test_drop_select_of_parts_removes_a_block_once_all_its_layers_are_taken(kv) 
     layers = per_head_layers(3)
     kv.put(NS, hashes, layers)
     names = list(layers)
-    got = kv.take_stream(NS, hashes, wait=5, layers=RANK0).read_all()
+    got = kv.take_stream(NS, hashes, wait=5, subset=RANK0).read_all()
     assert list(got) == [names[k] for k in RANK0]
     assert kv.lookup(NS, hashes) == 3  # rank 1 has not taken its heads yet
-    got = kv.take_stream(NS, hashes, wait=5, layers=RANK1).read_all()
+    got = kv.take_stream(NS, hashes, wait=5, subset=RANK1).read_all()
     assert as_bytes(got[names[3]]) == as_bytes(layers[names[3]])
     assert kv.lookup(NS, hashes) == 0 and kv.stats()["blocks"] == 0
 

@@ -62,14 +62,15 @@ def make(kv: KVStoreClient, kind: str, sender: ThreadPoolExecutor) -> MakeTransp
     def build(layout: StoreLayout, backlog: SaveBacklog | None = None) -> Transport:
         mover = BlockMover(torch.device("cpu"))
         grpc = GrpcTransport(
-            kv, NS.encode(), layout.own_specs, layout.views, mover, sender, consume=False, save_timeout=10.0,
-            on_stream=lambda _stream: None, stored=layout.specs, subset=layout.subset, backlog=backlog,
+            kv, NS.encode(), layout.subset_specs, layout.views, mover, sender, consume=False,
+            save_timeout=10.0, on_stream=lambda _stream: None, stored=layout.specs, subset=layout.subset,
+            backlog=backlog,
         )  # fmt: skip
         if kind == "grpc":
             return grpc
         return ArenaTransport(
-            kv, NS.encode(), layout.own_specs, layout.views, mover, stored=layout.specs, subset=layout.subset,
-            heads=layout.head_targets, fallback=grpc, reserve_timeout=10.0,
+            kv, NS.encode(), layout.subset_specs, layout.views, mover, stored=layout.specs,
+            subset=layout.subset, heads=layout.head_targets, fallback=grpc, reserve_timeout=10.0,
         )  # fmt: skip
 
     return build
@@ -205,7 +206,7 @@ def test_an_async_save_over_a_full_backlog_is_dropped(make: MakeTransport, kind:
     backlog until committed; through the arena a save holds none and is never dropped."""
     source = caches(6)
     layout = layout_of(source)
-    block_bytes = layout.own_bytes
+    block_bytes = layout.subset_bytes
     backlog = SaveBacklog(2 * block_bytes)
     t = make(layout, backlog)
     specs = [
@@ -246,12 +247,12 @@ def test_the_arena_hands_what_it_cannot_take_to_its_fallback(make_server, sender
         layout = layout_of(source)
         mover = BlockMover(torch.device("cpu"))
         grpc = GrpcTransport(
-            client, NS.encode(), layout.own_specs, layout.views, mover, sender, consume=False, save_timeout=10.0,
-            on_stream=lambda _stream: None, stored=layout.specs, subset=layout.subset,
+            client, NS.encode(), layout.subset_specs, layout.views, mover, sender, consume=False,
+            save_timeout=10.0, on_stream=lambda _stream: None, stored=layout.specs, subset=layout.subset,
         )  # fmt: skip
         arena = ArenaTransport(
-            client, NS.encode(), layout.own_specs, layout.views, mover, stored=layout.specs, subset=layout.subset,
-            heads=layout.head_targets, fallback=grpc, reserve_timeout=10.0,
+            client, NS.encode(), layout.subset_specs, layout.views, mover, stored=layout.specs,
+            subset=layout.subset, heads=layout.head_targets, fallback=grpc, reserve_timeout=10.0,
         )  # fmt: skip
         hashes = chain("transport-fallback", 2)
         save = arena.open(SaveSpec("r", hashes, [1, 2], b""))
@@ -266,8 +267,9 @@ def test_the_arena_hands_what_it_cannot_take_to_its_fallback(make_server, sender
         target = caches(None)
         target_layout = layout_of(target)
         loader = ArenaTransport(
-            client, NS.encode(), target_layout.own_specs, target_layout.views, mover, stored=target_layout.specs,
-            subset=target_layout.subset, heads=target_layout.head_targets, reserve_timeout=10.0,
+            client, NS.encode(), target_layout.subset_specs, target_layout.views, mover,
+            stored=target_layout.specs, subset=target_layout.subset, heads=target_layout.head_targets,
+            reserve_timeout=10.0,
         )  # fmt: skip
         assert load(loader, target_layout, hashes, [5, 6])[0] == 2
         for name in NAMES:

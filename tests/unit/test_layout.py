@@ -63,17 +63,17 @@ def test_every_tp_sees_the_same_stored_layers_and_the_same_bytes_under_their_nam
         assert layout.specs == reference.specs  # one layout whatever the parallelism
         first, end, saves = head_range(heads, tp, rank)
         assert layout.saves == saves
-        assert [layout.specs[k].name.rsplit("#h", 1)[1] for k in layout.own] == [
+        assert [layout.specs[k].name.rsplit("#h", 1)[1] for k in layout.subset_indices] == [
             str(h) for _ in LAYERS for h in range(first, end)
         ]
-        assert layout.own_bytes == reference.own_bytes * (end - first) // heads  # only its heads move
-        for k in layout.own:  # a rank's view of a store layer holds what TP=1 holds there
+        assert layout.subset_bytes == reference.subset_bytes * (end - first) // heads  # only its heads move
+        for k in layout.subset_indices:  # a rank's view of a store layer holds what TP=1 holds there
             name = layout.specs[k].name
             assert torch.equal(layout.views[name], reference.views[name])
             seen.add(name)
         for layer, names in layout.by_layer.items():
             assert names == [
-                layout.specs[k].name for k in layout.own if layout.specs[k].name.startswith(layer)
+                layout.specs[k].name for k in layout.subset_indices if layout.specs[k].name.startswith(layer)
             ]
     assert seen == {s.name for s in reference.specs}
 
