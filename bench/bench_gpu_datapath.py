@@ -370,10 +370,13 @@ def arena_load(
     spec = LoadSpec("bench", hashes, block_ids, lease=lease)
     pending = list(transport.caches)  # the store layers
     issued: list[float] = []
+    events: list[Any] = []
 
     def done(name: str, event: Any) -> None:
+        # as the worker's layer gates do: note the event; the compute stream waits on it
+        # on the forward thread (wait_for_layer), not on the loader thread
         issued.append(now())
-        transport.mover.wait_on_compute_stream(event)  # as the layer gates do
+        events.append(event)
 
     d.sync()
     probe.reset()
@@ -383,6 +386,8 @@ def arena_load(
         raise RuntimeError("the transport could not load from the lease")
     n = transport.load(spec, pending, done, 60, pinned)
     t1 = now()
+    for event in events:
+        transport.mover.wait_on_compute_stream(event)
     d.sync()
     if n != len(hashes):
         raise RuntimeError(f"arena load got {n} of {len(hashes)} blocks")
