@@ -517,18 +517,10 @@ class ArenaTransport:
             with self.mover.on_check_stream():
                 failed[-1].copy_(torch.stack([bad for _run, _rows, bad in landed]).any(), non_blocking=True)
             blocks_checked = self.mover.record(on_check=True)
-            if blocks_checked is not None:
-                blocks_checked.synchronize()
-            if bool(failed[-1]):
-                block = pinned.verify()  # which one (on the host: the error path only)
-                self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
-        events = []
-        for g, group, chunks, checked in staged:  # the later groups' copies run meanwhile
-            if checked is not None:
-                checked.synchronize()
-            if bool(failed[g]):
-                block = pinned.verify(list(group))  # which one (on the host: the error path only)
-                self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
+        # each group's scatters, made while the last copies and checks run: a cold load's
+        # last range lands after the daemon's last read, and this Python was on its tail
+        scatters: list[tuple[int, range, list[Write], Any]] = []
+        for g, group, chunks, checked in staged:
             writes: list[Write] = []
             for run, layers, on_device in chunks:
                 rows = on_device.view(len(layers), run.count, -1)  # [layer, block, bytes]
@@ -537,6 +529,20 @@ class ArenaTransport:
                 start, stop = pinned.within_block(group)  # one size: _layer_groups
                 rows = on_device[:, start:stop].view(run.count, len(group), -1).transpose(0, 1)
                 writes.extend(self._writes(pinned, group, rows, ids[run.first : run.first + run.count]))
+            scatters.append((g, group, writes, checked))
+        if landed:
+            if blocks_checked is not None:
+                blocks_checked.synchronize()
+            if bool(failed[-1]):
+                block = pinned.verify()  # which one (on the host: the error path only)
+                self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
+        events = []
+        for g, group, writes, checked in scatters:  # the later groups' copies run meanwhile
+            if checked is not None:
+                checked.synchronize()
+            if bool(failed[g]):
+                block = pinned.verify(list(group))  # which one (on the host: the error path only)
+                self._corrupt(spec, pinned, block if block is not None else 0, "on the device")
             event = self.mover.scatter_staged(writes, checked if blocks_checked is None else blocks_checked)
             for layer in group:
                 name = pinned.layers[layer].name
@@ -558,6 +564,7 @@ class ArenaTransport:
             bad = torch.zeros((), dtype=torch.bool, device=self.mover.device)
         block_bytes = sum(pinned.layer_bytes)
         least = max(1, _RANGE_BYTES // run.stride)
+        sized = [(layers, *pinned.within_block(layers)) for layers in _same_size(pinned.layer_bytes)]
         at = 0
         while at < run.count:
             pinned.wait_blocks(run.first + min(run.count, at + least))
@@ -566,8 +573,7 @@ class ArenaTransport:
             with self.mover.on_check_stream(after=self.mover.record()):
                 rows = on_device[at:stop, :block_bytes]
                 want = expected[run.first + at : run.first + stop]  # [block, layer]
-                for layers in _same_size(pinned.layer_bytes):
-                    start, end = pinned.within_block(layers)
+                for layers, start, end in sized:
                     got = rows[:, start:end].reshape(len(layers) * (stop - at), -1)
                     bad |= self._mismatch(got, want[:, layers.start : layers.stop])
             at = stop
