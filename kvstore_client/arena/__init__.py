@@ -1,7 +1,8 @@
 """The same-host data plane: saves and loads through the daemon's memory arena.
 
     mapping.py  Mapping: the daemon's arena file mapped once per process, shared by the
-                process's clients (_MAPPINGS, counted users); ArenaUnavailable, Call
+                process's clients (MAPPINGS: a kvstore_client._shared.Shared, which
+                counts them); ArenaUnavailable, Call
     views.py    typed views over extents, the layouts kept per model, checksums (xxh3,
                 over threads for large pieces)
     save.py     Reservation, ArenaPutStream: the save side (write, then commit)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
 from kvstore_client.arena.load import Pinned
-from kvstore_client.arena.mapping import ArenaUnavailable, Call, Mapping, _acquire, _release
+from kvstore_client.arena.mapping import MAPPINGS, ArenaUnavailable, Call, Mapping
 from kvstore_client.arena.save import Reservation, _put_result
 from kvstore_client.arena.views import _wire_layers
 
@@ -83,7 +83,7 @@ class Arena:
                 opening = self._negotiating = True
                 self._next_try = time.monotonic() + self._retry_interval
         if stale is not None:
-            _release(stale)
+            MAPPINGS.let_go(stale)
         if not opening:
             return None
         opened = None
@@ -100,7 +100,7 @@ class Arena:
             else:
                 stale, self._mapping = None, opened
         if stale is not None:
-            _release(stale)
+            MAPPINGS.let_go(stale)
         if opened is not None:
             self._reason = None
         return opened
@@ -110,7 +110,8 @@ class Arena:
             resp = self._call("ArenaAccess", pb.ArenaAccessRequest())
         except errors.KVStoreError as exc:
             raise ArenaUnavailable(f"the daemon does not offer its arena: {exc}") from exc
-        return _acquire(Path(resp.path), resp.size_bytes, resp.store_id)
+        path, size, store_id = Path(resp.path), resp.size_bytes, resp.store_id
+        return MAPPINGS.hold((str(path), store_id), lambda: Mapping(path, size, store_id))
 
     def reserve(
         self,
@@ -298,7 +299,7 @@ class Arena:
             mapping, self._mapping = self._mapping, None
             self._next_try = time.monotonic() + self._retry_interval
         if mapping is not None:
-            _release(mapping)
+            MAPPINGS.let_go(mapping)
 
     def close(self) -> None:
         """Let go of the mapping (its client is closing); later calls use no arena."""
@@ -306,4 +307,4 @@ class Arena:
             self._closed = True
             mapping, self._mapping = self._mapping, None
         if mapping is not None:
-            _release(mapping)
+            MAPPINGS.let_go(mapping)

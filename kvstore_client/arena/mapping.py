@@ -1,5 +1,5 @@
 """The arena file mapped once per process: `Mapping`, shared by every client in the
-process that uses one daemon run's arena (`_acquire`/`_release` count them)."""
+process that uses one daemon run's arena (`MAPPINGS` holds and counts them)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvstore import arena_format as fmt
+from kvstore_client._shared import Shared
 
 if TYPE_CHECKING:
     import torch
@@ -28,9 +29,9 @@ class ArenaUnavailable(Exception):
 # ---- the mapping, once per process -----------------------------------------------------
 class Mapping:
     """One arena file mapped into this process, shared by every client in it that uses
-    this daemon run's arena (`_acquire`/`_release` count them). When the last one lets go
-    (closed, or moved on to a restarted daemon's arena), the mapping runs its `on_close`
-    callbacks and leaves the registry; it is unmapped once no view of it is left (a
+    this daemon run's arena (`MAPPINGS` counts them). When the last one lets go (closed,
+    or moved on to a restarted daemon's arena), the mapping leaves the registry and runs
+    its `on_close` callbacks; it is unmapped once no view of it is left (a
     pinned view handed to the caller keeps it). Until then, the pages of an arena file
     the daemon already removed stay allocated (in /dev/shm: memory)."""
 
@@ -57,7 +58,6 @@ class Mapping:
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
         self._lock = threading.Lock()
-        self.users = 0  # clients using it (under _MAPPINGS_LOCK)
         if not self.current():
             raise ArenaUnavailable(
                 f"{path} belongs to another daemon run than the one at this address "
@@ -105,32 +105,12 @@ class Mapping:
             callback()
 
 
-_MAPPINGS: dict[tuple[str, str], Mapping] = {}
-_MAPPINGS_LOCK = threading.Lock()
+def _same_path(new: tuple[str, str], old: tuple[str, str]) -> bool:
+    return new[0] == old[0]
 
 
-def _acquire(path: Path, size: int, store_id: str) -> Mapping:
-    """The process's mapping of this daemon run's arena, mapped if no client has it yet;
-    the caller `_release`s it when done."""
-    key = (str(path), store_id)
-    with _MAPPINGS_LOCK:
-        mapping = _MAPPINGS.get(key)
-        if mapping is None:
-            # an older run's mapping of this path is of no use to new clients: its users
-            # release it as they notice the restart
-            for old in [k for k in _MAPPINGS if k[0] == key[0]]:
-                del _MAPPINGS[old]
-            mapping = _MAPPINGS[key] = Mapping(path, size, store_id)
-        mapping.users += 1
-        return mapping
-
-
-def _release(mapping: Mapping) -> None:
-    with _MAPPINGS_LOCK:
-        mapping.users -= 1
-        if mapping.users > 0:
-            return
-        key = (str(mapping.path), mapping.store_id)
-        if _MAPPINGS.get(key) is mapping:
-            del _MAPPINGS[key]
-    mapping.close()
+MAPPINGS: Shared[tuple[str, str], Mapping] = Shared(Mapping.close, replaces=_same_path)
+"""The process's arena mappings by (path, daemon run id), shared by its clients:
+`MAPPINGS.hold(key, lambda: Mapping(path, size, store_id))`, then `MAPPINGS.let_go(mapping)`.
+A newer run's mapping of a path replaces older runs' for new clients (a restarted daemon
+reuses the path); their users let go of theirs as they notice the restart."""

@@ -5,6 +5,7 @@ the arena, hashed over threads when the pieces are large."""
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ import xxhash
 from kvstore import arena_format as fmt
 from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client.arena.mapping import _MAPPINGS_LOCK, Mapping
+from kvstore_client.arena.mapping import Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -102,11 +103,12 @@ def checksums(pieces: Sequence[memoryview]) -> list[int]:
 
 
 _HASHER: ThreadPoolExecutor | None = None
+_HASHER_LOCK = threading.Lock()
 
 
 def _hasher() -> ThreadPoolExecutor:
     global _HASHER
-    with _MAPPINGS_LOCK:
+    with _HASHER_LOCK:
         if _HASHER is None:
             _HASHER = ThreadPoolExecutor(_HASH_THREADS - 1, thread_name_prefix="kvstore-xxh3")
         return _HASHER

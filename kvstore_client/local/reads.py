@@ -26,6 +26,7 @@ from kvstore.host import pid_namespace
 from kvstore.layouts import STORE_ID_FILE
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import errors
+from kvstore_client._shared import Shared
 from kvstore_client.local.readers import Reader, open_reader
 
 log = logging.getLogger(__name__)
@@ -36,19 +37,17 @@ class LocalUnavailable(Exception):
 
 
 class _Files:
-    """One daemon run's backend, opened read-only once per process and shared.
+    """One daemon run's backend, opened read-only once per process and shared (`_OPEN_FILES`).
 
     LMDB forbids opening one environment twice in a process, and a vLLM engine
-    has a client in its scheduler and one in its worker. Closed once no client
-    holds it and no read is in flight.
+    has a client in its scheduler and one in its worker. Retired when no client
+    holds it (or a read broke it); closed once retired and no read is in flight.
     """
 
-    def __init__(self, key: tuple[str, str, str], reader: Reader, data_dir: Path, store_id: str) -> None:
-        self.key = key
+    def __init__(self, reader: Reader, data_dir: Path, store_id: str) -> None:
         self.reader = reader
         self.data_dir = data_dir
         self.store_id = store_id
-        self.holders = 0  # LocalReads using it; guarded by _SHARED_LOCK
         self._lock = threading.Lock()
         self._active = 0
         self.retired = False
@@ -85,30 +84,10 @@ class _Files:
             return False
 
 
-_SHARED: dict[tuple[str, str, str], _Files] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def _hold(kind: str, data_dir: Path, store_id: str) -> _Files:
-    """The process's open copy of these files (opened now if needed). Raises StorageError."""
-    key = (kind, str(data_dir.resolve()), store_id)
-    with _SHARED_LOCK:
-        files = _SHARED.get(key)
-        if files is None or files.retired:
-            files = _SHARED[key] = _Files(key, open_reader(kind, data_dir), data_dir, store_id)
-        files.holders += 1
-        return files
-
-
-def _let_go(files: _Files, *, broken: bool = False) -> None:
-    """A client stops using `files`; `broken`: nobody should (a read failed)."""
-    with _SHARED_LOCK:
-        files.holders -= 1
-        last = files.holders == 0 or broken
-        if last and _SHARED.get(files.key) is files:
-            del _SHARED[files.key]
-    if last:
-        files.retire()
+_OPEN_FILES: Shared[tuple[str, str, str], _Files] = Shared(_Files.retire)
+"""The process's opened backends by (backend kind, resolved data directory, daemon run
+id), shared by its LocalReads: held in `LocalReads._open`, let go of when the daemon
+restarts, a read breaks them (`broken`: retired for everyone) or the client closes."""
 
 
 class LocalSource:
@@ -295,7 +274,7 @@ class LocalReads:
                     return files
                 self._files = None  # the daemon restarted (or a read broke): ask again now
                 self._next_try = 0.0
-                _let_go(files)
+                _OPEN_FILES.let_go(files)
             if self._negotiating or time.monotonic() < self._next_try:
                 return None
             self._negotiating = True
@@ -308,7 +287,7 @@ class LocalReads:
         with self._lock:
             self._negotiating = False
             if opened is not None and self._closed:
-                _let_go(opened)
+                _OPEN_FILES.let_go(opened)
                 return None
             self._files, self._prefix = opened, prefix
         if opened is not None:
@@ -337,10 +316,15 @@ class LocalReads:
                 '(containers: share it, e.g. pid: "service:kvstore")'
             )
         self._fleet = resp.fleet
+        kind, store_id = resp.backend, resp.store_id
         try:
-            return _hold(resp.backend, data_dir, resp.store_id), bytes(resp.namespace_prefix)
+            files = _OPEN_FILES.hold(
+                (kind, str(data_dir.resolve()), store_id),
+                lambda: _Files(open_reader(kind, data_dir), data_dir, store_id),
+            )
         except (StorageError, ValueError) as exc:
             raise LocalUnavailable(str(exc)) from exc
+        return files, bytes(resp.namespace_prefix)
 
     def _note(self, reason: str) -> None:
         if reason != self._reason:
@@ -355,11 +339,11 @@ class LocalReads:
                 self._files = None
                 self._next_try = time.monotonic() + self._retry_interval
         if mine:
-            _let_go(files, broken=True)
+            _OPEN_FILES.let_go(files, broken=True)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             files, self._files = self._files, None
         if files is not None:
-            _let_go(files)
+            _OPEN_FILES.let_go(files)
