@@ -1,6 +1,6 @@
 """One daemon run's parts, made in one place and handed to the servicer.
 
-    parts = RunParts.create(config, store)   # the run id, the event log, the KV events
+    parts = RunParts.create(config, store)   # the store id, the event log, the KV events
                                              # publisher, the Put budget, the idle reclaim
     servicer = Servicer(store, config, parts, Scope(tokens))
     ...
@@ -27,8 +27,8 @@ from kvstore_server.putbuffer import PutBudget
 from kvstore_server.store import Store
 
 
-def new_run_id() -> str:
-    """A daemon run's id (the store_id clients see): random, so a client that reconnects
+def new_store_id() -> str:
+    """A daemon run's store id (what clients see as store_id): random, so a client that reconnects
     to a restarted daemon sees that its event sequences and leases mean nothing there.
     Always 32 hex digits: publish_store_id overwrites the file in place."""
     return uuid.uuid4().hex
@@ -38,18 +38,18 @@ def new_run_id() -> str:
 class RunParts:
     """What one run of the daemon holds beside the store. Close once, after the server."""
 
-    run_id: str
+    store_id: str
     events: EventLog  # behind Watch
     puts: PutBudget  # bytes of Put data buffered, across clients
     reclaim: IdleReclaim  # memory back to the kernel once bulk calls stop
     kv_events: KVEventsPublisher | None = None  # vLLM-format events, when configured
 
     @classmethod
-    def create(cls, config: ServerConfig, store: Store, *, run_id: str | None = None) -> RunParts:
+    def create(cls, config: ServerConfig, store: Store, *, store_id: str | None = None) -> RunParts:
         """The parts for `store`, hooked to it. Raises OSError when the KV events publisher
         cannot bind, having closed what it made."""
-        run_id = run_id or new_run_id()
-        events = EventLog(config.event_window, store_id=run_id)
+        store_id = store_id or new_store_id()
+        events = EventLog(config.event_window, store_id=store_id)
         puts = PutBudget(config.max_inflight_put_bytes)
         with ExitStack() as undo:
             kv_events = None
@@ -72,7 +72,7 @@ class RunParts:
         store.add_listener(events.record)
         if kv_events is not None:
             store.add_listener(kv_events.listener)
-        return cls(run_id, events, puts, reclaim, kv_events)
+        return cls(store_id, events, puts, reclaim, kv_events)
 
     def close(self) -> None:
         """Stop the idle-memory thread and the KV events publisher; after the server stopped."""

@@ -1,6 +1,6 @@
 """The event log behind Watch: blocks stored and removed, numbered in commit order.
 
-    log = EventLog(window=100_000, store_id=run_id)
+    log = EventLog(window=100_000, store_id=store_id)
     store.add_listener(log.record)          # called under the store's lock, in commit order
     cursor = log.subscribe(from_sequence)   # raises EventsOutOfRange for a sequence not held
     batch = log.read(cursor, timeout=1.0)   # events for this cursor, waiting for new ones

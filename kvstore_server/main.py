@@ -7,7 +7,7 @@
 
 `create_server(config, store)` builds a server bound to its port without
 starting signal handling, so tests can run one in-process on port 0: the run's parts
-(kvstore_server.daemon.RunParts: the run id, the event log, the KV events publisher,
+(kvstore_server.daemon.RunParts: the store id, the event log, the KV events publisher,
 the idle reclaim) are made there and handed to the Servicer. `main()` closes all it
 opened with one ExitStack.
 
@@ -87,7 +87,7 @@ class Running:
     port: int
     health: health.HealthServicer
     store: Store
-    parts: RunParts  # the run id, the event log, the KV events publisher, the idle reclaim
+    parts: RunParts  # the store id, the event log, the KV events publisher, the idle reclaim
     servicer: Servicer
     # None unless config.metrics_port is set; serving them over HTTP is main()'s job
     metrics: Metrics | None = None
@@ -201,14 +201,14 @@ def create_server(config: ServerConfig, store: Store, tokens: TokenTable | None 
         # a server that cannot bind leaves no thread or socket of its run behind
         undo.callback(parts.close)
         servicer = Servicer(store, config, parts, Scope(tokens))
-        publish_store_id(config.data_dir, parts.run_id if config.offers_local_reads() else None)
+        publish_store_id(config.data_dir, parts.store_id if config.offers_local_reads() else None)
         if store.memory is not None:
-            store.memory.file.publish(parts.run_id)
+            store.memory.file.publish(parts.store_id)
         if metrics is not None:
             metrics.watch(store, servicer)
         handler = generic_handler(servicer)
         server.add_generic_rpc_handlers((handler,))
-        control_socket = _open_control_socket(config, store, handler, interceptors, parts.run_id)
+        control_socket = _open_control_socket(config, store, handler, interceptors, parts.store_id)
         if control_socket is not None:
             undo.callback(control_socket.close)
             servicer.control = control_socket
@@ -253,7 +253,7 @@ def _open_control_socket(
     store: Store,
     handler: grpc.GenericRpcHandler,
     interceptors: list[grpc.ServerInterceptor],
-    run_id: str,
+    store_id: str,
 ) -> ControlSocket | None:
     """The control socket beside the arena file, where clients are offered the arena; None
     without (or when it cannot be made: clients then use gRPC for every call)."""
@@ -262,7 +262,7 @@ def _open_control_socket(
     path = socket_path(store.memory.file.path.resolve())
     try:
         return ControlSocket(
-            path, handler, interceptors, run_id,
+            path, handler, interceptors, store_id,
             group=_group_id(config.memory_group), max_connections=config.workers,
         )  # fmt: skip
     except OSError as exc:

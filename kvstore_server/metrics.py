@@ -237,7 +237,7 @@ class StoreCollector(Collector):
             yield CounterMetricFamily(
                 "kvstore_events", "Events recorded for Watch since start.", value=events.next_sequence - 1
             )
-            labels["store_id"] = self.servicer.run_id
+            labels["store_id"] = self.servicer.store_id
             control = self.servicer.control
             if control is not None:
                 yield GaugeMetricFamily(

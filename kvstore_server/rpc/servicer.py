@@ -67,7 +67,7 @@ WATCH_POLL_SECONDS = 1.0
 class Servicer:
     """Implements kvstore.v1.KVStore on a Store. One instance per server.
 
-    It makes none of the run's parts: the run id, the event log, the KV events publisher,
+    It makes none of the run's parts: the store id, the event log, the KV events publisher,
     the Put budget and the idle reclaim come from kvstore_server.daemon.RunParts, which
     the caller closes."""
 
@@ -77,7 +77,7 @@ class Servicer:
         self.store = store
         self.config = config
         self.scope = scope or Scope(None)
-        self.run_id = parts.run_id
+        self.store_id = parts.store_id
         self.events = parts.events
         self.kv_events = parts.kv_events
         self.reclaim = parts.reclaim
@@ -150,7 +150,7 @@ class Servicer:
                         self.store.release(tenant, lease.pin_id, all_holders=True)
             else:
                 resp.leases.extend(leases)
-                resp.store_id = self.run_id
+                resp.store_id = self.store_id
         return resp
 
     @translated
@@ -358,7 +358,7 @@ class Servicer:
         return pb.LocalAccessResponse(
             backend=self.config.backend,
             data_dir=str(self.config.data_dir.resolve()),
-            store_id=self.run_id,
+            store_id=self.store_id,
             namespace_prefix=self.scope.tenant(context),
             pid_namespace=pid_namespace(),
             fleet=self.store.fleet is not None,
@@ -386,7 +386,7 @@ class Servicer:
         return pb.ArenaAccessResponse(
             path=str(memory.file.path.resolve()),
             size_bytes=memory.file.size,
-            store_id=self.run_id,
+            store_id=self.store_id,
             namespace_prefix=self.scope.tenant(context),
             lease_seconds=memory.lease_seconds,
             control_socket=str(self.control.path) if self.control is not None else "",
@@ -561,7 +561,7 @@ class Servicer:
                 try:
                     context.send_initial_metadata(
                         (
-                            (WATCH_STORE_ID_KEY, self.run_id),
+                            (WATCH_STORE_ID_KEY, self.store_id),
                             (WATCH_START_SEQUENCE_KEY, str(cursor.next_sequence)),
                         )
                     )
@@ -572,7 +572,7 @@ class Servicer:
                     if batch is None:
                         raise ShuttingDown("the daemon is shutting down; watch again once it is back")
                     for event in batch:
-                        yield _event_message(event, self.run_id, tenant)
+                        yield _event_message(event, self.store_id, tenant)
             finally:
                 self.events.unsubscribe(cursor)
         finally:

@@ -21,7 +21,7 @@ from kvunit import (
 )
 
 from kvstore_server import eviction
-from kvstore_server.daemon import new_run_id
+from kvstore_server.daemon import new_store_id
 from kvstore_server.events import MAX_EVENT_BLOCKS, REMOVED, STORED, Event, EventLog, EventsOutOfRange
 from kvstore_server.store import Store
 
@@ -191,8 +191,8 @@ def test_watcher_count() -> None:
 
 
 def test_store_id_is_the_runs_and_random_per_run() -> None:
-    assert new_run_id() != new_run_id()
-    assert len(new_run_id()) == 32  # publish_store_id overwrites in place
+    assert new_store_id() != new_store_id()
+    assert len(new_store_id()) == 32  # publish_store_id overwrites in place
     assert EventLog(1, store_id="fixed").store_id == "fixed"
 
 
