@@ -20,7 +20,7 @@ from support.ports import free_port
 
 from kvstore import control
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client import Chain, KVStoreClient, LayerSpec, _rpc, errors
+from kvstore_client import Chain, KVStoreClient, LayerSpec, _control, errors
 from kvstore_server.rpc import generic_handler
 from kvstore_server.rpc.control import ControlSocket
 
@@ -209,7 +209,7 @@ def test_no_arena_offered_no_socket(make_server) -> None:
 def test_a_client_beyond_the_connection_limit_uses_grpc_then_tries_again(
     make_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_rpc, "_RETRY_SECONDS", 0.0)  # (its wait before trying again: none)
+    monkeypatch.setattr(_control, "_RETRY_SECONDS", 0.0)  # (its wait before trying again: none)
     server = make_server(workers=2)  # the socket serves as many connections as gRPC workers
     ctl = server.running.control_socket
     hashes, layers = chain("many", 2), make_layers(2)
