@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import mmap
 import os
 import shutil
@@ -43,7 +42,7 @@ import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 from kvstore.blocks import LayerSpec
 from kvstore.sizes import parse_size
 from kvstore_server.store import Store
-from kvstore_server.tiers import BlockMeta, BlockWrite, chain, checksum, open_backend
+from kvstore_server.tiers import BlockMeta, BlockWrite, checksum, open_backend
 from kvstore_server.tiers.arena import open_memory_tier
 from kvstore_server.tiers.iopool import IOPool
 
@@ -138,12 +137,6 @@ def main() -> None:
     p.add_argument("--blocks", default="128,512", help="comma-separated promotion sizes, in 2 MiB blocks")
     p.add_argument("--threads", default="16", help="comma-separated I/O pool sizes (the daemon's: 16)")
     p.add_argument("--switch-intervals", default="5,1,0.5", help="comma-separated, ms (CPython's default: 5)")
-    p.add_argument(
-        "--head-split",
-        default="on",
-        help="comma-separated on/off: the first report's blocks read "
-        "a task each (tiers.chain.SPLIT_HEAD), to compare",
-    )
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--data-root", default=None, help="where the data dir goes (default: $TMPDIR)")
     p.add_argument("--memory-dir", default="/dev/shm", help="where the memory tiers' files go")
@@ -172,17 +165,14 @@ def main() -> None:
             )
             print(f"\nraw preadv of {nbytes >> 20} MiB, GB/s: {ceilings}")
             for threads in (int(x) for x in args.threads.split(",")):
-                for interval, split in itertools.product(
-                    (float(x) for x in args.switch_intervals.split(",")), args.head_split.split(",")
-                ):
-                    chain.SPLIT_HEAD = split == "on"
+                for interval in (float(x) for x in args.switch_intervals.split(",")):
                     sys.setswitchinterval(interval / 1e3)
                     backend.io.close()  # type: ignore[attr-defined]
                     pool = backend.io = TimedPool(threads)  # type: ignore[attr-defined]
                     backend.io_threads = threads  # type: ignore[attr-defined]
                     rows = [promote(backend, pool, hashes[:n], shm, root, rep) for rep in range(args.repeat)]
                     med = [statistics.median(r[k] for r in rows) for k in range(6)]
-                    print(f"  {n:4d} blocks, {threads:2d} threads, switch {interval:4.1f} ms, head split {split:3s}: answer {med[0]:5.1f}, "
+                    print(f"  {n:4d} blocks, {threads:2d} threads, switch {interval:4.1f} ms: answer {med[0]:5.1f}, "
                           f"first {med[1]:5.1f}, last {med[2]:5.1f}, end {med[3]:5.1f} ms (tasks: first "
                           f"{med[4]:5.1f}, 1/8 {med[5]:5.1f}) -> {nbytes / med[2] / 1e6:5.1f} GB/s")  # fmt: skip
         sys.setswitchinterval(0.005)

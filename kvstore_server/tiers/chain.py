@@ -135,9 +135,6 @@ _READ_TASK_BYTES = 4 << 20
 _TASKS_PER_THREAD = 8
 _READY_STEP_BYTES = 8 << 20
 _READY_REPORTS = 16
-# The blocks of a promotion's first report are read a task each (bench_promotion.py
-# --head-split compares)
-SPLIT_HEAD = True
 
 
 def layer_groups(sizes: Sequence[int]) -> list[range]:
@@ -233,15 +230,7 @@ class Promotion:
         # leading blocks land first, and a loader starts on them a few reads in
         threads = getattr(chain.persistent, "io_threads", 1)
         size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
-        # each report costs Python on both ends while the reads hold the GIL's other users:
-        # ~8 MiB apart, but at most about _READY_REPORTS in all (128 for 1 GB lagged the
-        # reads by 15 ms on an H100 host)
-        self._step = max(1, _READY_STEP_BYTES // max(1, self.block_bytes), -(-n // _READY_REPORTS))
-        # the first report's blocks a task each: the threads read them side by side and the
-        # loader hears of them after one block's read, not after a whole wave of chunks
-        head = min(n, self._step) if SPLIT_HEAD and len(self.groups) == 1 and size > 1 else 0
-        self._chunks = [range(b, b + 1) for b in range(head)]
-        self._chunks += [range(first, min(n, first + size)) for first in range(head, n, size)]
+        self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
         # each group's reads planned before its first is issued (read_batches)
         self._futures = []
         self._failed_at = n  # the first block a read failed for
@@ -268,7 +257,11 @@ class Promotion:
         a loader may start on the first blocks of a promotion read in one group, reported
         every _READY_STEP_BYTES or so); the last is (layer count, block count). Stops early
         when a read failed (then `failed` is True)."""
-        n, last, step = len(self.placed), len(self.groups) - 1, self._step
+        n, last = len(self.placed), len(self.groups) - 1
+        # each report costs Python on both ends while the reads hold the GIL's other users:
+        # ~8 MiB apart, but at most about _READY_REPORTS in all (128 for 1 GB lagged the
+        # reads by 15 ms on an H100 host)
+        step = max(1, _READY_STEP_BYTES // max(1, self.block_bytes), -(-n // _READY_REPORTS))
         layers = reported = 0
         for g, (group, futures) in enumerate(zip(self.groups, self._futures, strict=True)):
             for chunk, future in zip(self._chunks, futures, strict=True):
