@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -195,7 +196,14 @@ class Promotion:
     (Ready.blocks). The extents are held by the promotion (pinned, so they cannot be
     evicted) but their blocks are not resident: no other read sees them until `finish`
     places them. Reads are issued group of layers by group (layer_groups: one group for
-    blocks under 8 MiB), all blocks' first group first."""
+    blocks under 8 MiB), all blocks' first group first.
+
+    The reads are issued by `issue` (by the first of progress, read_prefix and finish, or
+    earlier), not when it is made: a streamed Pin answers first (the extents and sums are
+    known), then issues them. Answering after them, the answer's Python waited for the GIL
+    behind 16 I/O threads: on the H200 host the client had it 6.5 ms after sending the Pin
+    at 2048 tokens and 31 ms at 8192, though every read was issued after 1.3-2.3 and
+    4-7 ms (bench/results/cold_timeline_h200_run1.txt)."""
 
     def __init__(
         self,
@@ -224,39 +232,56 @@ class Promotion:
         self.groups = layer_groups([layer.nbytes for layer in layers])
         self.block_bytes = sum(layer.nbytes for layer in layers)
         found = time.perf_counter()
-        one = memory.extent_rows(layers, 0, 1)[0]  # [layer, (address, length)] at the arena's start
+        self._located = located
         # per group, the blocks in chunks of about _READ_TASK_BYTES, a task each (at most
         # _TASKS_PER_THREAD per I/O thread): taken in order by the I/O threads, so the
         # leading blocks land first, and a loader starts on them a few reads in
         threads = getattr(chain.persistent, "io_threads", 1)
         size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
         self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
-        # each group's reads planned before its first is issued (read_batches)
-        self._futures = []
+        self._futures: list[list[Future[None]]] = []
+        self._issue_lock = threading.Lock()
+        self._issued = False
+        self.issued = 0.0  # when the last read was issued (perf_counter)
         self._failed_at = n  # the first block a read failed for
-        try:
-            for group in self.groups:
-                spans = _group_rows(one, group, extents)
-                batches = [[(located[p], Pieces(spans[p], memory.file)) for p in chunk]
-                           for chunk in self._chunks]  # fmt: skip
-                self._futures.append(chain.persistent.read_batches(batches, group))
-            self.issued = time.perf_counter()
-            # the blocks' records made whole while the reads run, not before the first
-            # (the sums: the meta's packed ones, PackedSums.packed: not copied again)
-            self.placed = [Placed(h.meta, at, 1, 0) for at, h in zip(extents, located, strict=True)]
-        except BaseException:  # the caller lets the extents go: no read may still write into them
-            for futures in self._futures:
-                for future in futures:
-                    future.exception()
-            raise
+        # (the sums: the meta's packed ones, PackedSums.packed: not copied again)
+        self.placed = [Placed(h.meta, at, 1, 0) for at, h in zip(extents, located, strict=True)]
         self._found_ms = (found - started) * 1e3
+
+    def issue(self) -> None:
+        """Issue every read (once; later calls return at once): each group's planned before
+        its first is issued (read_batches). A read that cannot be issued fails the
+        promotion from its first block (`failed`), after the reads already issued end."""
+        with self._issue_lock:
+            if self._issued:
+                return
+            self._issued = True
+            memory = self._memory
+            one = memory.extent_rows(self._located[0].specs, 0, 1)[0]  # [layer, (address, length)], at 0
+            try:
+                for group in self.groups:
+                    spans = _group_rows(one, group, self.extents)
+                    batches = [[(self._located[p], Pieces(spans[p], memory.file)) for p in chunk]
+                               for chunk in self._chunks]  # fmt: skip
+                    self._futures.append(self._chain.persistent.read_batches(batches, group))
+            except (StorageError, OSError, ValueError, TypeError, RuntimeError) as exc:
+                for futures in self._futures:  # no read may still write into the extents
+                    for future in futures:
+                        future.exception()
+                log.error("reading blocks from %s for a load failed: %s", self._cold[0][1].hex(), exc)
+                self._futures, self._failed_at = [], 0
+            self.issued = time.perf_counter()
+            self._located = []  # (the records are not needed any more)
 
     def progress(self) -> Iterator[Ready]:
         """What is in place, as it grows: layers [0, layers) of every block, and every layer
         of blocks [0, blocks) (the chunks of the last group complete their blocks in order:
         a loader may start on the first blocks of a promotion read in one group, reported
         every _READY_STEP_BYTES or so); the last is (layer count, block count). Stops early
-        when a read failed (then `failed` is True)."""
+        when a read failed (then `failed` is True). Issues the reads if no one has yet."""
+        self.issue()
+        if not self._futures:  # none could be issued
+            return
         n, last = len(self.placed), len(self.groups) - 1
         # each report costs Python on both ends while the reads hold the GIL's other users:
         # ~8 MiB apart, but at most about _READY_REPORTS in all (128 for 1 GB lagged the
@@ -292,8 +317,8 @@ class Promotion:
 
     @property
     def all_read(self) -> bool:
-        """Every read has ended (a failed one too)."""
-        return all(future.done() for futures in self._futures for future in futures)
+        """Every read has ended (a failed one too); False before they are issued."""
+        return self._issued and all(future.done() for futures in self._futures for future in futures)
 
     @property
     def failed(self) -> bool:

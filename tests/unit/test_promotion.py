@@ -16,6 +16,7 @@ from kvstore.blocks import STOP_EVICTED
 from kvstore_server.store import Store
 from kvstore_server.tiers.arena import open_memory_tier
 from kvstore_server.tiers.chain import Ready
+from kvstore_server.tiers.iopool import IOPool
 
 
 @pytest.fixture
@@ -162,3 +163,32 @@ def test_a_streamed_pin_places_its_blocks_after_the_last_report_and_its_release_
     assert store.lookup(NS, hashes) == 3  # the corrupt block was removed where it was placed
     with memory.lock:
         assert {(NS, x) for x in hashes[:3]} <= set(memory.resident)
+
+
+def test_a_streamed_pin_answers_before_its_reads_and_a_read_it_cannot_issue_ends_the_stream(
+    cold: tuple[Store, list[bytes]],
+) -> None:
+    """The answer goes out before any read is issued (they are issued when the stream goes
+    on): an I/O pool that refuses them then (closed) fails the load like a failed read,
+    and nothing stays pinned or held."""
+    store, hashes = cold
+    backend = store.tiers.persistent
+    progress = store.pin_stream(b"", NS, hashes)
+    answer = next(progress)
+    assert not isinstance(answer, (Ready, str)) and answer.num_blocks == 6 and answer.ready_layers == 0
+    refusing = IOPool(1)
+    refusing.close()
+    working, backend.io = backend.io, refusing  # type: ignore[attr-defined]
+    try:
+        assert list(progress) == [STOP_EVICTED]
+    finally:
+        backend.io = working  # type: ignore[attr-defined]
+    assert store.release(b"", answer.pin_id)
+    memory = store.memory
+    assert memory is not None
+    with memory.lock:
+        assert not memory.pins and not memory.resident and not memory.extents
+    assert store.lookup(NS, hashes) == 6  # still stored below, and promoted by the next load
+    again = store.pin(b"", NS, hashes)
+    assert again.num_blocks == 6
+    assert store.release(b"", again.pin_id)
