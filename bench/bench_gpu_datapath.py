@@ -166,6 +166,20 @@ class Probe:
         return (got[0][0], got[-1][1]) if got else (float("nan"), float("nan"))
 
 
+def timed(probe: Probe, what: str, plain: Callable[..., Any]) -> Callable[..., Any]:
+    """`plain`, each call's span added to `probe` as `what` (marked: not wrapped twice)."""
+
+    def call(*args: Any, **kw: Any) -> Any:
+        start = now()
+        try:
+            return plain(*args, **kw)
+        finally:
+            probe.add(what, start)
+
+    call._bench = True  # type: ignore[attr-defined]
+    return call
+
+
 def instrument(client: Any, probe: Probe) -> None:
     import kvstore_client.arena.load as arena_load
     import kvstore_client.arena.save as arena_save
@@ -212,19 +226,8 @@ def instrument(client: Any, probe: Probe) -> None:
     arena._call = timed_call  # Reservation / Pinned take the arena's call when made
     # the save and load sides each look checksums up in their own module
     for side in (arena_save, arena_load):
-        if getattr(side.checksums, "_bench", False):
-            continue
-        plain = side.checksums
-
-        def timed_checksums(pieces: Any, plain: Callable[[Any], list[int]] = plain) -> list[int]:
-            start = now()
-            try:
-                return plain(pieces)
-            finally:
-                probe.add("xxh3", start)
-
-        timed_checksums._bench = True  # type: ignore[attr-defined]
-        side.checksums = timed_checksums
+        if not getattr(side.checksums, "_bench", False):
+            side.checksums = timed(probe, "xxh3", side.checksums)
 
 
 # ---- a registered /dev/shm mapping (what the arena is), for the ceilings ----------------
@@ -429,24 +432,8 @@ def arena_load(
 def instrument_transport(transport: Any, probe: Probe) -> None:
     """Time each copy of a promotion's range of blocks to the device ("Stage": issued, not
     landed) and the end of a run's staging ("Staged"), for the cold loads' timeline."""
-    mover, plain_stage, plain_blocks = transport.mover, transport.mover.stage_into, transport._stage_blocks
-
-    def stage_into(*args: Any, **kw: Any) -> Any:
-        start = now()
-        try:
-            return plain_stage(*args, **kw)
-        finally:
-            probe.add("Stage", start)
-
-    def stage_blocks(*args: Any, **kw: Any) -> Any:
-        start = now()
-        try:
-            return plain_blocks(*args, **kw)
-        finally:
-            probe.add("Staged", start)
-
-    mover.stage_into = stage_into
-    transport._stage_blocks = stage_blocks
+    transport.mover.stage_into = timed(probe, "Stage", transport.mover.stage_into)
+    transport._stage_blocks = timed(probe, "Staged", transport._stage_blocks)
 
 
 LAYOUTS: dict[int, Any] = {}

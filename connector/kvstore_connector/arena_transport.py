@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import WSUM32, XXH3
+from kvstore.blocks import WSUM32, XXH3, subset_indices
 from kvstore_client import Chain, KVStoreClient, LayerSpec
 from kvstore_client.arena import Pinned, Reservation, Run, checksums
 from kvstore_client.errors import KVStoreError, LocalDataCorrupt, StoreTimeout
@@ -140,7 +140,7 @@ class ArenaTransport:
         self._layer_index = {spec.name: i for i, spec in enumerate(specs)}
         self.stored = list(specs if stored is None else stored)
         self.subset = tuple(subset)
-        self._subset_indices = list(self.subset) if self.subset else list(range(len(self.stored)))
+        self._subset_indices = subset_indices(self.subset, len(self.stored))
         self._heads = heads or {}
         if [self.stored[k] for k in self._subset_indices] != list(specs):
             raise ValueError("specs must be layers `subset` of `stored`")
@@ -640,7 +640,7 @@ def _same_size(sizes: Sequence[int]) -> list[range]:
 def _layer_groups(sizes: Sequence[int], num_blocks: int, subset: Sequence[int] | None = None) -> list[range]:
     """Runs of consecutive layers (of layer subset `subset`, default all) of one block size,
     about _GROUP_BYTES of the request each."""
-    todo = list(range(len(sizes))) if subset is None else list(subset)
+    todo = subset_indices(subset or (), len(sizes))
     groups: list[range] = []
     for layer in todo:
         last = groups[-1] if groups else None

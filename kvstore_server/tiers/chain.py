@@ -43,6 +43,7 @@ from kvstore.blocks import (
     STOP_NONE,
     BlockPrefix,
     leading_blocks,
+    subset_indices,
 )
 from kvstore_server.index import PrefixIndex
 from kvstore_server.rates import Rate
@@ -95,7 +96,7 @@ class ReadResult:
     @property
     def subset_indices(self) -> list[int]:
         """Indices of the layers of the read's subset (all of them when it has none)."""
-        return list(range(len(self.layers))) if self.subset is None else list(self.subset)
+        return subset_indices(self.subset or (), len(self.layers))
 
 
 def verified_prefix(
@@ -241,8 +242,7 @@ class Promotion:
         self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
         self._futures: list[list[Future[None]]] = []
         self._issue_lock = threading.Lock()
-        self._issued = False
-        self.issued = 0.0  # when the last read was issued (perf_counter)
+        self.issued = 0.0  # when the last read was issued (perf_counter); 0: not yet
         self._failed_at = n  # the first block a read failed for
         # (the sums: the meta's packed ones, PackedSums.packed: not copied again)
         self.placed = [Placed(h.meta, at, 1, 0) for at, h in zip(extents, located, strict=True)]
@@ -253,9 +253,8 @@ class Promotion:
         its first is issued (read_batches). A read that cannot be issued fails the
         promotion from its first block (`failed`), after the reads already issued end."""
         with self._issue_lock:
-            if self._issued:
+            if self.issued:
                 return
-            self._issued = True
             memory = self._memory
             one = memory.extent_rows(self._located[0].specs, 0, 1)[0]  # [layer, (address, length)], at 0
             try:
@@ -318,7 +317,7 @@ class Promotion:
     @property
     def all_read(self) -> bool:
         """Every read has ended (a failed one too); False before they are issued."""
-        return self._issued and all(future.done() for futures in self._futures for future in futures)
+        return bool(self.issued) and all(future.done() for futures in self._futures for future in futures)
 
     @property
     def failed(self) -> bool:
@@ -548,7 +547,7 @@ class TierChain:
                     return Started(None, (cold[0], STOP_NO_ROOM))
             try:
                 promotion = Promotion(self, memory, cold, located, extents, stopped, window, now, started)
-            except BaseException:  # every read issued has ended (Promotion waits for them)
+            except BaseException:  # (it issues no read: they wait for Promotion.issue)
                 with self._lock:
                     memory.unpin_extents(extents)
                 raise

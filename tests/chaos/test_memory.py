@@ -13,11 +13,11 @@ is sampled every few milliseconds (the kernel keeps a peak of RSS only).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 from integration.helpers import NS, chain, make_layers
 from support.daemon import Daemon, eventually
+from support.threads import run_all
 
 from kvstore_client import KVStoreClient, errors
 
@@ -30,23 +30,6 @@ SETTLED = 48 * MiB
 CLIENTS = 24
 ROUNDS = 2
 READERS = 4
-
-
-def run_all(targets: list[Callable[[], None]]) -> list[BaseException]:
-    errors_seen: list[BaseException] = []
-
-    def wrap(target: Callable[[], None]) -> None:
-        try:
-            target()
-        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
-            errors_seen.append(exc)
-
-    threads = [threading.Thread(target=wrap, args=(t,)) for t in targets]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return errors_seen
 
 
 def test_rss_under_concurrent_put_and_get_load_stays_within_the_bound(tmp_path: Path, backend: str) -> None:

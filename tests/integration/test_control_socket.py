@@ -5,11 +5,11 @@ cannot reach it uses gRPC."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import stat
 import struct
-import threading
 from pathlib import Path
 
 import grpc
@@ -17,6 +17,7 @@ import pytest
 from support.daemon import eventually
 from support.hashes import NS, chain
 from support.ports import free_port
+from support.threads import run_all
 
 from kvstore import control
 from kvstore.v1 import kvstore_pb2 as pb
@@ -239,23 +240,15 @@ def test_a_client_beyond_the_connection_limit_uses_grpc_then_tries_again(
 def test_calls_from_many_threads_each_get_their_own_answer(server) -> None:
     chains = [chain(f"thread-{i}", 3) for i in range(8)]
     layers = make_layers(3)
-    failures: list[BaseException] = []
     with KVStoreClient(server.address, arena=True) as kv:
 
         def work(hashes: list[bytes]) -> None:
-            try:
-                for _ in range(5):
-                    kv.put(NS, hashes, layers)
-                    assert kv.lookup(NS, hashes) == 3
-                    assert_same(kv.select(NS, hashes), layers)
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                failures.append(exc)
+            for _ in range(5):
+                kv.put(NS, hashes, layers)
+                assert kv.lookup(NS, hashes) == 3
+                assert_same(kv.select(NS, hashes), layers)
 
-        threads = [threading.Thread(target=work, args=(h,)) for h in chains]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        failures = run_all([functools.partial(work, h) for h in chains])
     assert failures == []
     assert server.running.control_socket.calls >= 8 * 5 * 3
 

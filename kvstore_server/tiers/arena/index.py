@@ -104,7 +104,8 @@ class ArenaIndex:
         )
 
     def scan(self) -> Iterator[Placed]:
-        """Every record, in commit order (once, at start: it rebuilds the sequence map)."""
+        """Every record, in commit order (once, at start, before any put or delete: it
+        rebuilds the sequence map)."""
         with self._env.begin(buffers=True) as txn:
             layouts = {}
             for digest, record in txn.cursor(db=self._layouts):
@@ -113,17 +114,15 @@ class ArenaIndex:
                 except (ValueError, TypeError) as exc:
                     log.warning("skipping an unreadable memory-tier layout: %s", exc)
             self._stored_layouts.update(layouts)
-            for at, raw in txn.cursor(db=self._blocks):
+            for at, raw in txn.cursor(db=self._blocks):  # in key order: the last is the newest
                 seq = bytes(at)
-                with self._lock:
-                    self._next = max(self._next, _SEQ.unpack(seq)[0] + 1)
+                self._next = _SEQ.unpack(seq)[0] + 1
                 try:
                     placed = self._parse(raw, layouts)
                 except (struct.error, ValueError, KeyError, IndexError) as exc:
                     log.warning("skipping an unreadable memory-tier record: %s", exc)
                     continue
-                with self._lock:
-                    self._seq[placed.meta.key] = seq
+                self._seq[placed.meta.key] = seq
                 yield placed
 
     @staticmethod
