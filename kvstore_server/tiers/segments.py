@@ -12,9 +12,10 @@ found its record a moment earlier may still be reading it. (Reads of this proces
 protected for certain by tiers.lmdb, which frees an extent only once no read that may
 see it is open.)
 
-I/O runs on an I/O pool (tiers.iopool): each block is one request whose buffers are
-gathered from (or scattered to) wherever its layers lie, e.g. the arena's layer-major
-extents: no join, no heap copy.
+I/O runs on an I/O pool (tiers.iopool): each request's buffers are gathered from (or
+scattered to) wherever the layers lie, e.g. the arena's layer-major extents: no join, no
+heap copy. A batch of blocks is placed back to back where one free run holds it
+(allocate_run), so its writes go as a few large requests, not one per block.
 
 Direct I/O: writes use O_DIRECT where the filesystem takes it (probed at open;
 tmpfs and some network filesystems do not) and the buffers allow it (every buffer's
@@ -34,6 +35,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +313,33 @@ class Segments:
             if full is not None:
                 raise full
             raise StorageFullError(f"the persistent tier's {self.max_bytes} bytes of segments are full")
+
+    def allocate_run(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """(segment, offset) of an extent for each of `sizes`: back to back in one segment
+        where one free run holds them all and every size is whole pages (so each extent
+        stays page-aligned for direct I/O); else each where it fits (allocate). Raises
+        StorageFullError as allocate does, having given back what it took."""
+        total = sum(sizes)
+        if len(sizes) > 1 and total <= self.segment_bytes and all(n % ALIGN == 0 for n in sizes):
+            try:
+                segment, offset = self.allocate(total)
+            except StorageFullError:
+                pass  # no run holds them all: smaller holes may hold them one by one
+            else:
+                out = []
+                for nbytes in sizes:
+                    out.append((segment, offset))
+                    offset += nbytes
+                return out
+        taken: list[tuple[int, int]] = []
+        try:
+            for nbytes in sizes:
+                taken.append(self.allocate(nbytes))
+        except StorageFullError:
+            for (segment, offset), nbytes in zip(taken, sizes, strict=False):
+                self.free(segment, offset, nbytes)
+            raise
+        return taken
 
     def free(self, segment: int, offset: int, nbytes: int) -> None:
         """Give an extent back (reusable at once, but for any part beyond the segment's

@@ -219,3 +219,47 @@ def test_other_lmdb_errors_are_storage_errors(tmp_path: Path) -> None:
         assert backend.segments.free_bytes == backend.payload_capacity
     finally:
         backend.close()
+
+
+def test_a_batch_lies_back_to_back_and_goes_to_disk_in_one_request(tmp_path: Path) -> None:
+    """A write-behind batch of small blocks is placed in one run of a segment and written
+    as one request (one per block kept the I/O pool's Python on the daemon's GIL)."""
+    backend = LmdbBackend(tmp_path, capacity_bytes=64 << 20, sync=False)
+    requests: list[int] = []
+    submit_many = backend.io.submit_many
+
+    def counted(tasks):  # type: ignore[no-untyped-def]
+        requests.append(len(tasks))
+        return submit_many(tasks)
+
+    backend.io.submit_many = counted  # type: ignore[method-assign]
+    try:
+        keys = chain("a", 8)
+        backend.write([make_write(NS, k, layers=BIG) for k in keys])
+        assert requests == [1]
+        where = extents(backend, keys)
+        assert len({segment for _, segment, _ in where}) == 1
+        assert [offset for offset, _, _ in where] == [where[0][0] + i * BIG[0].nbytes for i in range(8)]
+        with backend.read([(NS, k) for k in keys]) as blocks:
+            for k, block in zip(keys, blocks, strict=True):
+                assert block is not None and block.corrupt_layer() is None
+                assert bytes(block.layers[0]) == layer_bytes(k, BIG[0])
+    finally:
+        backend.close()
+
+
+def test_a_batch_no_free_run_holds_goes_into_the_holes_one_by_one(tmp_path: Path) -> None:
+    backend = LmdbBackend(tmp_path, capacity_bytes=8 * BIG[0].nbytes, sync=False)
+    try:
+        first = chain("a", 8)
+        backend.write([make_write(NS, k, layers=BIG) for k in first])
+        holes = [extents(backend, [k])[0][0] for k in first[::2]]
+        backend.delete([(NS, k) for k in first[::2]])  # four holes of one block each
+        second = chain("b", 4)
+        backend.write([make_write(NS, k, layers=BIG) for k in second])
+        assert sorted(offset for offset, _, _ in extents(backend, second)) == sorted(holes)
+        with backend.read([(NS, k) for k in [*second, *first[1::2]]]) as blocks:
+            for k, block in zip([*second, *first[1::2]], blocks, strict=True):
+                assert block is not None and bytes(block.layers[0]) == layer_bytes(k, BIG[0])
+    finally:
+        backend.close()
