@@ -693,26 +693,26 @@ def _write_runs(placed: Sequence[tuple[BlockWrite, int, int]]) -> list[tuple[int
     their time waiting behind write-behind's per-block requests)."""
     import numpy as np  # NOTE: not at import (see tiers.iopool)
 
-    runs: list[tuple[int, int, int, list[Any]]] = []
+    runs: list[tuple[int, int, int, int, list[Any]]] = []  # segment, offset, bytes, buffers, parts
     for block, segment, offset in placed:
         buffers = _buffers(block)
         if runs:
-            last_segment, last_offset, last_bytes, parts = runs[-1]
+            last_segment, last_offset, last_bytes, count, parts = runs[-1]
             if (
                 last_segment == segment
                 and last_offset + last_bytes == offset
                 and isinstance(parts[0], list) == isinstance(buffers, list)
                 and last_bytes + block.meta.size <= RUN_BYTES
-                and sum(len(part) for part in parts) + len(buffers) <= _IOV_MAX
+                and count + len(buffers) <= _IOV_MAX
             ):
                 parts.append(buffers)
-                runs[-1] = (segment, last_offset, last_bytes + block.meta.size, parts)
+                runs[-1] = (segment, last_offset, last_bytes + block.meta.size, count + len(buffers), parts)
                 continue
-        runs.append((segment, offset, block.meta.size, [buffers]))
+        runs.append((segment, offset, block.meta.size, len(buffers), [buffers]))
     return [
         (segment, offset, nbytes, parts[0] if len(parts) == 1
          else [b for part in parts for b in part] if isinstance(parts[0], list) else np.concatenate(parts))
-        for segment, offset, nbytes, parts in runs
+        for segment, offset, nbytes, _, parts in runs
     ]  # fmt: skip
 
 

@@ -323,8 +323,8 @@ class Segments:
         if len(sizes) > 1 and total <= self.segment_bytes and all(n % ALIGN == 0 for n in sizes):
             try:
                 segment, offset = self.allocate(total)
-            except StorageFullError:
-                pass  # no run holds them all: smaller holes may hold them one by one
+            except StorageFullError:  # no free run holds them all: smaller holes may, one by one
+                log.debug("no free run of %d bytes for %d blocks: placing them one by one", total, len(sizes))
             else:
                 out = []
                 for nbytes in sizes:
