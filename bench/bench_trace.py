@@ -26,6 +26,10 @@ a queue's), each as a same-host vLLM worker would:
     put(ns, hashes[n:], parent=hashes[n-1]) reserve in the arena, copy in, checksum, commit
                                             (written behind to the persistent tier)
 
+With --step N, N requests at a time as one engine step, the way the connector batches a
+step: a leasing lookup per request (where), then the step's loads (the leases; one
+pin_many for prefixes to promote), then its saves (one reserve_many, one commit_many).
+
 Then prints figures (never pass/fail):
   - prefix-hit ratio, blocks loaded / blocks requested, next to an infinite cache and an LRU
     of the memory + persistent capacity in blocks (and of the persistent capacity alone: the
@@ -56,7 +60,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,6 +266,7 @@ def replay_steps(
 
     specs = [LayerSpec.of(name, t[:1]) for name, t in source.layers.items()]
     rows: list[Row] = []
+    failed: Counter[str] = Counter()  # answers that were errors, by call and error
     started = last_print = time.perf_counter()
     for k in range(0, len(requests), step):
         batch = requests[k : k + step]
@@ -292,7 +297,10 @@ def replay_steps(
         if promote:
             answers = client.pin_many(NAMESPACE, [batch[i].hashes[: step_rows[i].lookup_n] for i in promote])
             for i, answer in zip(promote, answers, strict=True):
-                pins[i] = None if isinstance(answer, Exception) else answer
+                if isinstance(answer, Exception):
+                    failed[f"PinMany: {type(answer).__name__}"] += 1
+                else:
+                    pins[i] = answer
         for pinned, row in zip(pins, step_rows, strict=True):
             if pinned is not None:
                 row.loaded = copy_out(pinned)
@@ -308,6 +316,7 @@ def replay_steps(
         commits = []
         for i, answer in zip(saving, reserved, strict=True):
             if isinstance(answer, Exception):
+                failed[f"ReserveMany: {type(answer).__name__}"] += 1
                 continue
             lacked = answer.blocks  # the chain's blocks the store lacks: usually all, in order
             whole = lacked == list(range(len(lacked)))
@@ -317,7 +326,9 @@ def replay_steps(
         if commits:
             results = client.commit_many([(res, None, XXH3) for _, res in commits])
             for (i, _), result in zip(commits, results, strict=True):
-                if not isinstance(result, Exception):
+                if isinstance(result, Exception):
+                    failed[f"CommitMany: {type(result).__name__}"] += 1
+                else:
                     step_rows[i].put = result.blocks_written
         put_s = time.perf_counter() - t0
         loaded = sum(row.loaded for row in step_rows)
@@ -333,6 +344,9 @@ def replay_steps(
             hit = sum(r.loaded for r in rows) / max(1, sum(r.blocks for r in rows))
             print(f"    {len(rows)}/{len(requests)} requests in {now - started:.0f} s, prefix hits "
                   f"{100 * hit:.1f}%", flush=True)  # fmt: skip
+    if failed:
+        print("  answers that were errors (their blocks neither loaded nor saved): "
+              + ", ".join(f"{what} x{n}" for what, n in failed.most_common()), flush=True)  # fmt: skip
     return rows
 
 
