@@ -536,10 +536,20 @@ class Admitting(Ledger):
             return at
 
     def commit(
-        self, tenant: bytes, reservation_id: int, checksums: Sequence[int], kind: str = XXH3
+        self,
+        tenant: bytes,
+        reservation_id: int,
+        checksums: Sequence[int],
+        kind: str = XXH3,
+        *,
+        after_answer: Callable[[Callable[[], None]], bool] | None = None,
     ) -> PutResult:
         """Make a reservation's blocks visible, all or nothing; `checksums` block-major, of
-        `kind` (kvstore.blocks.CHECKSUMS). A partial save's layers go to its blocks' parts."""
+        `kind` (kvstore.blocks.CHECKSUMS). A partial save's layers go to its blocks' parts.
+        `after_answer` (a call's add_callback): write-behind is woken through it, once the
+        answer is sent (False: at once). Woken before, its threads took the GIL from the
+        call's last steps: on the 2-core VM a 30-block put's Commit took 1.18-1.41 ms at
+        the client (p50), against 0.84-1.07 woken after."""
         memory = self._tier()
         if kind not in CHECKSUMS:
             raise InvalidCommit(f"unknown checksum kind {kind!r}; known: {', '.join(CHECKSUMS)}")
@@ -563,7 +573,7 @@ class Admitting(Ledger):
                     result = self._admit_in_place(admission, res.extent, n, range(n), sums, kind, res)
         with self._lock:
             memory.counters.commits += 1
-        if self._writer is not None:
+        if self._writer is not None and (after_answer is None or not after_answer(self._writer.wake)):
             self._writer.wake()
         return result
 

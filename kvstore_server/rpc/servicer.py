@@ -477,8 +477,9 @@ class Servicer:
         except ValueError as exc:
             raise InvalidRequest(f"packed checksums: {exc}") from exc
         result = self.store.commit(
-            self.scope.tenant(context), request.reservation_id, checksums, request.checksum_kind or "xxh3"
-        )
+            self.scope.tenant(context), request.reservation_id, checksums, request.checksum_kind or "xxh3",
+            after_answer=context.add_callback,
+        )  # fmt: skip
         return pb.PutResponse(
             blocks_written=result.blocks_written,
             blocks_skipped=result.blocks_skipped,

@@ -109,3 +109,30 @@ def test_persist_every_writes_behind_every_committed_block(store: Store) -> None
         pass
     assert in_backend(store, hashes) == [True] * 3
     assert store.stats()["unused_blocks"] == 0
+
+
+def test_a_commit_wakes_write_behind_once_its_answer_is_out_when_the_call_can(store: Store) -> None:
+    """Commit hands write-behind's wake to the call (its context's add_callback: run once
+    the answer is sent), so the writer threads do not take the GIL from the answer; a call
+    that cannot take it (over already: add_callback says False) wakes it at once."""
+    woken: list[str] = []
+    store._writer.wake = lambda: woken.append("wake")  # type: ignore[method-assign]
+    callbacks: list[Callable[[], None]] = []
+
+    def commit(hashes: list[bytes], call_takes_it: bool) -> None:
+        def add_callback(callback: Callable[[], None]) -> bool:
+            if call_takes_it:
+                callbacks.append(callback)
+            return call_takes_it
+
+        res = store.reserve(b"", NS, b"", hashes, LAYERS)
+        store.memory.fill(res, lambda i, k: layer_bytes(hashes[i], LAYERS[k]))
+        sums = [checksum(layer_bytes(x, layer)) for x in hashes for layer in LAYERS]
+        store.commit(b"", res.id, sums, after_answer=add_callback)
+
+    commit(chain("after", 2), call_takes_it=True)
+    assert woken == [] and len(callbacks) == 1
+    callbacks.pop()()  # the answer is out
+    assert woken == ["wake"]
+    commit(chain("at-once", 2), call_takes_it=False)
+    assert woken == ["wake", "wake"] and not callbacks
