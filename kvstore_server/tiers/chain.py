@@ -624,7 +624,10 @@ class TierChain:
     def _write_behind(self, memory: MemoryTier, batch: list[Placed], extents: list[int]) -> None:
         started = time.perf_counter()
         try:
-            writes = [BlockWrite(placed.meta, (), pieces=memory.block_pieces(placed)) for placed in batch]
+            writes = [
+                BlockWrite(placed.meta, (), pieces=pieces)
+                for placed, pieces in zip(batch, memory.blocks_pieces(batch), strict=True)
+            ]
             written, refused = self._write_all_it_can(writes)
             if refused and len(refused) < len(writes):
                 log.warning("write-behind: the persistent tier is full for %d of %d blocks; they stay "

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lmdb
 
@@ -287,26 +287,30 @@ class LmdbBackend(Backend):
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
         """Delete `deletes`, then store `puts`: payloads written in parallel, then every
         record in one transaction (all or none of the puts become visible)."""
-        placed: list[tuple[BlockWrite, int, int]] = []  # (block, segment, offset)
+        placed: list[_Placed] = []
         self._recovered = None  # what open found is stale now: a scan reads the index
         try:
             if deletes:
                 self._delete(deletes)
             if not puts:
                 return
-            for block in puts:
+            # each block's size once (BlockMeta.size looks its layout up: write-behind spent
+            # a third of its Python asking it again at each step)
+            sizes = [block.meta.size for block in puts]
+            for block, size in zip(puts, sizes, strict=True):
                 if block.pieces is not None:
                     got = int(block.pieces.iov[:, 1].sum())
                 else:
                     got = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in block.layers)
-                if got != block.meta.size:
+                if got != size:
                     raise StorageError(
-                        f"block {block.meta.block_hash.hex()}: {got} bytes for a record of {block.meta.size}"
+                        f"block {block.meta.block_hash.hex()}: {got} bytes for a record of {size}"
                     )
-            for group in _batches(puts):
-                extents = self.segments.allocate_run([block.meta.size for block in group])
+            for start, stop in _batches(sizes):
+                extents = self.segments.allocate_run(sizes[start:stop])
                 placed.extend(
-                    (block, segment, offset) for block, (segment, offset) in zip(group, extents, strict=True)
+                    _Placed(puts[i], segment, offset, sizes[i])
+                    for i, (segment, offset) in zip(range(start, stop), extents, strict=True)
                 )
             futures = self.io.submit_many(
                 [
@@ -319,8 +323,8 @@ class LmdbBackend(Backend):
                 self.segments.flush()
             replaced = self._commit(placed)
         except (StorageError, lmdb.Error, OSError) as exc:
-            for block, segment, offset in placed:
-                self.segments.free(segment, offset, block.meta.size)
+            for done in placed:
+                self.segments.free(done.segment, done.offset, done.size)
             if isinstance(exc, StorageError):
                 raise
             if isinstance(exc, lmdb.MapFullError) or self._full(exc, puts):
@@ -328,13 +332,13 @@ class LmdbBackend(Backend):
             raise StorageError(f"LMDB write failed: {exc}") from exc
         self._free(replaced)
 
-    def _commit(self, placed: Sequence[tuple[BlockWrite, int, int]]) -> list[records.Record]:
+    def _commit(self, placed: Sequence[_Placed]) -> list[records.Record]:
         """Record `placed` in one transaction; returns the records it replaced (re-puts)."""
         replaced: list[records.Record] = []
         items = []
         layouts: dict[bytes, bytes] = {}
-        for block, segment, offset in placed:
-            raw, layout = records.pack((offset, segment, block.meta.size), block.meta)
+        for block, segment, offset, size in placed:
+            raw, layout = records.pack((offset, segment, size), block.meta)
             if layout.digest not in self._known_layouts:
                 layouts[layout.digest] = layout.record
             items.append((_key(*block.meta.key), raw))
@@ -672,20 +676,29 @@ def _payload_starts(layers: tuple[LayerSpec, ...]) -> list[int]:
     return [*layer_starts(sizes), sum(sizes)]
 
 
-def _batches(puts: Sequence[BlockWrite]) -> Iterator[Sequence[BlockWrite]]:
-    """`puts` in consecutive batches of at most RUN_BYTES, each placed back to back where
-    the segments have a run for it (Segments.allocate_run)."""
+class _Placed(NamedTuple):
+    """A block being written: where its extent is, and its size (BlockMeta.size, once)."""
+
+    block: BlockWrite
+    segment: int
+    offset: int
+    size: int
+
+
+def _batches(sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
+    """[start, stop) of consecutive blocks of `sizes` in batches of at most RUN_BYTES, each
+    placed back to back where the segments have a run for it (Segments.allocate_run)."""
     start, nbytes = 0, 0
-    for i, block in enumerate(puts):
-        if i > start and nbytes + block.meta.size > RUN_BYTES:
-            yield puts[start:i]
+    for i, size in enumerate(sizes):
+        if i > start and nbytes + size > RUN_BYTES:
+            yield start, i
             start, nbytes = i, 0
-        nbytes += block.meta.size
-    if start < len(puts):
-        yield puts[start:]
+        nbytes += size
+    if start < len(sizes):
+        yield start, len(sizes)
 
 
-def _write_runs(placed: Sequence[tuple[BlockWrite, int, int]]) -> list[tuple[int, int, int, Any]]:
+def _write_runs(placed: Sequence[_Placed]) -> list[tuple[int, int, int, Any]]:
     """(segment, offset, bytes, buffers) of one write each for blocks that lie back to back
     in a segment, up to RUN_BYTES and _IOV_MAX buffers: a batch of 64 KiB blocks goes as a
     few MiB-sized requests, not one per block (each request costs the pool's Python, under
@@ -694,7 +707,7 @@ def _write_runs(placed: Sequence[tuple[BlockWrite, int, int]]) -> list[tuple[int
     import numpy as np  # NOTE: not at import (see tiers.iopool)
 
     runs: list[tuple[int, int, int, int, list[Any]]] = []  # segment, offset, bytes, buffers, parts
-    for block, segment, offset in placed:
+    for block, segment, offset, size in placed:
         buffers = _buffers(block)
         if runs:
             last_segment, last_offset, last_bytes, count, parts = runs[-1]
@@ -702,13 +715,13 @@ def _write_runs(placed: Sequence[tuple[BlockWrite, int, int]]) -> list[tuple[int
                 last_segment == segment
                 and last_offset + last_bytes == offset
                 and isinstance(parts[0], list) == isinstance(buffers, list)
-                and last_bytes + block.meta.size <= RUN_BYTES
+                and last_bytes + size <= RUN_BYTES
                 and count + len(buffers) <= _IOV_MAX
             ):
                 parts.append(buffers)
-                runs[-1] = (segment, last_offset, last_bytes + block.meta.size, count + len(buffers), parts)
+                runs[-1] = (segment, last_offset, last_bytes + size, count + len(buffers), parts)
                 continue
-        runs.append((segment, offset, block.meta.size, len(buffers), [buffers]))
+        runs.append((segment, offset, size, len(buffers), [buffers]))
     return [
         (segment, offset, nbytes, parts[0] if len(parts) == 1
          else [b for part in parts for b in part] if isinstance(parts[0], list) else np.concatenate(parts))

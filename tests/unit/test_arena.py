@@ -164,17 +164,20 @@ def tier(tmp_path: Path) -> MemoryTier:
 def test_a_blocks_pieces_are_its_rows_of_the_extent_and_lie_where_a_client_finds_them(
     tier: MemoryTier,
 ) -> None:
-    """pieces() (what write-behind writes from) makes one block's rows alone; they match the
-    whole extent's rows and the layer-major layout clients read (kvstore.arena_format)."""
-    extent, blocks = 5 * PAGE, 7
-    rows = tier.extent_rows(LAYERS, extent, blocks)
+    """blocks_pieces() (what write-behind writes from) makes each block's rows, several
+    blocks of one extent together; they match the whole extent's rows and the layer-major
+    layout clients read (kvstore.arena_format), whichever extent each block is in."""
+    extents = {5 * PAGE: 7, 20 * PAGE: 3}
+    blocks = [Placed(meta(i), extent, n, position) for i, (extent, n, position) in enumerate(
+        [(5 * PAGE, 7, 0), (5 * PAGE, 7, 3), (5 * PAGE, 7, 6), (20 * PAGE, 3, 1), (5 * PAGE, 7, 2)]
+    )]  # fmt: skip
     starts = fmt.layer_starts([spec.nbytes for spec in LAYERS])
-    for position in (0, 3, blocks - 1):
-        got = tier.pieces(LAYERS, extent, blocks, position).iov
-        assert got.tolist() == rows[position].tolist()
+    for placed, pieces in zip(blocks, tier.blocks_pieces(blocks), strict=True):
+        extent, n, position = placed.extent, extents[placed.extent], placed.position
+        assert pieces.iov.tolist() == tier.extent_rows(LAYERS, extent, n)[position].tolist()
         for layer, spec in enumerate(LAYERS):
-            at = tier.file.address + extent + starts[layer] * blocks + position * spec.nbytes
-            assert got[layer].tolist() == [at, spec.nbytes]
+            at = tier.file.address + extent + starts[layer] * n + position * spec.nbytes
+            assert pieces.iov[layer].tolist() == [at, spec.nbytes]
 
 
 def test_recover_claims_extents_and_drops_overlaps(tier: MemoryTier) -> None:
