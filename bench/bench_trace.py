@@ -262,6 +262,9 @@ def replay_steps(
     request sees the saves of earlier steps only (as in an engine)."""
     from kvstore import wire
     from kvstore.blocks import XXH3
+    from kvstore_client.arena.load import ArenaSource
+    from kvstore_client.errors import LocalDataCorrupt, StoreTimeout
+    from kvstore_client.streams import LayerStream
     from kvstore_client.types import Chain, LayerSpec
 
     specs = [LayerSpec.of(name, t[:1]) for name, t in source.layers.items()]
@@ -301,9 +304,18 @@ def replay_steps(
                     failed[f"PinMany: {type(answer).__name__}"] += 1
                 else:
                     pins[i] = answer
-        for pinned, row in zip(pins, step_rows, strict=True):
-            if pinned is not None:
-                row.loaded = copy_out(pinned)
+        for pinned, req, row in zip(pins, batch, step_rows, strict=True):
+            if pinned is None:
+                continue
+            # copied out and verified as select does it (the client's ArenaSource), the pin
+            # then ended; one that fails its checksum or outlives its lease loads nothing
+            stream = LayerStream(ArenaSource(pinned, req.hashes), via="arena")
+            try:
+                stream.read_all()
+            except (LocalDataCorrupt, StoreTimeout) as exc:
+                failed[f"load: {type(exc).__name__}"] += 1
+            else:
+                row.loaded = stream.num_blocks
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         saving = [i for i, row in enumerate(step_rows) if row.loaded < len(batch[i].hashes)]
@@ -348,30 +360,6 @@ def replay_steps(
         print("  answers that were errors (their blocks neither loaded nor saved): "
               + ", ".join(f"{what} x{n}" for what, n in failed.most_common()), flush=True)  # fmt: skip
     return rows
-
-
-def copy_out(pinned: Any) -> int:
-    """A pinned prefix's layers copied out of the arena (as a worker copies them into its
-    KV cache), verified, the pin ended; the blocks loaded (0: it failed its checksum or
-    its lease ran out)."""
-    import torch
-
-    from kvstore_client.tensors import torch_dtype
-
-    n = pinned.num_blocks
-    try:
-        for layer, spec in enumerate(pinned.layers):
-            dest = torch.empty((n, *spec.shape), dtype=torch_dtype(spec.dtype))
-            for first, view in pinned.pieces(layer):
-                dest[first : first + len(view)].copy_(view)
-        bad = pinned.verify()
-    except BaseException:
-        pinned.release()
-        raise
-    if bad is not None:
-        pinned.release()
-        return 0
-    return n if pinned.finish() else 0
 
 
 def log_summary(path: Path, top: int = 6) -> list[str]:

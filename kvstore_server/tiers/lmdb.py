@@ -297,27 +297,32 @@ class LmdbBackend(Backend):
             # each block's size once (BlockMeta.size looks its layout up: write-behind spent
             # a third of its Python asking it again at each step)
             sizes = [block.meta.size for block in puts]
-            for block, size in zip(puts, sizes, strict=True):
-                if block.pieces is not None:
-                    got = int(block.pieces.iov[:, 1].sum())
-                else:
-                    got = sum(len(v) if isinstance(v, bytes) else v.nbytes for v in block.layers)
+            buffers = [_buffers(block) for block in puts]
+            for block, size, bufs in zip(puts, sizes, buffers, strict=True):
+                got = _nbytes(bufs)
                 if got != size:
                     raise StorageError(
                         f"block {block.meta.block_hash.hex()}: {got} bytes for a record of {size}"
                     )
+            writes: list[_Read] = []
             for start, stop in _batches(sizes):
                 extents = self.segments.allocate_run(sizes[start:stop])
-                placed.extend(
+                batch = [
                     _Placed(puts[i], segment, offset, sizes[i])
                     for i, (segment, offset) in zip(range(start, stop), extents, strict=True)
+                ]
+                placed.extend(batch)
+                # blocks placed back to back go as one request (see _batches)
+                writes += _coalesced(
+                    [
+                        (p.segment, p.offset, p.size, buffers[i])
+                        for i, p in zip(range(start, stop), batch, strict=True)
+                    ]
                 )
             futures = self.io.submit_many(
-                [
-                    (nbytes, functools.partial(self.segments.write, segment, offset, buffers))
-                    for segment, offset, nbytes, buffers in _write_runs(placed)
-                ]
-            )
+                [(nbytes, functools.partial(self._write, segment, offset, bufs))
+                 for segment, offset, nbytes, bufs in writes]
+            )  # fmt: skip
             _wait(futures)
             if self.segments.sync:
                 self.segments.flush()
@@ -561,6 +566,10 @@ class LmdbBackend(Backend):
                    for reads in batches]  # fmt: skip
         return self.io.submit_many([self._task(reads) for reads in planned])
 
+    def _write(self, segment: int, offset: int, buffers: _Rows | list[memoryview]) -> None:
+        """One write request (an I/O pool task): its iovec made here, off the caller's thread."""
+        self.segments.write(segment, offset, _iovec(buffers) if isinstance(buffers, _Rows) else buffers)
+
     def _task(self, planned: list[_Read]) -> tuple[int, Callable[[], None]]:
         def run() -> None:
             for segment, offset, _, buffers in planned:
@@ -644,26 +653,29 @@ def _iovec(rows: _Rows) -> Any:
 
 
 def _coalesced(planned: list[_Read]) -> list[_Read]:
-    """Reads of extents that follow each other in one segment (blocks written behind
-    together), merged into one preadv each, up to _IOV_MAX buffers (one, where the
-    blocks also lie back to back in memory, as a promotion places them): a read's fixed cost
-    is large where syscalls are dear (2 MiB reads ran 14 GB/s on a sandboxed H200 host,
-    256 KiB ones 2-5), and a promotion's blocks lie mostly back to back."""
+    """Reads (or writes) of extents that follow each other in one segment, merged into one
+    preadv (pwritev) each, up to _IOV_MAX buffers (one, where the blocks also lie back to
+    back in memory, as a promotion places them): a request's fixed cost is large where
+    syscalls are dear (2 MiB reads ran 14 GB/s on a sandboxed H200 host, 256 KiB ones 2-5),
+    and blocks written behind together, or promoted together, lie mostly back to back. The
+    first of merged entries' buffers are extended in place (each entry's are its own)."""
     out: list[_Read] = []
     for segment, offset, nbytes, buffers in planned:
-        if out and isinstance(buffers, _Rows):
+        if out:
             last_segment, last_offset, last_bytes, last_buffers = out[-1]
             if (
                 last_segment == segment
                 and last_offset + last_bytes == offset
-                and isinstance(last_buffers, _Rows)
+                and isinstance(last_buffers, _Rows) == isinstance(buffers, _Rows)
                 and len(last_buffers) + len(buffers) <= _IOV_MAX
             ):
-                tail = last_buffers[-1]
-                if tail[0] + tail[1] == buffers[0][0]:  # into memory back to back too
-                    tail[1] += buffers[0][1]
-                    last_buffers.extend(buffers[1:])
-                else:
+                if isinstance(last_buffers, _Rows) and isinstance(buffers, _Rows):
+                    tail = last_buffers[-1]
+                    if tail[0] + tail[1] == buffers[0][0]:  # into memory back to back too
+                        tail[1] += buffers[0][1]
+                        buffers = _Rows(buffers[1:])
+                    last_buffers.extend(buffers)
+                elif not isinstance(last_buffers, _Rows) and not isinstance(buffers, _Rows):
                     last_buffers.extend(buffers)
                 out[-1] = (segment, last_offset, last_bytes + nbytes, last_buffers)
                 continue
@@ -687,7 +699,11 @@ class _Placed(NamedTuple):
 
 def _batches(sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
     """[start, stop) of consecutive blocks of `sizes` in batches of at most RUN_BYTES, each
-    placed back to back where the segments have a run for it (Segments.allocate_run)."""
+    placed back to back where the segments have a run for it (Segments.allocate_run) and
+    written as one request (_coalesced): a batch of 64 KiB blocks goes as a few MiB-sized
+    requests, not one per block (each request costs the I/O pool's Python, under the GIL
+    that the daemon's RPCs wait for: 30-block puts on the 2-core VM spent 2/3 of their time
+    waiting behind write-behind's per-block requests)."""
     start, nbytes = 0, 0
     for i, size in enumerate(sizes):
         if i > start and nbytes + size > RUN_BYTES:
@@ -698,42 +714,18 @@ def _batches(sizes: Sequence[int]) -> Iterator[tuple[int, int]]:
         yield start, len(sizes)
 
 
-def _write_runs(placed: Sequence[_Placed]) -> list[tuple[int, int, int, Any]]:
-    """(segment, offset, bytes, buffers) of one write each for blocks that lie back to back
-    in a segment, up to RUN_BYTES and _IOV_MAX buffers: a batch of 64 KiB blocks goes as a
-    few MiB-sized requests, not one per block (each request costs the pool's Python, under
-    the GIL that the daemon's RPCs wait for; 30-block puts on the 2-core VM spent 2/3 of
-    their time waiting behind write-behind's per-block requests)."""
-    import numpy as np  # NOTE: not at import (see tiers.iopool)
-
-    runs: list[tuple[int, int, int, int, list[Any]]] = []  # segment, offset, bytes, buffers, parts
-    for block, segment, offset, size in placed:
-        buffers = _buffers(block)
-        if runs:
-            last_segment, last_offset, last_bytes, count, parts = runs[-1]
-            if (
-                last_segment == segment
-                and last_offset + last_bytes == offset
-                and isinstance(parts[0], list) == isinstance(buffers, list)
-                and last_bytes + size <= RUN_BYTES
-                and count + len(buffers) <= _IOV_MAX
-            ):
-                parts.append(buffers)
-                runs[-1] = (segment, last_offset, last_bytes + size, count + len(buffers), parts)
-                continue
-        runs.append((segment, offset, size, len(buffers), [buffers]))
-    return [
-        (segment, offset, nbytes, parts[0] if len(parts) == 1
-         else [b for part in parts for b in part] if isinstance(parts[0], list) else np.concatenate(parts))
-        for segment, offset, nbytes, _, parts in runs
-    ]  # fmt: skip
-
-
-def _buffers(block: BlockWrite) -> list[memoryview] | Any:
-    """What the segments write: the arena's iovec rows where the block lies there."""
+def _buffers(block: BlockWrite) -> _Rows | list[memoryview]:
+    """What the segments write: the block's rows where it lies in mapped memory (the
+    arena), else its buffers."""
     if block.pieces is not None:
-        return block.pieces.iov
+        return _Rows(block.pieces.iov.tolist())
     return [v if isinstance(v, memoryview) else memoryview(v) for v in block.layers]
+
+
+def _nbytes(buffers: _Rows | list[memoryview]) -> int:
+    if isinstance(buffers, _Rows):
+        return sum(length for _, length in buffers)
+    return sum(v.nbytes for v in buffers)
 
 
 def _wait(futures: Sequence[Future[None]]) -> None:

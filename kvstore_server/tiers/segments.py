@@ -280,9 +280,11 @@ class Segments:
                     log.info("cut segment %d to %d bytes: the capacity shrank", index, self._usable[index])
                 break
 
-    def allocate(self, nbytes: int) -> tuple[int, int]:
+    def allocate(self, nbytes: int, *, rested_only: bool = False) -> tuple[int, int]:
         """(segment, offset) of a free extent for `nbytes`, creating a segment when none has
-        room. Raises StorageFullError when the segments are full to `max_bytes`."""
+        room. Raises StorageFullError when the segments are full to `max_bytes`.
+        `rested_only`: not from extents still resting either (allocate_run's try at one run
+        for a batch must not end their rest when its blocks fit elsewhere one by one)."""
         size = aligned(nbytes)
         if size > self.segment_bytes:
             raise StorageFullError(
@@ -305,7 +307,7 @@ class Segments:
                     if offset is None:  # cannot happen: a fresh segment holds any extent that fits
                         raise StorageError("a new segment has no room")
                     return len(self._fds) - 1, offset
-            if self._resting:  # nothing else has room: the rest ends
+            if self._resting and not rested_only:  # nothing else has room: the rest ends
                 self._wake(float("inf"))
                 found = self._first_fit(size, unit)
                 if found is not None:
@@ -322,7 +324,7 @@ class Segments:
         total = sum(sizes)
         if len(sizes) > 1 and total <= self.segment_bytes and all(n % ALIGN == 0 for n in sizes):
             try:
-                segment, offset = self.allocate(total)
+                segment, offset = self.allocate(total, rested_only=True)
             except StorageFullError:  # no free run holds them all: smaller holes may, one by one
                 log.debug("no free run of %d bytes for %d blocks: placing them one by one", total, len(sizes))
             else:

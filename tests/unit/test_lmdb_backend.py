@@ -263,3 +263,23 @@ def test_a_batch_no_free_run_holds_goes_into_the_holes_one_by_one(tmp_path: Path
                 assert block is not None and bytes(block.layers[0]) == layer_bytes(k, BIG[0])
     finally:
         backend.close()
+
+
+def test_a_batch_no_free_run_holds_leaves_resting_extents_resting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """allocate_run's try at one run for a batch does not end the rest of freed extents
+    (a same-host client may still read them) when its blocks fit elsewhere one by one."""
+    import kvstore_server.tiers.segments as segments_module
+
+    segs = Segments(tmp_path, max_bytes=8 * ALIGN, segment_bytes=8 * ALIGN, direct=False)
+    try:
+        taken = [segs.allocate(ALIGN) for _ in range(8)]
+        monkeypatch.setattr(segments_module, "_REST_S", 0.0)
+        for k in (1, 5):  # rested at once
+            segs.free(*taken[k], ALIGN)
+        monkeypatch.setattr(segments_module, "_REST_S", 3600.0)
+        segs.free(*taken[3], ALIGN)  # still resting
+        assert sorted(segs.allocate_run([ALIGN, ALIGN])) == [taken[1], taken[5]]
+    finally:
+        segs.close()

@@ -18,6 +18,7 @@ are one class; the records they describe are in leases.py.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import secrets
 import shutil
@@ -719,16 +720,27 @@ class MemoryTier:
         return expired
 
     # ---- reading
-    def extent_rows(self, layers: tuple[LayerSpec, ...], extent: int, num_blocks: int) -> Any:
-        """Where every block of an extent of `num_blocks` blocks lies, layer by layer: a numpy
-        uint64 array [num_blocks, layers, 2] of (address, length) rows (iovecs), made in one
-        step from each layout's offsets (computed once per layout and extent size)."""
+    def extent_rows(
+        self,
+        layers: tuple[LayerSpec, ...],
+        extent: int,
+        num_blocks: int,
+        positions: Sequence[int] | None = None,
+    ) -> Any:
+        """Where the blocks at `positions` (default every one) of an extent of `num_blocks`
+        blocks lie, layer by layer: a numpy uint64 array [len(positions), layers, 2] of
+        (address, length) rows (iovecs), made in one step from each layout's offsets
+        (computed once per layout and extent size)."""
         import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
         before, sizes = self._layer_offsets(layers, num_blocks)
-        positions = np.arange(num_blocks, dtype=np.uint64)[:, None]
-        rows = np.empty((num_blocks, len(sizes), 2), dtype=np.uint64)
-        rows[:, :, 0] = before[None, :] + sizes[None, :] * positions + np.uint64(self.file.address + extent)
+        at = (
+            np.arange(num_blocks, dtype=np.uint64)
+            if positions is None
+            else np.array(positions, dtype=np.uint64)
+        )
+        rows = np.empty((len(at), len(sizes), 2), dtype=np.uint64)
+        rows[:, :, 0] = before[None, :] + sizes[None, :] * at[:, None] + np.uint64(self.file.address + extent)
         rows[:, :, 1] = sizes[None, :]
         return rows
 
@@ -749,31 +761,19 @@ class MemoryTier:
 
     def blocks_pieces(self, blocks: Sequence[Placed]) -> list[Pieces]:
         """Where each block lies, layer by layer (tiers.base.Pieces: what write-behind writes
-        from): the rows of consecutive blocks of one extent made together, one numpy
-        operation for them, not one per block (numpy's per-call cost was a fifth of
-        write-behind's Python), and of those blocks alone (the whole extent's rows for each
-        block made a batch quadratic in the extent's size)."""
-        import numpy as np  # NOTE: not at import (see extent_rows)
-
+        from): the rows of consecutive blocks of one extent made together (extent_rows of
+        their positions: numpy's per-call cost, per block, was a fifth of write-behind's
+        Python), and of those blocks alone (the whole extent's rows for each block made a
+        batch quadratic in the extent's size)."""
         out: list[Pieces] = []
-        i = 0
-        while i < len(blocks):
-            first = blocks[i]
-            j = i + 1
-            while j < len(blocks) and (
-                blocks[j].extent == first.extent
-                and blocks[j].extent_blocks == first.extent_blocks
-                and blocks[j].meta.layers is first.meta.layers
-            ):
-                j += 1
-            before, sizes = self._layer_offsets(first.meta.layers, first.extent_blocks)
-            positions = np.array([placed.position for placed in blocks[i:j]], dtype=np.uint64)[:, None]
-            rows = np.empty((j - i, len(sizes), 2), dtype=np.uint64)
-            base = np.uint64(self.file.address + first.extent)
-            rows[:, :, 0] = before[None, :] + sizes[None, :] * positions + base
-            rows[:, :, 1] = sizes[None, :]
-            out.extend(Pieces(rows[k], self.file) for k in range(j - i))
-            i = j
+        for (extent, count, _), run in itertools.groupby(
+            blocks, key=lambda placed: (placed.extent, placed.extent_blocks, id(placed.meta.layers))
+        ):
+            group = list(run)
+            rows = self.extent_rows(
+                group[0].meta.layers, extent, count, [placed.position for placed in group]
+            )
+            out.extend(Pieces(block_rows, self.file) for block_rows in rows)
         return out
 
     def block(self, placed: Placed) -> StoredBlock:
