@@ -208,19 +208,18 @@ class Admitting(Ledger):
             raise CapacityError(f"not enough evictable data to make room for this {blocks.what}")
         now = time.time()
         tier, extra = place(fresh, victims, chain, now)
+        new_hashes, new_parents = [hashes[i] for i in fresh], [blocks.parents[i] for i in fresh]
         with self._lock:
-            for i in fresh:
-                self._index.add(ns, hashes[i], blocks.parents[i], block_bytes, now, len(spec))
+            self._index.add_chain(ns, new_hashes, new_parents, block_bytes, now, len(spec))
             self.counters.puts += 1
             self.counters.blocks_written += len(fresh)
             self.counters.bytes_written += incoming
             if fresh:
                 if blocks.to_fleet and self._fleet_writer is not None:
-                    self._fleet_writer.add([(ns, hashes[i]) for i in fresh], block_bytes)
+                    self._fleet_writer.add([(ns, h) for h in new_hashes], block_bytes)
                 tokens = [blocks.tokens[i] for i in fresh] if blocks.tokens else None
                 for listener in self._listeners:
-                    listener("stored", ns, [hashes[i] for i in fresh], [blocks.parents[i] for i in fresh],
-                             tokens, tier)  # fmt: skip
+                    listener("stored", ns, new_hashes, new_parents, tokens, tier)
             self._changed.notify_all()
         return PutResult(
             len(fresh), blocks.skipped + len(hashes) - len(fresh), incoming, len(victims) + len(extra)

@@ -7,9 +7,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import lmdb
 import pytest
 
 from kvstore import arena_format as fmt
+from kvstore import records
 from kvstore_server.tiers import BlockMeta, LayerSpec
 from kvstore_server.tiers.arena import (
     Allocator,
@@ -151,6 +153,76 @@ def test_index_after_a_reopen_goes_on_in_commit_order_and_deletes_what_it_recove
     found = {p.meta.block_hash: p.extent for p in last.scan()}
     assert found == {meta(1).block_hash: 5 * PAGE, meta(2).block_hash: 3 * PAGE}
     last.close()
+
+
+def _records(path: Path) -> dict[str, int]:
+    """How many records each of a closed index's databases holds."""
+    env = lmdb.open(str(path), readonly=True, max_dbs=3, lock=False)
+    try:
+        with env.begin() as txn:
+            return {
+                name: txn.stat(env.open_db(name.encode(), txn=txn))["entries"] for name in ("blocks", "dead")
+            }
+    finally:
+        env.close()
+
+
+def test_index_a_commits_blocks_are_one_record_and_a_delete_keeps_the_rest_of_it(tmp_path: Path) -> None:
+    """A put of one namespace's blocks is one record; deleting some of them keeps the others
+    across a reopen (the run's bitmap of dead blocks), deleting the last drops the record."""
+    index = ArenaIndex(tmp_path / "idx", "arena-1")
+    index.put([Placed(meta(i), PAGE, 5, i) for i in range(5)])
+    index.delete([meta(1).key, meta(3).key])
+    index.close()
+    assert _records(tmp_path / "idx") == {"blocks": 1, "dead": 1}
+    again = ArenaIndex(tmp_path / "idx", "arena-1")
+    found = {p.meta.block_hash: (p.position, tuple(p.meta.checksums)) for p in again.scan()}
+    assert found == {meta(i).block_hash: (i, (1, 2)) for i in (0, 2, 4)}
+    again.delete([meta(i).key for i in (0, 1, 2, 4)])  # block 1 is gone already
+    again.close()
+    assert _records(tmp_path / "idx") == {"blocks": 0, "dead": 0}
+    assert list(ArenaIndex(tmp_path / "idx", "arena-1").scan()) == []
+
+
+def test_index_a_put_of_two_namespaces_or_layouts_keeps_each_blocks_own(tmp_path: Path) -> None:
+    other = (LayerSpec("c", "uint8", (512,), 512),)
+    blocks = [
+        Placed(meta(0), PAGE, 1, 0),
+        Placed(meta(1, ns=b"other"), 2 * PAGE, 1, 0),
+        Placed(BlockMeta(b"ns", (2).to_bytes(32, "big"), meta(0).block_hash, other, (9,), 3.0, "wsum32"), 3 * PAGE, 1, 0),
+    ]  # fmt: skip
+    index = ArenaIndex(tmp_path / "idx", "arena-1")
+    index.put(blocks)
+    index.close()
+    again = ArenaIndex(tmp_path / "idx", "arena-1")
+    assert {p.meta.key: (p.meta, p.extent) for p in again.scan()} == {
+        p.meta.key: (p.meta, p.extent) for p in blocks
+    }
+    again.close()
+
+
+def test_index_reads_the_record_per_block_of_the_format_before(tmp_path: Path) -> None:
+    """An index written by the daemon before runs (format 3: one record per block) is
+    recovered, not dropped: an upgrade keeps the blocks only the arena holds."""
+    old = Placed(meta(0), PAGE, 2, 1)
+    env = lmdb.open(str(tmp_path / "idx"), max_dbs=3)
+    raw, layout = records.pack((old.extent, old.extent_blocks, old.position), old.meta)
+    key = records.index_key(*old.meta.key)
+    with env.begin(write=True) as txn:
+        txn.put(b"arena-id", b"arena-1/3")
+        txn.put(layout.digest, layout.record, db=env.open_db(b"layouts", txn=txn))
+        txn.put(
+            (7).to_bytes(8, "big"),
+            len(key).to_bytes(2, "little") + key + raw,
+            db=env.open_db(b"blocks", txn=txn),
+        )
+    env.close()
+    index = ArenaIndex(tmp_path / "idx", "arena-1")
+    assert [(p.meta, p.position) for p in index.scan()] == [(old.meta, 1)]
+    index.put([Placed(meta(1), 2 * PAGE, 1, 0)])  # after the old record, in commit order
+    index.delete([old.meta.key])
+    index.close()
+    assert [p.meta.key for p in ArenaIndex(tmp_path / "idx", "arena-1").scan()] == [meta(1).key]
 
 
 # ---- state: recovery, placement, leases

@@ -234,3 +234,31 @@ def test_parent_links_that_form_a_cycle_do_not_hang() -> None:
     index.add(NS, h("self"), h("self"), 10, 1.0)
     assert index.descendants(NS, h("self")) == []
     assert index.remove(NS, h("self")) is not None
+
+
+def test_add_chain_indexes_as_adding_each_block_does() -> None:
+    """add_chain (a put's blocks at once) leaves the index as add() one by one does: the
+    blocks stored already are skipped, a stored parent stops being a tail, a block whose
+    child came first (a scan's order) is no tail, and the tails keep add()'s order."""
+    a, b = chain("a", 6), chain("b", 2)
+
+    def build(at_once: bool) -> tuple[PrefixIndex, int]:
+        index = PrefixIndex()
+        add_chain(index, a[:2])  # a[1]: a tail the put extends
+        index.add(NS, a[5], a[4], 10, 1.0)  # a child indexed before its parent
+        add_chain(index, b)
+        blocks, parents = [a[1], a[2], a[3], a[4]], [a[0], a[1], a[2], a[3]]
+        if at_once:
+            return index, index.add_chain(NS, blocks, parents, 10, 2.0, 4)
+        return index, sum(index.add(NS, x, p, 10, 2.0, 4) for x, p in zip(blocks, parents, strict=True))
+
+    one_by_one, added = build(at_once=False)
+    together, added_together = build(at_once=True)
+    assert added == added_together == 3
+    assert leaves(together) == leaves(one_by_one) == [(NS, a[5]), (NS, b[1])]
+    assert (
+        (together.num_blocks, together.bytes_used)
+        == (one_by_one.num_blocks, one_by_one.bytes_used)
+        == (8, 80)
+    )
+    assert together.get(NS, a[3]).num_layers == 4 and together.get(NS, a[1]).created_at == 1.0
