@@ -315,6 +315,33 @@ def test_a_promotion_into_a_full_arena_evicts_the_least_recently_used_blocks_it_
     assert all(tier.extents[at].pins == 1 for at in got)  # held by the promotion
 
 
+def test_eviction_takes_the_least_recently_used_after_many_uses_and_not_a_held_extent(
+    tier: MemoryTier,
+) -> None:
+    """After thousands of uses (the tier's ages of them compacted on the way), eviction
+    still takes the least recently used extents; a held one is passed over, and is the
+    first to go once it is let go."""
+    offsets = _full_of_one_block_extents(tier, {})
+    last = {i: 100.0 + i for i in range(len(offsets))}
+    rng, t = random.Random(3), 1000.0
+    for _ in range(3000):
+        i, t = rng.randrange(len(offsets)), t + 1
+        with tier.lock:
+            tier.pin_extents([offsets[i]], t)
+            tier.unpin_extents([offsets[i]])
+        last[i] = t
+    oldest = sorted(last, key=last.__getitem__)
+    with tier.lock:  # held, as of its last use: the least recently used, and may not leave
+        tier.pin_extents([offsets[oldest[0]]], last[oldest[0]])
+    got = tier.hold_block_extents(4000, 2, t + 1)
+    assert sorted(got) == sorted(offsets[i] for i in oldest[1:3])
+    assert meta(oldest[0]).key in tier.resident
+    with tier.lock:
+        tier.unpin_extents([offsets[oldest[0]]])
+    assert tier.hold_block_extents(4000, 1, t + 2) == [offsets[oldest[0]]]
+    assert tier.counters.memory_evictions == 3
+
+
 def test_a_promotion_takes_several_free_ranges_when_none_holds_it_all(tier: MemoryTier) -> None:
     """Free space in ranges of two blocks, a promotion of five: three ranges, the largest
     first, nothing evicted (the rest is pinned anyway); too many blocks for the free

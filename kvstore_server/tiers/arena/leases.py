@@ -25,6 +25,7 @@ class Extent:
     pins: int = 0  # pins, reads and promotions or part groups holding it: it may not leave
     last_use: float = 0.0
     waiting: int = 0  # live blocks waiting for write-behind: the extent may not leave
+    tick: int = 0  # which of MemoryTier's entries of last_use is current
 
 
 @dataclass

@@ -18,6 +18,7 @@ are one class; the records they describe are in leases.py.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import secrets
@@ -117,6 +118,12 @@ class MemoryTier:
         self.resident: dict[BlockKey, Placed] = {}
         self.resident_bytes = 0
         self.extents: dict[int, Extent] = {}
+        # (last_use, tick, offset) of every extent, a min-heap: an entry is its extent's
+        # current one while their ticks agree (older ones are skipped, and dropped when
+        # they outnumber the extents). Eviction sorted every extent per call before: 3.6 ms
+        # a Reserve with 20,000 extents in the arena (a full arena of promoted 2 MiB blocks)
+        self._ages: list[tuple[float, int, int]] = []
+        self._tick = 0
         self.reservations: dict[int, Reservation] = {}
         self.pins: dict[int, Pin] = {}
         self.dirty: OrderedDict[BlockKey, int] = OrderedDict()  # key -> bytes, commit order
@@ -215,7 +222,7 @@ class MemoryTier:
                         placed.meta.block_hash.hex(),
                     )
                     continue
-                extent = self.extents[placed.extent] = Extent(placed.extent, nbytes, placed.extent_blocks)
+                extent = self._new_extent(placed.extent, nbytes, placed.extent_blocks)
             elif extent.nbytes != nbytes or extent.blocks != placed.extent_blocks:
                 log.warning(
                     "memory tier record of block %s disagrees with its extent: dropped",
@@ -244,20 +251,27 @@ class MemoryTier:
         promotion of a thousand blocks into a full arena evicts a thousand one-block
         extents). Caller holds the commit lock. Raises NoRoom."""
         gone: list[BlockKey] = []
+        held: list[tuple[float, int, int]] = []  # entries of extents that may not leave now
+        ages = self._ages
         try:
             with self.lock:
                 got = fit()
                 if got is not None:
                     return got
-                candidates = sorted(
-                    (e for e in self.extents.values() if not e.pins and not e.waiting),
-                    key=lambda e: e.last_use,
-                )
-                for extent in candidates:
+                while ages:  # least recently used first
+                    entry = heapq.heappop(ages)
+                    extent = self.extents.get(entry[2])
+                    if extent is None or extent.tick != entry[1]:  # freed, or used since
+                        continue
+                    if extent.pins or extent.waiting:
+                        held.append(entry)
+                        continue
                     keys = list(extent.live)
                     self._evicted.extend(k for k in keys if k in self.memory_only)
                     self.counters.memory_evictions += len(keys)
                     gone += self.unplace(keys)
+                    if extent.offset in self.extents:  # (not freed: it keeps its place)
+                        held.append(entry)
                     got = fit()
                     if got is not None:
                         return got
@@ -265,7 +279,28 @@ class MemoryTier:
                     "no room in the memory tier: the rest is pinned, reserved or waiting to be written behind"
                 )
         finally:
+            with self.lock:
+                for entry in held:
+                    heapq.heappush(ages, entry)
             self.forget(gone)
+
+    def _new_extent(
+        self, offset: int, nbytes: int, blocks: int, *, pins: int = 0, last_use: float = 0.0
+    ) -> Extent:
+        """A new extent at `offset` (caller holds the lock)."""
+        extent = self.extents[offset] = Extent(offset, nbytes, blocks, pins=pins)
+        self._used(extent, last_use)
+        return extent
+
+    def _used(self, extent: Extent, when: float) -> None:
+        """`extent` was last used at `when` (caller holds the lock)."""
+        self._tick += 1
+        extent.last_use, extent.tick = when, self._tick
+        ages = self._ages
+        heapq.heappush(ages, (when, self._tick, extent.offset))
+        if len(ages) > 2 * len(self.extents) + 1024:  # mostly entries of other times: rebuilt
+            ages[:] = [(e.last_use, e.tick, e.offset) for e in self.extents.values()]
+            heapq.heapify(ages)
 
     def hold_extent(self, nbytes: int, blocks: int, now: float, holds: int = 1) -> int:
         """make_room for an extent that is held from the start (a promotion's, a part
@@ -273,7 +308,7 @@ class MemoryTier:
         hold); its blocks become resident as they are placed. Caller holds the commit lock. Raises NoRoom."""
         offset = self.make_room(nbytes, now)
         with self.lock:
-            self.extents[offset] = Extent(offset, nbytes, blocks, pins=holds, last_use=now)
+            self._new_extent(offset, nbytes, blocks, pins=holds, last_use=now)
         return offset
 
     def hold_block_extents(self, block_bytes: int, blocks: int, now: float) -> list[int]:
@@ -289,7 +324,7 @@ class MemoryTier:
         offsets = self._room(lambda: self._block_slots(each, blocks), now)
         with self.lock:
             for at in offsets:
-                self.extents[at] = Extent(at, each, 1, pins=1, last_use=now)
+                self._new_extent(at, each, 1, pins=1, last_use=now)
         return offsets
 
     def _block_slots(self, each: int, blocks: int) -> list[int] | None:
@@ -345,10 +380,10 @@ class MemoryTier:
             if extent is None or extent.offset != placed.extent:
                 extent = self.extents.get(placed.extent)
                 if extent is None:
-                    extent = self.extents[placed.extent] = Extent(
+                    extent = self._new_extent(
                         placed.extent, fmt.extent_bytes(size, placed.extent_blocks), placed.extent_blocks
                     )
-                extent.last_use = now - later * _TAIL_FIRST
+                self._used(extent, now - later * _TAIL_FIRST)
                 later += 1
             key = meta.key
             extent.live.add(key)
@@ -447,7 +482,7 @@ class MemoryTier:
         for later, offset in enumerate(offsets):
             extent = self.extents[offset]
             extent.pins += 1
-            extent.last_use = now - later * _TAIL_FIRST
+            self._used(extent, now - later * _TAIL_FIRST)
 
     def unpin_extents(self, offsets: Sequence[int]) -> None:
         """Caller holds the lock."""
