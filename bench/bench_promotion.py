@@ -15,7 +15,9 @@ measures the whole of it on a GPU host). Per case, medians of `--repeat`:
   the pin made), which a client waits for before it copies anything;
 - first / last: its first and last progress report (blocks read, which a client copies);
 - the first I/O task done, and an eighth of them: the reads' own progress;
-- GB/s: the bytes over the time to the last report.
+- GB/s: the bytes over the time to the last report;
+- the last report's blocks (and how long after the report before it came): what a loader
+  still copies once the last read ended.
 
 Each case runs under CPython switch intervals (`--switch-intervals`, ms): an I/O thread
 returning from its preadv waits for the GIL while another thread runs Python, up to one
@@ -121,7 +123,10 @@ def promote(
         stream = store.pin_stream(b"", NS, hashes)
         first = next(stream)
         answer = time.perf_counter() - start
-        reports = [time.perf_counter() - start for _ in stream]
+        reports, blocks = [], [0]
+        for ready in stream:
+            reports.append(time.perf_counter() - start)
+            blocks.append(getattr(ready, "blocks", blocks[-1]))
         end = time.perf_counter() - start
         store.release(b"", first.pin_id)  # type: ignore[union-attr]
     finally:
@@ -129,7 +134,13 @@ def promote(
         shutil.rmtree(shm, ignore_errors=True)
         shm.mkdir()
     ended = sorted(pool.ended)
-    return [x * 1e3 for x in (answer, reports[0], reports[-1], end, ended[0], ended[len(ended) // 8])]
+    times = [x * 1e3 for x in (answer, reports[0], reports[-1], end, ended[0], ended[len(ended) // 8])]
+    # the last report's blocks: what a loader copies once the last read ended
+    return [
+        *times,
+        float(blocks[-1] - blocks[-2]),
+        (reports[-1] - reports[-2]) * 1e3 if len(reports) > 1 else 0.0,
+    ]
 
 
 def main() -> None:
@@ -171,10 +182,11 @@ def main() -> None:
                     pool = backend.io = TimedPool(threads)  # type: ignore[attr-defined]
                     backend.io_threads = threads  # type: ignore[attr-defined]
                     rows = [promote(backend, pool, hashes[:n], shm, root, rep) for rep in range(args.repeat)]
-                    med = [statistics.median(r[k] for r in rows) for k in range(6)]
+                    med = [statistics.median(r[k] for r in rows) for k in range(8)]
                     print(f"  {n:4d} blocks, {threads:2d} threads, switch {interval:4.1f} ms: answer {med[0]:5.1f}, "
                           f"first {med[1]:5.1f}, last {med[2]:5.1f}, end {med[3]:5.1f} ms (tasks: first "
-                          f"{med[4]:5.1f}, 1/8 {med[5]:5.1f}) -> {nbytes / med[2] / 1e6:5.1f} GB/s")  # fmt: skip
+                          f"{med[4]:5.1f}, 1/8 {med[5]:5.1f}) -> {nbytes / med[2] / 1e6:5.1f} GB/s; the last report "
+                          f"added {med[6]:.0f} blocks, {med[7]:.1f} ms after the one before")  # fmt: skip
         sys.setswitchinterval(0.005)
         backend.close()  # type: ignore[attr-defined]
     finally:
