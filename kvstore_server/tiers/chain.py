@@ -99,25 +99,6 @@ class ReadResult:
         return subset_indices(self.subset or (), len(self.layers))
 
 
-def read_chunks(n: int, block_bytes: int, threads: int) -> list[range]:
-    """A promotion's `n` blocks in read tasks, in order (per group of layers, the blocks in
-    these chunks, a task each): taken in order by the `threads` I/O threads, so the leading
-    blocks land first, and a loader starts on them a few reads in. About _READ_TASK_BYTES
-    each (at most _TASKS_PER_THREAD per thread), shrinking as the blocks left run out (a
-    chunk is about 1/(2 x threads) of them) to _LAST_TASK_BYTES: the threads' last reads
-    end together, and what they read is what a loader still has to copy once the last
-    ends (chunks of a size all through, the last 32 of 128 blocks of 2 MiB landed at once,
-    1.4 ms of copying after the last read on an H100 host)."""
-    most = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, block_bytes), 1)
-    least = max(1, min(most, _LAST_TASK_BYTES // max(1, block_bytes)))
-    chunks, first = [], 0
-    while first < n:
-        size = min(most, max(least, -(-(n - first) // (2 * threads))))
-        chunks.append(range(first, min(n, first + size)))
-        first += size
-    return chunks
-
-
 def verified_prefix(
     blocks: Sequence[StoredBlock | None], keys: Sequence[BlockKey], subset: tuple[int, ...] | None = None
 ) -> tuple[ReadResult, BlockKey | None]:
@@ -154,9 +135,6 @@ _MAX_GROUPS = 8
 # reported about every _READY_STEP_BYTES of blocks read.
 _READ_TASK_BYTES = 4 << 20
 _TASKS_PER_THREAD = 8
-# ... and shrinking towards the end to this (a block, if larger): the I/O threads' last
-# reads end together, and a loader copies what they read after the last of them
-_LAST_TASK_BYTES = 2 << 20
 _READY_STEP_BYTES = 8 << 20
 _READY_REPORTS = 16
 
@@ -256,7 +234,15 @@ class Promotion:
         self.block_bytes = sum(layer.nbytes for layer in layers)
         found = time.perf_counter()
         self._located = located
-        self._chunks = read_chunks(n, self.block_bytes, getattr(chain.persistent, "io_threads", 1))
+        # per group, the blocks in chunks of about _READ_TASK_BYTES, a task each (at most
+        # _TASKS_PER_THREAD per I/O thread): taken in order by the I/O threads, so the
+        # leading blocks land first, and a loader starts on them a few reads in.
+        # NOTE: tasks shrinking to 2 MiB towards the end (so the threads' last reads, which
+        # a loader copies after the last ends, are small) read slower on an H100 host:
+        # 128 blocks in 22-27 ms against 15-19 (bench/results/chunks_h100_ab.txt)
+        threads = getattr(chain.persistent, "io_threads", 1)
+        size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
+        self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
         self._futures: list[list[Future[None]]] = []
         self._issue_lock = threading.Lock()
         self.issued = 0.0  # when the last read was issued (perf_counter); 0: not yet

@@ -15,7 +15,7 @@ from kvunit import BLOCK_BYTES, LAYERS, NS, backend_file_with, chain, layer_byte
 from kvstore.blocks import STOP_EVICTED
 from kvstore_server.store import Store
 from kvstore_server.tiers.arena import open_memory_tier
-from kvstore_server.tiers.chain import Ready, read_chunks
+from kvstore_server.tiers.chain import Ready
 from kvstore_server.tiers.iopool import IOPool
 
 
@@ -192,28 +192,3 @@ def test_a_streamed_pin_answers_before_its_reads_and_a_read_it_cannot_issue_ends
     again = store.pin(b"", NS, hashes)
     assert again.num_blocks == 6
     assert store.release(b"", again.pin_id)
-
-
-@pytest.mark.parametrize(
-    ("blocks", "block_bytes", "threads"),
-    [
-        (128, 2 << 20, 16),
-        (512, 2 << 20, 16),
-        (7, 2 << 20, 16),
-        (3000, 64 << 10, 16),
-        (40, 16 << 20, 4),
-        (1, 1, 1),
-    ],
-)
-def test_a_promotions_reads_cover_its_blocks_in_order_and_the_last_to_end_are_small(
-    blocks: int, block_bytes: int, threads: int
-) -> None:
-    """Read tasks take the blocks in order, each once, none larger than 4 MiB (or a block)
-    or an eighth of a thread's share; those the threads take last (the last `threads`)
-    are at most 2 MiB (or a block): what a loader copies after the last read ends."""
-    chunks = read_chunks(blocks, block_bytes, threads)
-    assert [i for chunk in chunks for i in chunk] == list(range(blocks))
-    most = max(-(-blocks // (8 * threads)), (4 << 20) // block_bytes, 1)
-    assert all(0 < len(chunk) <= most for chunk in chunks)
-    last = max(1, min(most, (2 << 20) // block_bytes))
-    assert all(len(chunk) <= last for chunk in chunks[-threads:])
