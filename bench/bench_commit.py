@@ -30,11 +30,11 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+import bench_gpu_datapath as g  # its Probe and timed: each part's calls timed
 
 from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, BlockMeta, LayerSpec, PackedSums
@@ -55,31 +55,6 @@ PARTS: list[tuple[str, Any, str]] = [
 ]
 
 
-def timing(parts: list[tuple[str, Any, str]]) -> tuple[dict[str, list[float]], Callable[[], None]]:
-    """Wrap each part to add its time per call into the dict's last entry; the callable
-    puts them back."""
-    spent: dict[str, list[float]] = {name: [] for name, _, _ in parts}
-    saved = []
-    for name, owner, attr in parts:
-        plain = getattr(owner, attr)
-        saved.append((owner, attr, plain))
-
-        def timed(*args: Any, _plain: Any = plain, _name: str = name, **kw: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return _plain(*args, **kw)
-            finally:
-                spent[_name][-1] += time.perf_counter() - start
-
-        setattr(owner, attr, functools.wraps(plain)(timed))
-
-    def restore() -> None:
-        for owner, attr, plain in saved:
-            setattr(owner, attr, plain)
-
-    return spent, restore
-
-
 def commits(blocks: int, repeat: int, root: Path, shm: Path) -> None:
     layers = [LayerSpec(f"l{i}", "bfloat16", (16, 256), LAYER_BYTES) for i in range(LAYERS)]
     backend = open_backend("lmdb", root / "data", capacity_bytes=4 * blocks * LAYERS * LAYER_BYTES + (1 << 30),
@@ -87,7 +62,11 @@ def commits(blocks: int, repeat: int, root: Path, shm: Path) -> None:
     memory = open_memory_tier(shm, root / "arena", 3 * blocks * LAYERS * LAYER_BYTES + (64 << 20), "bench",
                               lease_seconds=30.0, write_behind_bytes=1 << 20, persist="reused")  # fmt: skip
     store = Store(backend, 1 << 40, memory=memory)
-    spent, restore = timing(PARTS)
+    probe = g.Probe()  # each part's calls timed into it, put back at the end
+    plain = [(owner, attr, getattr(owner, attr)) for _, owner, attr in PARTS]
+    for (what, owner, attr), (_, _, call) in zip(PARTS, plain, strict=True):
+        setattr(owner, attr, g.timed(probe, what, call))
+    spent: dict[str, list[float]] = {what: [] for what, _, _ in PARTS}
     total: list[float] = []
     earlier: list[bytes] = []
     try:
@@ -97,16 +76,18 @@ def commits(blocks: int, repeat: int, root: Path, shm: Path) -> None:
             if res is None:
                 raise SystemExit("nothing was reserved")
             sums = PackedSums(os.urandom(8 * LAYERS * blocks))
-            for times in spent.values():
-                times.append(0.0)
+            probe.reset()
             start = time.perf_counter()
             store.commit(b"", res.id, sums, WSUM32)
             total.append(time.perf_counter() - start)
+            for what, times in spent.items():
+                times.append(probe.total(what))
             if earlier:  # the index keeps the size it has in use
                 store.evict(functools.partial(eviction.subtree, namespace=NS, block_hash=earlier[0]))
             earlier = hashes
     finally:
-        restore()
+        for owner, attr, call in plain:
+            setattr(owner, attr, call)
         store.close()
     ms = {name: statistics.median(times[2:]) * 1e3 for name, times in spent.items()}
     print(f"  {blocks:4d} blocks: Commit {statistics.median(total[2:]) * 1e3:6.2f} ms (median of {repeat}); "

@@ -136,6 +136,15 @@ def _parse_block(raw: bytes, layouts: dict[bytes, tuple[LayerSpec, ...]]) -> Pla
     return Placed(record.meta, extent, count, position, record.sums)
 
 
+def _no_dead(count: int) -> bytearray:
+    """The bitmap of dead slots of a run of `count` blocks, none dead."""
+    return bytearray(-(-count // 8))
+
+
+def _is_dead(bits: bytearray, slot: int) -> bool:
+    return bool(bits[slot >> 3] & (1 << (slot & 7)))
+
+
 def _runs(blocks: Sequence[Placed]) -> list[Sequence[Placed]]:
     """`blocks` cut where the namespace or the layout changes (layouts are interned)."""
     cuts = [i for i in range(1, len(blocks))
@@ -154,8 +163,7 @@ class ArenaIndex:
     def __init__(self, path: Path, arena_id: str) -> None:
         self._lock = threading.Lock()  # one write at a time, with the maps below
         self._at: dict[BlockKey, tuple[bytes, int]] = {}  # each indexed block's run and slot
-        self._dead: dict[bytes, bytearray] = {}  # each run's bitmap of deleted slots
-        self._live: dict[bytes, int] = {}  # each run's live blocks
+        self._runs: dict[bytes, tuple[bytearray, int]] = {}  # each run's bitmap of dead slots, live blocks
         self._next = 0
         self._stored_layouts: set[bytes] = set()
         marker = f"{arena_id}/{_INDEX_FORMAT}".encode()
@@ -206,10 +214,9 @@ class ArenaIndex:
                 except (*records.BAD_RECORD, ValueError) as exc:
                     log.warning("skipping an unreadable memory-tier record: %s", exc)
                     continue
-                bits = dead.get(seq) or bytearray(-(-len(run) // 8))
-                self._dead[seq] = bits
-                live = [(slot, p) for slot, p in enumerate(run) if not bits[slot >> 3] & (1 << (slot & 7))]
-                self._live[seq] = len(live)
+                bits = dead.get(seq) or _no_dead(len(run))
+                live = [(slot, p) for slot, p in enumerate(run) if not _is_dead(bits, slot)]
+                self._runs[seq] = bits, len(live)
                 for slot, placed in live:
                     self._at[placed.meta.key] = (seq, slot)
                     yield placed
@@ -218,8 +225,7 @@ class ArenaIndex:
         """Index `blocks` (a block indexed already gets its new record)."""
         if not blocks:
             return
-        if len({p.meta.key for p in blocks}) < len(blocks):  # a block twice: its last stays
-            blocks = list({p.meta.key: p for p in blocks}.values())
+        blocks = list({p.meta.key: p for p in blocks}.values())  # a block twice: its last stays
         runs, layouts = [], {}
         for run in _runs(blocks):
             layout = layout_of(run[0].meta.layers)
@@ -245,7 +251,7 @@ class ArenaIndex:
             self._next += len(runs)
             self._stored_layouts.update(layouts)
             for seq, (run, _) in zip(seqs, runs, strict=True):
-                self._dead[seq], self._live[seq] = bytearray(-(-len(run) // 8)), len(run)
+                self._runs[seq] = _no_dead(len(run)), len(run)
                 for slot, p in enumerate(run):
                     self._at[p.meta.key] = (seq, slot)
 
@@ -271,8 +277,8 @@ class ArenaIndex:
         bitmap. Returns each run's new bitmap and live count, for _apply once `txn` is in."""
         changed: dict[bytes, tuple[bytearray, int]] = {}
         for seq, slot in sorted(set(slots)):
-            bits, live = changed.get(seq) or (bytearray(self._dead[seq]), self._live[seq])
-            if not bits[slot >> 3] & (1 << (slot & 7)):
+            bits, live = changed.get(seq) or (bytearray(self._runs[seq][0]), self._runs[seq][1])
+            if not _is_dead(bits, slot):
                 bits[slot >> 3] |= 1 << (slot & 7)
                 live -= 1
             changed[seq] = bits, live
@@ -285,11 +291,11 @@ class ArenaIndex:
         return changed
 
     def _apply(self, changed: dict[bytes, tuple[bytearray, int]]) -> None:
-        for seq, (bits, live) in changed.items():
-            if live:
-                self._dead[seq], self._live[seq] = bits, live
+        for seq, run in changed.items():
+            if run[1]:
+                self._runs[seq] = run
             else:
-                del self._dead[seq], self._live[seq]
+                del self._runs[seq]
 
     def close(self) -> None:
         self._env.close()

@@ -247,43 +247,47 @@ class MemoryTier:
         return self._room(lambda: self.allocator.allocate(nbytes), now)
 
     def _room(self, fit: Callable[[], _T | None], now: float) -> _T:
-        """`fit()` once it succeeds, evicting least recently used extents until it does (in
-        one pass over the extents, sorted once, and one deletion of their records: a
-        promotion of a thousand blocks into a full arena evicts a thousand one-block
-        extents). Caller holds the commit lock. Raises NoRoom."""
+        """`fit()` once it succeeds, evicting least recently used extents until it does (and
+        one deletion of their records: a promotion of a thousand blocks into a full arena
+        evicts a thousand one-block extents). Caller holds the commit lock. Raises NoRoom."""
         gone: list[BlockKey] = []
-        held: list[tuple[float, int, int]] = []  # entries of extents that may not leave now
-        ages = self._ages
         try:
             with self.lock:
-                got = fit()
-                if got is not None:
-                    return got
-                while ages:  # least recently used first
-                    entry = heapq.heappop(ages)
-                    extent = self.extents.get(entry[2])
-                    if extent is None or extent.tick != entry[1]:  # freed, or used since
-                        continue
-                    if extent.pins or extent.waiting:
-                        held.append(entry)
-                        continue
-                    keys = list(extent.live)
-                    self._evicted.extend(k for k in keys if k in self.memory_only)
-                    self.counters.memory_evictions += len(keys)
-                    gone += self.unplace(keys)
-                    if extent.offset in self.extents:  # (not freed: it keeps its place)
-                        held.append(entry)
-                    got = fit()
-                    if got is not None:
-                        return got
+                got = self._evict_until(fit, gone)
+            if got is None:
                 raise NoRoom(
                     "no room in the memory tier: the rest is pinned, reserved or waiting to be written behind"
                 )
+            return got
         finally:
-            with self.lock:
-                for entry in held:
-                    heapq.heappush(ages, entry)
             self.forget(gone)
+
+    def _evict_until(self, fit: Callable[[], _T | None], gone: list[BlockKey]) -> _T | None:
+        """`fit()`, evicting the least recently used extent that may leave before each new
+        try (their keys added to `gone`); None when none is left. Caller holds the lock."""
+        ages = self._ages
+        held: list[tuple[float, int, int]] = []  # entries of extents that may not leave now
+        try:
+            got = fit()
+            while got is None and ages:
+                entry = heapq.heappop(ages)
+                extent = self.extents.get(entry[2])
+                if extent is None or extent.tick != entry[1]:  # freed, or used since
+                    continue
+                if extent.pins or extent.waiting:
+                    held.append(entry)
+                    continue
+                keys = list(extent.live)
+                self._evicted.extend(k for k in keys if k in self.memory_only)
+                self.counters.memory_evictions += len(keys)
+                gone += self.unplace(keys)
+                if extent.offset in self.extents:  # (not freed: it keeps its place)
+                    held.append(entry)
+                got = fit()
+            return got
+        finally:
+            for entry in held:
+                heapq.heappush(ages, entry)
 
     def _new_extent(
         self, offset: int, nbytes: int, blocks: int, *, pins: int = 0, last_use: float = 0.0
