@@ -274,6 +274,25 @@ def test_extent_is_freed_once_empty_and_unpinned(tier: MemoryTier) -> None:
     assert offset not in tier.extents and tier.allocator.free_bytes == tier.allocator.total
 
 
+def test_pinned_bytes_are_loads_pins_not_a_write_behinds_hold(tier: MemoryTier) -> None:
+    """stats' pinned_bytes (the kvstore_pinned_bytes gauge, the CLI's "pinned") counts the
+    extents loads hold; write-behind's and a read's brief holds are not loads."""
+    nbytes = fmt.extent_bytes(4000, 2)
+    offset = tier.allocate(nbytes)
+    assert offset is not None
+    blocks = [Placed(meta(i), offset, 2, i) for i in range(2)]
+    tier.place(blocks, time.time(), dirty=False)
+    keys = [placed.meta.key for placed in blocks]
+    with tier.holding(keys) as held:  # as write-behind reads a block out
+        assert held == blocks and tier.extents[offset].pins == 1
+        assert tier.stats()["pinned_bytes"] == 0
+        pinned = tier.pin(b"", b"ns", keys, {}, time.time())
+        assert pinned.pin_id and tier.stats()["pinned_bytes"] == nbytes
+    assert tier.stats()["pinned_bytes"] == nbytes  # the load's pin outlives the hold
+    assert tier.release_pin(pinned.pin_id, b"") is not None
+    assert tier.stats()["pinned_bytes"] == 0 and tier.extents[offset].pins == 0
+
+
 def test_dirty_blocks_hold_their_extent_and_the_queue_is_bounded(tier: MemoryTier) -> None:
     tier.write_behind_limit = 4000  # one block
     offset = tier.allocate(fmt.extent_bytes(4000, 2))

@@ -824,7 +824,9 @@ class MemoryTier:
 
     def stats(self) -> dict[str, int]:
         """Caller holds the lock."""
-        pinned = sum(e.nbytes for e in self.extents.values() if e.pins)
+        # extents held by loads' pins; not those write-behind or a read holds for a moment
+        pinned_extents = {offset for pin in self.pins.values() for offset in pin.extents}
+        pinned = sum(self.extents[offset].nbytes for offset in pinned_extents if offset in self.extents)
         return {
             "memory_capacity_bytes": self.allocator.total,
             "memory_used_bytes": self.allocator.total - self.allocator.free_bytes,
