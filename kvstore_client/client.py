@@ -244,7 +244,7 @@ class KVStoreClient:
         leasing = lease_from is not None and lease_from < len(block_hashes)
         req = pb.LookupRequest(
             block_hashes=block_hashes, tiers=True, lease=leasing,
-            lease_from=lease_from or 0, lease_holders=lease_holders if leasing else 0,
+            lease_from=lease_from or 0, lease_holders=lease_holders if leasing else 0, want_layout=leasing,
         )  # fmt: skip
         spaces = [_ns(namespace)] if isinstance(namespace, (str, bytes)) else [_ns(ns) for ns in namespace]
         if len(spaces) == 1:

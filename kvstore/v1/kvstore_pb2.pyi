@@ -36,8 +36,14 @@ class LayerSpec(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class Layout(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers", "lease", "lease_from", "lease_holders")
+    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers", "lease", "lease_from", "lease_holders", "want_layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +52,7 @@ class LookupRequest(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FROM_FIELD_NUMBER: _ClassVar[int]
     LEASE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    WANT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
@@ -54,7 +61,8 @@ class LookupRequest(_message.Message):
     lease: bool
     lease_from: int
     lease_holders: int
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ..., lease: _Optional[bool] = ..., lease_from: _Optional[int] = ..., lease_holders: _Optional[int] = ...) -> None: ...
+    want_layout: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ..., lease: _Optional[bool] = ..., lease_from: _Optional[int] = ..., lease_holders: _Optional[int] = ..., want_layout: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_blocks", "tiers", "persistent_read_rate", "fleet_read_rate", "leases", "store_id")
@@ -467,23 +475,25 @@ class ArenaAccessRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ArenaAccessResponse(_message.Message):
-    __slots__ = ("path", "size_bytes", "store_id", "namespace_prefix", "lease_seconds", "control_socket")
+    __slots__ = ("path", "size_bytes", "store_id", "namespace_prefix", "lease_seconds", "control_socket", "layouts")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     path: str
     size_bytes: int
     store_id: str
     namespace_prefix: bytes
     lease_seconds: float
     control_socket: str
-    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., control_socket: _Optional[str] = ...) -> None: ...
+    layouts: bool
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., store_id: _Optional[str] = ..., namespace_prefix: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., control_socket: _Optional[str] = ..., layouts: _Optional[bool] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset", "in_place")
+    __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset", "in_place", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -491,6 +501,7 @@ class ReserveRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SUBSET_FIELD_NUMBER: _ClassVar[int]
     IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
@@ -498,7 +509,8 @@ class ReserveRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     layer_subset: _containers.RepeatedScalarFieldContainer[int]
     in_place: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., in_place: _Optional[bool] = ...) -> None: ...
+    layout: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., in_place: _Optional[bool] = ..., layout: _Optional[bytes] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("reservation_id", "blocks", "offset", "lease_seconds", "refused_code", "refused", "extent_blocks", "position")
@@ -521,18 +533,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ..., extent_blocks: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class ReserveManyRequest(_message.Message):
-    __slots__ = ("namespace", "layers", "layer_subset", "chains", "in_place")
+    __slots__ = ("namespace", "layers", "layer_subset", "chains", "in_place", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_SUBSET_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
     IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     layer_subset: _containers.RepeatedScalarFieldContainer[int]
     chains: _containers.RepeatedCompositeFieldContainer[ReserveChain]
     in_place: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., chains: _Optional[_Iterable[_Union[ReserveChain, _Mapping]]] = ..., in_place: _Optional[bool] = ...) -> None: ...
+    layout: bytes
+    def __init__(self, namespace: _Optional[bytes] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_subset: _Optional[_Iterable[int]] = ..., chains: _Optional[_Iterable[_Union[ReserveChain, _Mapping]]] = ..., in_place: _Optional[bool] = ..., layout: _Optional[bytes] = ...) -> None: ...
 
 class ReserveChain(_message.Message):
     __slots__ = ("block_hashes", "parent_hash", "token_ids")
@@ -593,12 +607,14 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PinRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes")
+    __slots__ = ("namespace", "block_hashes", "want_layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WANT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    want_layout: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., want_layout: _Optional[bool] = ...) -> None: ...
 
 class ArenaRun(_message.Message):
     __slots__ = ("offset", "extent_blocks", "first", "count")
@@ -613,7 +629,7 @@ class ArenaRun(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., extent_blocks: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PinResponse(_message.Message):
-    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds", "stop_reason", "refused_code", "refused")
+    __slots__ = ("pin_id", "num_blocks", "layers", "runs", "checksums", "lease_seconds", "checksum_kinds", "stop_reason", "refused_code", "refused", "layout")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -624,6 +640,7 @@ class PinResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     num_blocks: int
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
@@ -634,15 +651,18 @@ class PinResponse(_message.Message):
     stop_reason: StopReason
     refused_code: int
     refused: str
-    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
+    layout: bytes
+    def __init__(self, pin_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., runs: _Optional[_Iterable[_Union[ArenaRun, _Mapping]]] = ..., checksums: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., checksum_kinds: _Optional[_Iterable[str]] = ..., stop_reason: _Optional[_Union[StopReason, str]] = ..., refused_code: _Optional[int] = ..., refused: _Optional[str] = ..., layout: _Optional[bytes] = ...) -> None: ...
 
 class PinManyRequest(_message.Message):
-    __slots__ = ("namespace", "chains")
+    __slots__ = ("namespace", "chains", "want_layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CHAINS_FIELD_NUMBER: _ClassVar[int]
+    WANT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     chains: _containers.RepeatedCompositeFieldContainer[PinChain]
-    def __init__(self, namespace: _Optional[bytes] = ..., chains: _Optional[_Iterable[_Union[PinChain, _Mapping]]] = ...) -> None: ...
+    want_layout: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., chains: _Optional[_Iterable[_Union[PinChain, _Mapping]]] = ..., want_layout: _Optional[bool] = ...) -> None: ...
 
 class PinChain(_message.Message):
     __slots__ = ("block_hashes",)

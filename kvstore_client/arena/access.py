@@ -15,7 +15,7 @@ from kvstore_client import errors
 from kvstore_client.arena.load import Pinned
 from kvstore_client.arena.mapping import MAPPINGS, ArenaUnavailable, Call, Mapping
 from kvstore_client.arena.save import Reservation, _put_result
-from kvstore_client.arena.views import _wire_layers
+from kvstore_client.arena.views import layout_fields
 
 if TYPE_CHECKING:
     from kvstore_client.types import Chain
@@ -59,6 +59,7 @@ class Arena:
         self._spec_type = spec_type
         self._retry_interval = retry_interval
         self._streams = True  # the daemon answers PinStream (until it says it does not)
+        self._layouts = False  # the daemon reads a Reserve's layout as bytes (ArenaAccess says)
         self._lock = threading.Lock()
         self._mapping: Mapping | None = None
         self._prefix = b""
@@ -111,6 +112,7 @@ class Arena:
         except errors.KVStoreError as exc:
             raise ArenaUnavailable(f"the daemon does not offer its arena: {exc}") from exc
         path, size, store_id = Path(resp.path), resp.size_bytes, resp.store_id
+        self._layouts = resp.layouts
         return MAPPINGS.hold((str(path), store_id), lambda: Mapping(path, size, store_id))
 
     def reserve(
@@ -133,7 +135,7 @@ class Arena:
             namespace=namespace,
             block_hashes=hashes,
             parent_hash=parent_hash,
-            layers=_wire_layers(layers),
+            **layout_fields(layers, self._layouts),
             token_ids=token_ids,
             layer_subset=subset,
             in_place=bool(subset),
@@ -161,7 +163,7 @@ class Arena:
             return None
         req = pb.ReserveManyRequest(
             namespace=namespace,
-            layers=_wire_layers(layers),
+            **layout_fields(layers, self._layouts),
             layer_subset=subset,
             in_place=bool(subset),
             chains=[
@@ -240,7 +242,7 @@ class Arena:
         if mapping is None:
             return None
         sent = time.monotonic()
-        request = pb.PinRequest(namespace=namespace, block_hashes=hashes)
+        request = pb.PinRequest(namespace=namespace, block_hashes=hashes, want_layout=True)
         try:
             if stream and self._streams:
                 call = self._call("PinStream", request, timeout)
@@ -282,7 +284,9 @@ class Arena:
         if mapping is None:
             return None
         sent = time.monotonic()
-        request = pb.PinManyRequest(namespace=namespace, chains=[pb.PinChain(block_hashes=c) for c in chains])
+        request = pb.PinManyRequest(
+            namespace=namespace, chains=[pb.PinChain(block_hashes=c) for c in chains], want_layout=True
+        )
         try:
             answers = self._many("PinMany", request, "pins", len(chains), timeout)
         except errors.NotOffered:

@@ -69,7 +69,7 @@ class Pinned:
         # host): before this deadline the pin certainly holds.
         self.deadline = (time.monotonic() if sent is None else sent) + resp.lease_seconds
         self.num_blocks: int = resp.num_blocks
-        self.layers, self._sizes, self._starts = _pinned_layout(resp.layers, spec_type)
+        self.layers, self._sizes, self._starts = _pinned_layout(resp, spec_type)
         self.packed_checksums: bytes = resp.checksums
         """The checksums as the daemon sent them: little-endian uint64s, block-major."""
         try:

@@ -11,10 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import xxhash
+from google.protobuf.message import DecodeError
 
 from kvstore import arena_format as fmt
 from kvstore import wire
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore_client import errors
 from kvstore_client.arena.mapping import Mapping
 
 if TYPE_CHECKING:
@@ -38,28 +40,49 @@ def _layer_sizes(layers: Sequence[Any]) -> list[int]:
 # Both are kept by the layout's (name, dtype, shape) rows; the parsed one is a tuple, so
 # every Pinned may share it.
 _LAYOUTS_KEPT = 64
-_WIRE_LAYERS: dict[tuple[tuple[str, str, tuple[int, ...]], ...], list[pb.LayerSpec]] = {}
+_WIRE_LAYERS: dict[tuple[tuple[str, str, tuple[int, ...]], ...], tuple[list[pb.LayerSpec], bytes]] = {}
 _PINNED_LAYOUTS: dict[tuple[Any, ...], PinnedLayout] = {}
 
 
-def _wire_layers(layers: Sequence[Any]) -> list[pb.LayerSpec]:
+def _wire_layers(layers: Sequence[Any]) -> tuple[list[pb.LayerSpec], bytes]:
+    """A layout as LayerSpec messages, and as a serialized Layout (what a daemon that
+    offers layouts reads instead: ReserveRequest.layout)."""
     key = tuple([(s.name, s.dtype, tuple(s.shape)) for s in layers])
     found = _WIRE_LAYERS.get(key)
     if found is None:
         if len(_WIRE_LAYERS) >= _LAYOUTS_KEPT:
             _WIRE_LAYERS.clear()
-        found = _WIRE_LAYERS[key] = [pb.LayerSpec(name=n, dtype=d, shape=shape) for n, d, shape in key]
+        specs = [pb.LayerSpec(name=n, dtype=d, shape=shape) for n, d, shape in key]
+        found = _WIRE_LAYERS[key] = (specs, pb.Layout(layers=specs).SerializeToString())
     return found
+
+
+def layout_fields(layers: Sequence[Any], as_bytes: bool) -> dict[str, Any]:
+    """A Reserve request's layout: `layout` (one bytes field) where the daemon reads it,
+    else `layers`."""
+    specs, layout = _wire_layers(layers)
+    return {"layout": layout} if as_bytes else {"layers": specs}
 
 
 PinnedLayout = tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...]]
 
 
-def _pinned_layout(specs: Sequence[pb.LayerSpec], spec_type: Any) -> PinnedLayout:
+def _pinned_layout(resp: pb.PinResponse, spec_type: Any) -> PinnedLayout:
     """A Pin answer's layers (as `spec_type`), their bytes per block and their starts in a
-    one-block extent."""
-    key = (spec_type, *[(s.name, s.dtype, tuple(s.shape)) for s in specs])
-    found = _PINNED_LAYOUTS.get(key)
+    one-block extent. A serialized Layout (PinResponse.layout) is found by its bytes; the
+    answer of a daemon that sends LayerSpec messages, by their rows."""
+    if resp.layout:
+        key: tuple[Any, ...] = (spec_type, resp.layout)
+        found = _PINNED_LAYOUTS.get(key)
+        if found is None:
+            try:
+                specs: Sequence[pb.LayerSpec] = pb.Layout.FromString(resp.layout).layers
+            except DecodeError as exc:
+                raise errors.StoreInternalError(f"Pin answer: its layout does not parse: {exc}") from exc
+    else:
+        specs = resp.layers
+        key = (spec_type, *[(s.name, s.dtype, tuple(s.shape)) for s in specs])
+        found = _PINNED_LAYOUTS.get(key)
     if found is None:
         layers = tuple(spec_type(s.name, s.dtype, tuple(s.shape)) for s in specs)
         sizes = _layer_sizes(layers)

@@ -48,6 +48,7 @@ from kvstore_server.rpc.validation import (
     check_hashes,
     check_layer_subset,
     check_layers,
+    check_layout,
     check_namespace,
     check_record_size,
 )
@@ -141,7 +142,10 @@ class Servicer:
             tenant, leased = self.scope.tenant(context), hashes[request.lease_from : n]
             with self.reclaim.busy():
                 leases = [
-                    _pin_message(self.store.lease(tenant, ns, leased, max(1, request.lease_holders)))
+                    _pin_message(
+                        self.store.lease(tenant, ns, leased, max(1, request.lease_holders)),
+                        request.want_layout,
+                    )
                     for ns in spaces
                 ]
             if sum(lease.ByteSize() for lease in leases) > wire.MAX_LEASE_ANSWER_BYTES:
@@ -390,13 +394,14 @@ class Servicer:
             namespace_prefix=self.scope.tenant(context),
             lease_seconds=memory.lease_seconds,
             control_socket=str(self.control.path) if self.control is not None else "",
+            layouts=True,
         )
 
     @translated
     def Reserve(self, request: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         self._memory_offered()
         namespace = self._ns(context, request.namespace)
-        layers = check_layers(request.layers)
+        layers = check_layout(request.layers, request.layout)
         subset = check_layer_subset(request.layer_subset, len(layers))
         return self._reserve(context, namespace, layers, subset, request, request.in_place)
 
@@ -408,7 +413,7 @@ class Servicer:
         refuse is refused on its own, with that status code, and the others go on."""
         self._memory_offered()
         namespace = self._ns(context, request.namespace)
-        layers = check_layers(request.layers)
+        layers = check_layout(request.layers, request.layout)
         subset = check_layer_subset(request.layer_subset, len(layers))
         answers = _each(
             request.chains, "chains",
@@ -498,7 +503,7 @@ class Servicer:
         self._memory_offered()
         namespace = self._ns(context, request.namespace)
         with self.reclaim.busy():
-            return self._pin(context, namespace, request)
+            return self._pin(context, namespace, request, request.want_layout)
 
     @translated
     def PinMany(self, request: pb.PinManyRequest, context: grpc.ServicerContext) -> pb.PinManyResponse:
@@ -508,16 +513,21 @@ class Servicer:
         namespace = self._ns(context, request.namespace)
         with self.reclaim.busy():
             pins = _each(
-                request.chains, "chains", lambda chain: self._pin(context, namespace, chain),
+                request.chains, "chains",
+                lambda chain: self._pin(context, namespace, chain, request.want_layout),
                 lambda code, why: pb.PinResponse(refused_code=code, refused=why),
             )  # fmt: skip
         return pb.PinManyResponse(pins=pins)
 
     def _pin(
-        self, context: grpc.ServicerContext, namespace: bytes, chain: pb.PinRequest | pb.PinChain
+        self,
+        context: grpc.ServicerContext,
+        namespace: bytes,
+        chain: pb.PinRequest | pb.PinChain,
+        layout: bool,
     ) -> pb.PinResponse:
         hashes = check_hashes(chain.block_hashes, wire.MAX_BLOCKS_PER_LOOKUP)
-        return _pin_message(self.store.pin(self.scope.tenant(context), namespace, hashes))
+        return _pin_message(self.store.pin(self.scope.tenant(context), namespace, hashes), layout)
 
     @translated
     def PinStream(self, request: pb.PinRequest, context: grpc.ServicerContext) -> Iterator[pb.PinProgress]:
@@ -531,7 +541,11 @@ class Servicer:
                     if isinstance(item, PinResult):
                         ready = len(item.layers) if item.ready_layers < 0 else item.ready_layers
                         whole = item.num_blocks if item.ready_blocks < 0 else item.ready_blocks
-                        yield pb.PinProgress(pin=_pin_message(item), ready_layers=ready, ready_blocks=whole)
+                        yield pb.PinProgress(
+                            pin=_pin_message(item, request.want_layout),
+                            ready_layers=ready,
+                            ready_blocks=whole,
+                        )
                     elif isinstance(item, Ready):
                         yield pb.PinProgress(ready_layers=item.layers, ready_blocks=item.blocks)
                     else:
@@ -650,11 +664,14 @@ def _each(
     return out
 
 
-def _pin_message(pin: PinResult) -> pb.PinResponse:
+def _pin_message(pin: PinResult, layout: bool = False) -> pb.PinResponse:
+    """A pin as Pin answers it; its layers as a serialized Layout where the caller asked
+    (`layout`: want_layout), else as LayerSpec messages."""
     return pb.PinResponse(
         pin_id=pin.pin_id,
         num_blocks=pin.num_blocks,
-        layers=_layer_messages(pin.layers),
+        layers=_layer_messages(pin.layers) if not layout else (),
+        layout=_layout_bytes(pin.layers) if layout and pin.layers else b"",
         runs=[
             pb.ArenaRun(offset=r.extent, extent_blocks=r.extent_blocks, first=r.position, count=r.count)
             for r in pin.runs
@@ -722,3 +739,13 @@ def _layer_messages(layers: tuple[LayerSpec, ...]) -> list[pb.LayerSpec]:
 
 def _make_layer_messages(layers: tuple[LayerSpec, ...]) -> list[pb.LayerSpec]:
     return [pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in layers]
+
+
+_LAYOUT_BYTES: dict[int, tuple[tuple[LayerSpec, ...], bytes]] = {}
+
+
+def _layout_bytes(layers: tuple[LayerSpec, ...]) -> bytes:
+    """A layout as a serialized Layout (PinResponse.layout), made once per (interned) layout."""
+    return per_layout(
+        _LAYOUT_BYTES, layers, lambda ls: pb.Layout(layers=_make_layer_messages(ls)).SerializeToString()
+    )

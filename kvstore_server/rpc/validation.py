@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from google.protobuf.message import DecodeError
+
 from kvstore import wire
 from kvstore.blocks import intern_layout
 from kvstore.v1 import kvstore_pb2 as pb
@@ -72,6 +74,30 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
         if len(_CHECKED) >= _MAX_CHECKED:
             _CHECKED.clear()
         _CHECKED[key] = found
+    return found
+
+
+# Layouts already checked, by their serialized Layout (ReserveRequest.layout): found by
+# the bytes' hash, without reading 256 LayerSpec messages (0.33 ms) to make a key.
+_CHECKED_LAYOUTS: dict[bytes, tuple[LayerSpec, ...]] = {}
+
+
+def check_layout(specs: Sequence[pb.LayerSpec], layout: bytes) -> tuple[LayerSpec, ...]:
+    """A request's layers: as repeated LayerSpec, or as a serialized Layout (one of the two)."""
+    if not layout:
+        return check_layers(specs)
+    if specs:
+        raise InvalidRequest("give layers or layout, not both")
+    found = _CHECKED_LAYOUTS.get(layout)
+    if found is None:
+        try:
+            parsed = pb.Layout.FromString(layout)
+        except DecodeError as exc:
+            raise InvalidRequest(f"layout is not a serialized Layout message: {exc}") from exc
+        found = check_layers(parsed.layers)
+        if len(_CHECKED_LAYOUTS) >= _MAX_CHECKED:
+            _CHECKED_LAYOUTS.clear()
+        _CHECKED_LAYOUTS[layout] = found
     return found
 
 

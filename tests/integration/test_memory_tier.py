@@ -67,8 +67,7 @@ def test_a_save_through_the_arena_is_visible_everywhere_bit_exact(
     assert_same(stream.read_all(), layers)
     stats = grpc_kv.stats()
     assert stats["memory_blocks"] == 6 and stats["commits"] == 1
-    # the load's Release goes out in the background (Pinned.finish), and write-behind pins
-    # the extents it is copying for a moment: both end
+    # the load's Release goes out in the background (Pinned.finish)
     eventually(lambda: grpc_kv.stats()["pinned_bytes"] == 0)
 
 
@@ -765,3 +764,103 @@ def test_a_lease_too_large_to_answer_is_not_taken(make_server, monkeypatch: pyte
         where = kv.where(NS, hashes, lease_from=0, lease_holders=2)
         assert where.num_blocks == 3 and where.lease is None  # the lookup answers all the same
         assert kv.stats()["pinned_bytes"] == 0  # and holds nothing
+
+
+# ---- a layout as one bytes field (kvstore.v1.Layout)
+def _layout_of(layers: dict[str, torch.Tensor]) -> bytes:
+    return pb.Layout(
+        layers=[pb.LayerSpec(name=s.name, dtype=s.dtype, shape=s.shape) for s in specs(layers)]
+    ).SerializeToString()
+
+
+def test_a_layout_as_bytes_is_read_as_its_layers_are_and_pins_answer_it_where_asked(
+    arena_kv: KVStoreClient,
+) -> None:
+    """The client reserves with the layout as bytes (the daemon offers it) and asks pins
+    and leases for it; the same blocks saved and pinned as layers answer the same."""
+    assert arena_kv.arena_access().layouts
+    hashes, layers = chain("layout", 4), make_layers(4)
+    assert save(arena_kv, hashes, layers) == 4
+    assert_same(arena_kv.select(NS, hashes), layers)  # pinned with want_layout, read by its bytes
+    pin = arena_kv._rpc.arena["Pin"]
+    as_bytes = pin(pb.PinRequest(namespace=NS.encode(), block_hashes=hashes, want_layout=True), timeout=10)
+    as_specs = pin(pb.PinRequest(namespace=NS.encode(), block_hashes=hashes), timeout=10)
+    assert as_bytes.num_blocks == as_specs.num_blocks == 4
+    assert as_bytes.layout == _layout_of(layers) and not as_bytes.layers
+    assert not as_specs.layout and pb.Layout(layers=as_specs.layers).SerializeToString() == _layout_of(layers)
+    for answer in (as_bytes, as_specs):
+        arena_kv._rpc.arena["Release"](pb.ReleaseRequest(pin_id=answer.pin_id), timeout=10)
+    where = arena_kv.where(NS, hashes, lease_from=0)
+    assert where.lease is not None and where.lease.pins[0].layout == _layout_of(layers)
+    pinned = arena_kv.leased(where.lease, NS)
+    assert pinned is not None and pinned.num_blocks == 4 and [s.name for s in pinned.layers] == list(layers)
+    assert pinned.release()
+    eventually(lambda: arena_kv.stats()["pinned_bytes"] == 0)
+
+
+def test_a_reserves_layout_is_checked_as_its_layers_are(arena_kv: KVStoreClient) -> None:
+    reserve = arena_kv._rpc.arena["Reserve"]
+    layers = make_layers(1)
+    good = pb.ReserveRequest(
+        namespace=NS.encode(), block_hashes=chain("checked", 1), layout=_layout_of(layers)
+    )
+    bad = {
+        "layers or layout, not both": pb.ReserveRequest(
+            namespace=NS.encode(),
+            block_hashes=chain("both", 1),
+            layout=_layout_of(layers),
+            layers=[pb.LayerSpec(name="a", dtype="float16", shape=[4])],
+        ),  # fmt: skip
+        "not a serialized Layout": pb.ReserveRequest(
+            namespace=NS.encode(), block_hashes=chain("garbage", 1), layout=b"\xff\xff\xff"
+        ),
+        "unsupported dtype": pb.ReserveRequest(
+            namespace=NS.encode(),
+            block_hashes=chain("dtype", 1),
+            layout=pb.Layout(
+                layers=[pb.LayerSpec(name="a", dtype="complex7", shape=[4])]
+            ).SerializeToString(),
+        ),  # fmt: skip
+        "layer name must be": pb.ReserveRequest(  # one LayerSpec, all of it empty
+            namespace=NS.encode(),
+            block_hashes=chain("empty", 1),
+            layout=pb.Layout(layers=[pb.LayerSpec()]).SerializeToString(),
+        ),
+    }
+    for why, request in bad.items():
+        with pytest.raises(errors.InvalidRequest, match=why):
+            reserve(request, timeout=10)
+    answer = reserve(good, timeout=10)  # and a refusal cached nothing: the good one is served
+    assert answer.reservation_id and list(answer.blocks) == [0]
+    arena_kv._rpc.arena["Abort"](pb.AbortRequest(reservation_id=answer.reservation_id), timeout=10)
+    assert arena_kv.stats()["reserved_bytes"] == 0
+
+
+def test_a_daemon_that_reads_no_layout_bytes_gets_layers(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon before layouts (ArenaAccess without `layouts`; its Pin answers carry
+    `layers` only): the client reserves with layers and reads the answers' layers."""
+    from kvstore_server.rpc import servicer
+
+    offered = servicer.Servicer.ArenaAccess
+
+    def older(self, request, context):  # type: ignore[no-untyped-def]
+        resp = offered(self, request, context)
+        resp.layouts = False
+        return resp
+
+    given: list[bool] = []
+    checked = servicer.check_layout
+    monkeypatch.setattr(servicer.Servicer, "ArenaAccess", older)
+    monkeypatch.setattr(
+        servicer, "check_layout", lambda specs, layout: given.append(bool(layout)) or checked(specs, layout)
+    )
+    plain = servicer._pin_message
+    monkeypatch.setattr(servicer, "_pin_message", lambda pin, layout=False: plain(pin, False))
+    server = make_server()  # its handlers bound after the patches
+    with KVStoreClient(server.address, timeout=20.0, arena=True) as kv:
+        hashes, layers = chain("older", 3), make_layers(3)
+        assert save(kv, hashes, layers) == 3
+        assert_same(kv.select(NS, hashes), layers)
+    assert given == [False]
