@@ -37,7 +37,7 @@ import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import bench_gpu_datapath as g  # its Probe and timed: each part's calls timed
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import WSUM32, BlockMeta, LayerSpec, PackedSums
+from kvstore.blocks import WSUM32, BlockMeta, LayerSpec, PackedSums, intern_layout
 from kvstore_server import admission, eviction
 from kvstore_server.index import PrefixIndex
 from kvstore_server.store import Store
@@ -56,7 +56,8 @@ PARTS: list[tuple[str, Any, str]] = [
 
 
 def commits(blocks: int, repeat: int, root: Path, shm: Path) -> None:
-    layers = [LayerSpec(f"l{i}", "bfloat16", (16, 256), LAYER_BYTES) for i in range(LAYERS)]
+    # interned, as the daemon's validation hands a request's layers on: one tuple a layout
+    layers = intern_layout(tuple(LayerSpec(f"l{i}", "bfloat16", (16, 256), LAYER_BYTES) for i in range(LAYERS)))
     backend = open_backend("lmdb", root / "data", capacity_bytes=4 * blocks * LAYERS * LAYER_BYTES + (1 << 30),
                            sync=False)  # fmt: skip
     memory = open_memory_tier(shm, root / "arena", 3 * blocks * LAYERS * LAYER_BYTES + (64 << 20), "bench",

@@ -14,13 +14,14 @@ the tier behind.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from kvstore.blocks import XXH3, BlockKey, StorageError, StoredBlock, checksum
 from kvstore_server.tiers.base import BlockWrite
@@ -213,7 +214,7 @@ def _fleet_write(block: StoredBlock) -> BlockWrite:
     may hold a block checksummed on a GPU)."""
     meta = block.meta
     if meta.checksum_kind != XXH3:
-        meta = dataclasses.replace(
+        meta = msgspec.structs.replace(
             meta, checksums=tuple(checksum(view) for view in block.layers), checksum_kind=XXH3
         )
     return BlockWrite(meta, block.layers)
