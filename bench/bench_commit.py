@@ -57,7 +57,9 @@ PARTS: list[tuple[str, Any, str]] = [
 
 def commits(blocks: int, repeat: int, root: Path, shm: Path) -> None:
     # interned, as the daemon's validation hands a request's layers on: one tuple a layout
-    layers = intern_layout(tuple(LayerSpec(f"l{i}", "bfloat16", (16, 256), LAYER_BYTES) for i in range(LAYERS)))
+    layers = intern_layout(
+        tuple(LayerSpec(f"l{i}", "bfloat16", (16, 256), LAYER_BYTES) for i in range(LAYERS))
+    )
     backend = open_backend("lmdb", root / "data", capacity_bytes=4 * blocks * LAYERS * LAYER_BYTES + (1 << 30),
                            sync=False)  # fmt: skip
     memory = open_memory_tier(shm, root / "arena", 3 * blocks * LAYERS * LAYER_BYTES + (64 << 20), "bench",

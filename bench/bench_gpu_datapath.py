@@ -18,7 +18,9 @@ For each token count and block size, in one run:
     layers H2D + check on the GPU + scatter, events done, release; cold load = the same after the
     daemon was killed (-9), its arena file deleted and restarted, so the Pin RPC
     promotes the blocks from LMDB: first with LMDB's file in the page cache, then
-    (where /proc/sys/vm/drop_caches can be written) read from the disk;
+    (where /proc/sys/vm/drop_caches can be written) read from the disk; with
+    --prefetch-repeat N, N more from the page cache each prefetched by a Lookup
+    --prefetch-gap-ms before the load (the connector's scheduler side asks a step ahead);
 (b) the older paths: put_stream over gRPC, get_stream over gRPC and the same-host
     LMDB reads (first block size only);
 (recompute) one prefill (use_cache=True, logits of the last token) of a random-weight
@@ -648,7 +650,7 @@ def arena_part(
             loads.append(r)
             leased.append(arena_load(transport, probe, d, hashes, block_ids, leased=True))
     server = per_call(served, side.server_time())
-    for i in range(1 + args.cold_repeat + args.disk_repeat):  # for the cold child
+    for i in range(1 + args.cold_repeat + args.disk_repeat + args.prefetch_repeat):  # for the cold child
         arena_save(transport, probe, d, caches, hashes_for("cold", bs, tokens, i), block_ids)
     behind.append(side.quiesce())
     ms, ml, mll = medians(saves), medians(loads), medians(leased)
@@ -822,6 +824,19 @@ def cold_child(args: argparse.Namespace) -> None:
             results.setdefault(f"{tokens}/{bs}", {})["cold" if label == "page cache" else "cold_disk"] = (
                 medians(runs)
             )
+            if label == "page cache" and args.prefetch_repeat:
+                # as the connector's scheduler side asks a step before its workers load: the
+                # Lookup starts the promotion, the engine's step passes (modeled: a wait of
+                # --prefetch-gap-ms), then the load's Pin joins the reads or finds them done
+                ahead = []
+                base = 1 + args.cold_repeat + args.disk_repeat
+                for i in range(base, base + args.prefetch_repeat):
+                    hashes = hashes_for("cold", bs, tokens, i)
+                    started = transport.client.where(transport.namespace, hashes, lease_from=0, prefetch=True)
+                    time.sleep(args.prefetch_gap_ms / 1e3)
+                    ahead.append(arena_load(transport, probe, d, hashes, block_ids))
+                    ahead[-1]["prefetching"] = started.prefetching
+                results[f"{tokens}/{bs}"]["cold_prefetched"] = medians(ahead)
     kv.close()
     print(f"  cold loads done ({len(passes)} pass(es))")
     Path(args.results).write_text(json.dumps(results))
@@ -1066,7 +1081,8 @@ def print_daemon_log(path: Path) -> None:
 
 def print_cold(results: dict) -> None:
     for key, res in results.items():
-        for label, what in (("cold", "page cache"), ("cold_disk", "disk, page cache dropped")):
+        for label, what in (("cold", "page cache"), ("cold_prefetched", "page cache, prefetched at the lookup"),
+                            ("cold_disk", "disk, page cache dropped")):  # fmt: skip
             m = res.get(label)
             if not m:
                 continue
@@ -1115,6 +1131,11 @@ def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float], 
             f"{pct(res['scatter_ceiling'], hot)} | {rate(cold, 7)} {rate(disk)} | {ms(save)} {ms(hot)} "
             f"{ms(cold)} {ms(disk)} {ms(rec, 9)}"
         )
+        pre = res.get("cold_prefetched", {}).get("total")
+        if pre:
+            lines.append(f"  {res['tokens']} tokens, block {res['bs']}: cold load (page cache) prefetched at the "
+                         f"lookup {args.prefetch_gap_ms:.0f} ms before the load (the engine's step, modeled) "
+                         f"{ms(pre).strip()} ms, {rate(pre).strip()} GB/s, against {ms(cold).strip()} ms not")  # fmt: skip
         ahead = res.get("save_ahead")
         if ahead:
             lines.append(f"  {res['tokens']} tokens, block {res['bs']}: save reserved ahead (the connector's "
@@ -1169,6 +1190,10 @@ def main() -> None:
         "--disk-repeat", type=int, default=2, help="cold loads per size after dropping the page cache"
     )
     p.add_argument("--legacy-repeat", type=int, default=3, help="runs of the (b) gRPC/LMDB paths")
+    p.add_argument("--prefetch-repeat", type=int, default=0,
+                   help="cold loads per size (page cache) prefetched at a Lookup --prefetch-gap-ms before")  # fmt: skip
+    p.add_argument("--prefetch-gap-ms", type=float, default=10.0,
+                   help="the engine's step between the scheduler's Lookup and the workers' load (modeled)")  # fmt: skip
     p.add_argument("--memory", default="40GiB", help="the daemon's arena")
     p.add_argument("--capacity", default="200GiB", help="the daemon's LMDB budget")
     p.add_argument("--data-root", default=None, help="where the daemon's data dir goes (default: $TMPDIR)")

@@ -191,7 +191,10 @@ def cmd_stats(client: KVStoreClient, args: argparse.Namespace) -> int:
             ("reserved", format_size(s["reserved_bytes"])),
             ("memory hits", f"{s['memory_hit_blocks']} blocks"),
             ("persistent hits", f"{s['persistent_hit_blocks']} blocks"),
-            ("promotions", f"{s['promotions']} ({s['promoted_blocks']} blocks)"),
+            (
+                "promotions",
+                f"{s['promotions']} ({s['promoted_blocks']} blocks, {s['prefetched_blocks']} prefetched)",
+            ),
             (
                 "write-behind backlog",
                 f"{s['write_behind_blocks']} blocks, {format_size(s['write_behind_bytes'])}",

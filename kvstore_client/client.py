@@ -227,6 +227,7 @@ class KVStoreClient:
         timeout: float | None = None,
         lease_from: int | None = None,
         lease_holders: int = 1,
+        prefetch: bool = False,
     ) -> Where:
         """lookup, and where the prefix lives: the tier each of its blocks is read from and
         how fast the tiers below memory read (what a loader weighs against recomputing).
@@ -236,7 +237,12 @@ class KVStoreClient:
         holds (Where.lease: the pins a load would otherwise ask for, made in the same
         round trip), until `lease_holders` releases (each loader of it releases its share)
         or the daemon's lease runs out. A daemon that offers no arena, or predates leases,
-        leases nothing (Where.lease is None)."""
+        leases nothing (Where.lease is None).
+
+        `prefetch`: also start reading the prefix's blocks from `lease_from` (or the first)
+        on that only the persistent tier holds into the memory tier, without waiting
+        (Where.prefetching: how many): a Pin of them a step later finds them in memory or
+        joins their reads. Best effort (none while the daemon runs several prefetches)."""
         if lease_from is not None and lease_from < 0:
             raise ValueError("lease_from must be >= 0")
         if not 1 <= lease_holders <= wire.MAX_LEASE_HOLDERS:
@@ -245,6 +251,7 @@ class KVStoreClient:
         req = pb.LookupRequest(
             block_hashes=block_hashes, tiers=True, lease=leasing,
             lease_from=lease_from or 0, lease_holders=lease_holders if leasing else 0, want_layout=leasing,
+            prefetch=prefetch,
         )  # fmt: skip
         spaces = [_ns(namespace)] if isinstance(namespace, (str, bytes)) else [_ns(ns) for ns in namespace]
         if len(spaces) == 1:
@@ -266,7 +273,8 @@ class KVStoreClient:
                     f"Lookup answered {len(resp.leases)} leases for {len(spaces)} namespaces"
                 )
             lease = Lease(tuple(spaces), tuple(resp.leases), resp.store_id, taken)
-        return Where(resp.num_blocks, tiers, resp.persistent_read_rate, resp.fleet_read_rate, lease)
+        rates = resp.persistent_read_rate, resp.fleet_read_rate
+        return Where(resp.num_blocks, tiers, *rates, lease, resp.prefetch_blocks)
 
     def release_lease(
         self, lease: Lease, *, namespace: str | bytes | None = None, all_holders: bool = True

@@ -64,6 +64,8 @@ class Where:
     fleet_read_rate: float
     lease: Lease | None = None
     """Asked with lease_from: the blocks it pinned for the load that follows (None: none)."""
+    prefetching: int = 0
+    """Asked with prefetch: the blocks whose reads into the memory tier the lookup started."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,6 +87,8 @@ class Ledger:
     _fleet_writer: FleetWriteBehind | None
     _fleet_fetcher: ThreadPoolExecutor | None
     _placing: dict[int, Placing]
+    _prefetch_slots: threading.BoundedSemaphore
+    _prefetcher: ThreadPoolExecutor
 
     def _tier(self) -> MemoryTier:
         if self.memory is None:

@@ -40,6 +40,10 @@ from kvstore_server.tiers.chain import Promotion, ReadResult, Ready, Started, ve
 
 log = logging.getLogger(__name__)
 
+# Prefetches (Lookup's) whose reads may run at once: past it a lookup starts none, so a
+# burst of lookups never queues reads ahead of the pins that need them now.
+MAX_PREFETCHES = 4
+
 # Blocks fetched from the fleet per round trip: a few first (their size is not known
 # yet), then about this many bytes' worth.
 _FLEET_FIRST_BATCH = 4
@@ -311,6 +315,52 @@ class Loading(Admitting):
         if result.stop == STOP_NO_ROOM:  # not brought into memory: a lease never does
             result = dataclasses.replace(result, stop=STOP_NOT_IN_MEMORY)
         return result
+
+    def prefetch(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
+        """Start reading the blocks of the stored prefix of `hashes` that only the
+        persistent tier holds into the memory tier, and return without waiting: how many
+        are being read (0: none is cold, or MAX_PREFETCHES are running). A Lookup's, for
+        the load that follows it a step later: its Pin finds them in memory, or joins the
+        reads in flight (TierChain.promote_start). Never asks the fleet; the promotion is
+        finished (its blocks placed) on a prefetch thread."""
+        memory = self._tier()
+        if not self._prefetch_slots.acquire(blocking=False):
+            return 0
+        handed_on = False
+        try:
+            now = time.time()
+            with self._lock:
+                if self._closed:
+                    return 0
+                n = self._index.prefix_len(namespace, hashes)
+                keys = [(namespace, h) for h in hashes[:n]]
+                if all(k in memory.resident for k in keys):
+                    return 0
+            started = self._started(self.tiers.promote_start(keys, now))
+            promotion = started.promotion
+            if promotion is None or started.joined:  # nothing to read, or read by another load already
+                self.tiers.let_go(started)
+                return 0
+            self._prefetcher.submit(self._prefetched, promotion)
+            handed_on = True
+            with self._lock:
+                memory.counters.prefetched_blocks += len(promotion.placed)
+            return len(promotion.placed)
+        finally:
+            if not handed_on:
+                self._prefetch_slots.release()
+
+    def _prefetched(self, promotion: Promotion) -> None:
+        """A prefetch's promotion, finished (its blocks placed) on a prefetch thread."""
+        try:
+            left_out = promotion.finish()
+            if left_out is not None:
+                log.debug("a prefetch stopped at block %s: %s", left_out[0][1].hex(), left_out[1])
+        except (StoreError, StorageError, OSError) as exc:
+            log.warning("a prefetch into the memory tier failed: %s", exc)
+        finally:
+            self._drop_evicted()
+            self._prefetch_slots.release()
 
     def pin_stream(
         self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes]

@@ -206,6 +206,8 @@ class StoreCollector(Collector):
             yield counter(
                 "kvstore_promoted_blocks", "Blocks promoted into the memory tier.", "promoted_blocks"
             )
+            yield counter("kvstore_prefetched_blocks", "Promoted blocks read at a Lookup's prefetch.",
+                          "prefetched_blocks")  # fmt: skip
             yield counter(
                 "kvstore_memory_hit_blocks", "Blocks loaded from the memory tier.", "memory_hit_blocks"
             )

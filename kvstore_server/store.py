@@ -42,7 +42,7 @@ from kvstore_server import eviction
 from kvstore_server.errors import FleetUnavailable, NoFleet, NotFoundError
 from kvstore_server.index import Entry, PrefixIndex
 from kvstore_server.ledger import Counters, Listener
-from kvstore_server.loads import Loading, PinResult
+from kvstore_server.loads import MAX_PREFETCHES, Loading, PinResult
 from kvstore_server.parts import ArenaRoom, PartAssembler
 from kvstore_server.tiers import Backend, BlockKey, BlockMeta, StorageError
 from kvstore_server.tiers.arena import MemoryTier
@@ -110,6 +110,9 @@ class Store(Loading):
         )
         self.fleet_promoted_blocks = 0
         self._placing = {}  # pin id -> its promotion, until placed (loads.Placing)
+        # Lookups' prefetches: their promotions finished (placed) here, a few at a time
+        self._prefetch_slots = threading.BoundedSemaphore(MAX_PREFETCHES)
+        self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-prefetch")
         # fetches the next batch from the fleet while a read stores the one before
         self._fleet_fetcher = (
             ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch") if fleet is not None else None
@@ -320,6 +323,7 @@ class Store(Loading):
             self._fleet_writer.close()
         if self._fleet_fetcher is not None:
             self._fleet_fetcher.shutdown(wait=True)
+        self._prefetcher.shutdown(wait=True)  # the prefetches' blocks placed, before the tiers close
         with self._commit_lock:
             with self._lock:
                 self._closed = True

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvstore import wire
 from kvstore_client import KVStoreClient, Lease
 from kvstore_client.errors import KVStoreError, NotOffered
 from kvstore_client.hashing import MultiModalInput, block_hashes
@@ -83,6 +84,9 @@ class SchedulerSide:
         # lookups lease the blocks they find in memory for the load that follows (its
         # workers then need no Pin): where loads go through the arena, seen from here
         self._leasing: bool | None = None if load and config.arena and not config.consume else False
+        # the persistent tier's read rate the last lookup reported (0: not measured yet):
+        # whether its blocks are worth reading ahead at the lookup (prefetch)
+        self._persistent_rate = 0.0
         # vLLM's KV events for the blocks the store holds for this engine (--kv-events-config)
         self.events = StoreEvents(self.client, info.namespace(0), self.block_size) if kv_events else None
 
@@ -120,15 +124,23 @@ class SchedulerSide:
         lease = None
         try:
             if lease_from is not None or (self._recompute_rate > 0 and self._block_bytes > 0):
+                # the workers load a step later through the arena: what only the persistent
+                # tier holds is read into memory meanwhile, where loading it pays
+                ahead = lease_from is not None and self._worth_reading_ahead()
                 where = self.client.where(
                     self.namespaces, hashes, timeout=self.config.lookup_timeout, lease_from=lease_from,
-                    lease_holders=self.info.tp_size,
+                    lease_holders=self.info.tp_size, prefetch=ahead,
                 )  # fmt: skip
                 lease = where.lease
                 hit = where.num_blocks
+                self._persistent_rate = where.persistent_read_rate
+                if where.prefetching:
+                    self.stats.add(blocks_prefetched=where.prefetching)
             if self._recompute_rate > 0 and self._block_bytes > 0:
-                hit = worth_loading(
-                    where.tiers, self.block_size, self._block_bytes, where.persistent_read_rate,
+                # weighed from `local` on: vLLM holds the blocks before it, they load from nowhere
+                start = min(local, where.num_blocks)
+                hit = start + worth_loading(
+                    where.tiers[start:], self.block_size, self._block_bytes, where.persistent_read_rate,
                     where.fleet_read_rate, self._recompute_rate,
                 )  # fmt: skip
                 if hit < where.num_blocks:
@@ -151,6 +163,18 @@ class SchedulerSide:
             self.client.release_lease(lease)
             lease = None
         return hit, lease
+
+    def _worth_reading_ahead(self) -> bool:
+        """Whether a block only the persistent tier holds loads faster than it recomputes, at
+        the rate the last lookup reported (kvstore_connector.costs: a rate not measured yet
+        counts as fast): then a lookup asks the daemon to read such blocks ahead."""
+        tier = bytes([wire.TIER_PERSISTENT])
+        return (
+            worth_loading(
+                tier, self.block_size, self._block_bytes, self._persistent_rate, 0.0, self._recompute_rate
+            )
+            == 1
+        )
 
     def _give_back(self, tracked: _Tracked) -> None:
         """A lease this side took and will not hand on (looked up again, allocated no

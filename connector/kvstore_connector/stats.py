@@ -12,6 +12,7 @@ COUNTERS = (
     "lookup_errors",
     "hit_tokens",
     "blocks_declined",
+    "blocks_prefetched",
     "loads",
     "leased_loads",
     "blocks_loaded",
@@ -65,6 +66,8 @@ class KVStoreConnectorStats(KVConnectorStats):
             "Tokens loaded from kvstore": d["hit_tokens"],
             # stored blocks left to recompute: loading them was estimated slower
             "Blocks declined (slower than recompute)": d["blocks_declined"],
+            # read from the persistent tier into memory at the lookup, a step before the load
+            "Blocks prefetched": d["blocks_prefetched"],
             "Blocks loaded": d["blocks_loaded"],
             # loads that started on the pin the scheduler's lookup leased (no Pin round trip)
             "Loads from a lookup's lease": d["leased_loads"],

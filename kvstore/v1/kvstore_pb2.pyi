@@ -43,7 +43,7 @@ class Layout(_message.Message):
     def __init__(self, layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers", "lease", "lease_from", "lease_holders", "want_layout")
+    __slots__ = ("namespace", "block_hashes", "namespaces", "probe", "tiers", "lease", "lease_from", "lease_holders", "want_layout", "prefetch")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class LookupRequest(_message.Message):
     LEASE_FROM_FIELD_NUMBER: _ClassVar[int]
     LEASE_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     WANT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     namespace: bytes
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     namespaces: _containers.RepeatedScalarFieldContainer[bytes]
@@ -62,23 +63,26 @@ class LookupRequest(_message.Message):
     lease_from: int
     lease_holders: int
     want_layout: bool
-    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ..., lease: _Optional[bool] = ..., lease_from: _Optional[int] = ..., lease_holders: _Optional[int] = ..., want_layout: _Optional[bool] = ...) -> None: ...
+    prefetch: bool
+    def __init__(self, namespace: _Optional[bytes] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., namespaces: _Optional[_Iterable[bytes]] = ..., probe: _Optional[bool] = ..., tiers: _Optional[bool] = ..., lease: _Optional[bool] = ..., lease_from: _Optional[int] = ..., lease_holders: _Optional[int] = ..., want_layout: _Optional[bool] = ..., prefetch: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("num_blocks", "tiers", "persistent_read_rate", "fleet_read_rate", "leases", "store_id")
+    __slots__ = ("num_blocks", "tiers", "persistent_read_rate", "fleet_read_rate", "leases", "store_id", "prefetch_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_READ_RATE_FIELD_NUMBER: _ClassVar[int]
     FLEET_READ_RATE_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     tiers: bytes
     persistent_read_rate: float
     fleet_read_rate: float
     leases: _containers.RepeatedCompositeFieldContainer[PinResponse]
     store_id: str
-    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., persistent_read_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[PinResponse, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
+    prefetch_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., tiers: _Optional[bytes] = ..., persistent_read_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., leases: _Optional[_Iterable[_Union[PinResponse, _Mapping]]] = ..., store_id: _Optional[str] = ..., prefetch_blocks: _Optional[int] = ...) -> None: ...
 
 class PutHeader(_message.Message):
     __slots__ = ("namespace", "block_hashes", "layers", "parent_hash", "token_ids", "layer_subset")
@@ -215,7 +219,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "partial_blocks", "partial_bytes", "partials_completed", "partials_expired", "part_layers_in_place", "part_layers_copied", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks", "promoted_bytes", "written_behind_bytes", "persistent_read_rate", "write_behind_rate", "fleet_read_rate", "unused_blocks", "persisted_on_reuse")
+    __slots__ = ("blocks", "bytes_used", "capacity_bytes", "namespaces", "backend", "version", "uptime_seconds", "lookups", "hit_blocks", "miss_blocks", "puts", "blocks_written", "bytes_written", "bytes_read", "evictions", "checksum_failures", "memory_capacity_bytes", "memory_used_bytes", "memory_blocks", "memory_bytes", "pinned_bytes", "reserved_bytes", "write_behind_blocks", "write_behind_bytes", "written_behind", "write_behind_dropped", "memory_only_blocks", "promotions", "promoted_blocks", "memory_hit_blocks", "persistent_hit_blocks", "leases_expired", "reservations", "commits", "aborts", "pins", "memory_evictions", "probe_lookups", "partial_blocks", "partial_bytes", "partials_completed", "partials_expired", "part_layers_in_place", "part_layers_copied", "fleet_enabled", "fleet_up", "fleet_lookups", "fleet_hit_blocks", "fleet_bytes_fetched", "fleet_blocks_written", "fleet_bytes_written", "fleet_corrupt", "fleet_errors", "fleet_backlog_blocks", "fleet_backlog_bytes", "fleet_dropped", "fleet_skipped", "fleet_promoted_blocks", "promoted_bytes", "written_behind_bytes", "persistent_read_rate", "write_behind_rate", "fleet_read_rate", "unused_blocks", "persisted_on_reuse", "prefetched_blocks")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +285,7 @@ class StatsResponse(_message.Message):
     FLEET_READ_RATE_FIELD_NUMBER: _ClassVar[int]
     UNUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PERSISTED_ON_REUSE_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     bytes_used: int
     capacity_bytes: int
@@ -346,7 +351,8 @@ class StatsResponse(_message.Message):
     fleet_read_rate: float
     unused_blocks: int
     persisted_on_reuse: int
-    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., partial_bytes: _Optional[int] = ..., partials_completed: _Optional[int] = ..., partials_expired: _Optional[int] = ..., part_layers_in_place: _Optional[int] = ..., part_layers_copied: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., written_behind_bytes: _Optional[int] = ..., persistent_read_rate: _Optional[float] = ..., write_behind_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., unused_blocks: _Optional[int] = ..., persisted_on_reuse: _Optional[int] = ...) -> None: ...
+    prefetched_blocks: int
+    def __init__(self, blocks: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., namespaces: _Optional[int] = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., evictions: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., memory_capacity_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_blocks: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., write_behind_blocks: _Optional[int] = ..., write_behind_bytes: _Optional[int] = ..., written_behind: _Optional[int] = ..., write_behind_dropped: _Optional[int] = ..., memory_only_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., memory_hit_blocks: _Optional[int] = ..., persistent_hit_blocks: _Optional[int] = ..., leases_expired: _Optional[int] = ..., reservations: _Optional[int] = ..., commits: _Optional[int] = ..., aborts: _Optional[int] = ..., pins: _Optional[int] = ..., memory_evictions: _Optional[int] = ..., probe_lookups: _Optional[int] = ..., partial_blocks: _Optional[int] = ..., partial_bytes: _Optional[int] = ..., partials_completed: _Optional[int] = ..., partials_expired: _Optional[int] = ..., part_layers_in_place: _Optional[int] = ..., part_layers_copied: _Optional[int] = ..., fleet_enabled: _Optional[bool] = ..., fleet_up: _Optional[bool] = ..., fleet_lookups: _Optional[int] = ..., fleet_hit_blocks: _Optional[int] = ..., fleet_bytes_fetched: _Optional[int] = ..., fleet_blocks_written: _Optional[int] = ..., fleet_bytes_written: _Optional[int] = ..., fleet_corrupt: _Optional[int] = ..., fleet_errors: _Optional[int] = ..., fleet_backlog_blocks: _Optional[int] = ..., fleet_backlog_bytes: _Optional[int] = ..., fleet_dropped: _Optional[int] = ..., fleet_skipped: _Optional[int] = ..., fleet_promoted_blocks: _Optional[int] = ..., promoted_bytes: _Optional[int] = ..., written_behind_bytes: _Optional[int] = ..., persistent_read_rate: _Optional[float] = ..., write_behind_rate: _Optional[float] = ..., fleet_read_rate: _Optional[float] = ..., unused_blocks: _Optional[int] = ..., persisted_on_reuse: _Optional[int] = ..., prefetched_blocks: _Optional[int] = ...) -> None: ...
 
 class BlockInfo(_message.Message):
     __slots__ = ("namespace", "block_hash", "parent_hash", "size_bytes", "num_layers", "created_at", "last_access_at", "num_children")

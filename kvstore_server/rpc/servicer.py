@@ -114,6 +114,8 @@ class Servicer:
             spaces = [self._ns(context, ns) for ns in request.namespaces]
         else:
             spaces = [self._ns(context, request.namespace)]
+        if request.prefetch and request.probe:
+            raise InvalidRequest("a probe lookup prefetches nothing")
         if request.lease:
             if request.probe:
                 raise InvalidRequest("a probe lookup takes no lease")
@@ -155,6 +157,16 @@ class Servicer:
             else:
                 resp.leases.extend(leases)
                 resp.store_id = self.store_id
+        if (
+            request.prefetch
+            and request.lease_from < n
+            and self.store.memory is not None
+            and self.config.offers_memory()
+        ):
+            with self.reclaim.busy():
+                resp.prefetch_blocks = sum(
+                    self.store.prefetch(ns, hashes[request.lease_from : n]) for ns in spaces
+                )
         return resp
 
     @translated

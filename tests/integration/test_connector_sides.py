@@ -870,6 +870,38 @@ def test_hits_that_would_load_slower_than_recompute_are_left_to_recompute(daemon
     assert always.stats.data["blocks_declined"] == 0
 
 
+def test_a_lookup_reads_ahead_what_only_the_persistent_tier_holds_where_loading_it_pays(daemon) -> None:
+    """The scheduler side's lookup asks the daemon to read the hit's blocks that only the
+    persistent tier holds into memory (its workers load them a step later); a side that
+    recomputes a block faster than that tier, at the rate the daemon reported, asks for
+    none."""
+    hashes = block_hashes(INFO.hash_root, PROMPT, BS)
+    store_blocks(daemon.address, hashes[:4])  # over gRPC: the persistent tier only
+    side = SchedulerSide(INFO, config(daemon.address, recompute_tokens_per_s=0), load=True, save=False)
+    with KVStoreClient(daemon.address, arena=False) as kv:
+        assert kv.stats()["memory_blocks"] == 0
+        assert side.get_num_new_matched_tokens(request("r1", PROMPT), BS) == (3 * BS, False)
+        assert side.stats.data["blocks_prefetched"] == 3  # blocks 1..3: vLLM had block 0
+        eventually(lambda: kv.stats()["memory_blocks"] == 3)  # with no load asked yet
+        assert kv.stats()["prefetched_blocks"] == 3
+        rate = kv.where(NS, hashes).persistent_read_rate
+        assert rate > 0  # measured on the prefetch
+        # an engine that recomputes a block faster than the persistent tier reads it, and
+        # slower than the memory tier does (the side weighs block bytes: the layer count)
+        info = dataclasses.replace(INFO, num_layers=len(LAYERS))
+        memory_s, persistent_s = info.block_bytes() / HOT_LOAD_RATE, info.block_bytes() / rate
+        tokens_per_s = BS / (memory_s * persistent_s) ** 0.5
+        fast = SchedulerSide(
+            info, config(daemon.address, recompute_tokens_per_s=tokens_per_s), load=True, save=False
+        )
+        assert fast.get_num_new_matched_tokens(request("f1", PROMPT), BS) == (3 * BS, False)  # in memory now
+        store_blocks(daemon.address, hashes[4:6], seed=1)  # again the persistent tier only
+        fast.get_num_new_matched_tokens(request("f2", PROMPT), 4 * BS)
+        assert fast.stats.data["blocks_prefetched"] == 0 and kv.stats()["prefetched_blocks"] == 3
+        fast.close()
+    side.close()
+
+
 # ---- leases: the scheduler side's lookup pins what the workers then load
 def saved_by_a_worker(address: str, hashes: list[bytes]) -> dict[str, torch.Tensor]:
     """Save `hashes` through the arena (they stay in the memory tier): what TP=1 held."""

@@ -289,6 +289,41 @@ def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_the
 
 
 @both_backends
+def test_a_lookup_that_prefetches_reads_the_cold_prefix_into_memory_before_any_pin(make_daemon) -> None:
+    """Lookup with prefetch (the scheduler side's, a step before its workers load): the
+    prefix's blocks that only the persistent tier holds are read into the memory tier
+    without a pin and without the lookup waiting for them; the pin after them finds them
+    all in memory and promotes nothing itself. A probe lookup may not prefetch."""
+    d = make_daemon()
+    hashes, layers = chain("prefetch", 4), make_layers(4, num_layers=4, shape=(256, 128), dtype=torch.float16)
+    _only_in_the_persistent_tier(d, hashes, layers)
+    with KVStoreClient(d.address, arena=True) as kv:
+        assert kv.stats()["memory_blocks"] == 0
+        where = kv.where(NS, hashes[:3], lease_from=1, prefetch=True)
+        assert (where.num_blocks, where.prefetching) == (3, 2)  # blocks [1, 3)
+        eventually(lambda: kv.stats()["memory_blocks"] == 2)  # no pin asked for them
+        stats = kv.stats()
+        assert (stats["promoted_blocks"], stats["prefetched_blocks"], stats["pins"]) == (2, 2, 0)
+        assert kv.where(NS, hashes[:3], lease_from=1, prefetch=True).prefetching == 0  # in memory now
+        assert kv.where(NS, hashes, prefetch=True).prefetching == 2  # blocks 0 and 3
+        eventually(lambda: kv.stats()["memory_blocks"] == 4)
+        pinned = kv.pin(NS, hashes, stream=True)
+        assert pinned is not None and pinned.num_blocks == 4 and pinned.ready_layers == 4  # all in memory
+        assert_same(
+            {name: torch.cat([v for _, v in pinned.pieces(i)]) for i, name in enumerate(layers)}, layers
+        )
+        assert pinned.release()
+        stats = kv.stats()
+        assert (stats["promoted_blocks"], stats["prefetched_blocks"], stats["memory_hit_blocks"]) == (4, 4, 4)
+        with pytest.raises(errors.InvalidRequest, match="probe"):
+            kv._rpc.unary(
+                kv._rpc.lookup,
+                pb.LookupRequest(namespace=NS.encode(), block_hashes=hashes, probe=True, prefetch=True),
+                10,
+            )
+
+
+@both_backends
 def test_a_cold_pin_reports_blocks_read_whole_as_they_land(make_daemon) -> None:
     """Blocks up to 4 MiB are read whole, in tasks of a few MiB: PinStream reports them as
     they land (ready_blocks, about every 8 MiB), in order, after the blocks that were in

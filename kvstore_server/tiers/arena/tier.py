@@ -80,6 +80,7 @@ class ArenaCounters:
     leases_expired: int = 0
     promotions: int = 0
     promoted_blocks: int = 0
+    prefetched_blocks: int = 0  # of them, read at a Lookup's prefetch (before any load asked)
     memory_hit_blocks: int = 0
     persistent_hit_blocks: int = 0
     written_behind: int = 0
