@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # Prefetches (Lookup's) whose reads may run at once: past it a lookup starts none, so a
 # burst of lookups never queues reads ahead of the pins that need them now.
 MAX_PREFETCHES = 4
+# How long a Pin waits for a prefetch that is starting the reads of its blocks (finding
+# where they lie: milliseconds) before it reads them itself.
+_PREFETCH_START_WAIT_S = 5.0
 
 # Blocks fetched from the fleet per round trip: a few first (their size is not known
 # yet), then about this many bytes' worth.
@@ -290,6 +293,8 @@ class Loading(Admitting):
         (pin_id 0)."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
+        if cold:
+            self._after_prefetch_starts(cold)
         started = self._started(self.tiers.promote(keys, now)) if cold else Started()
         pending: dict[BlockKey, Placed] = {}
         left_out = started.left_out
@@ -317,50 +322,74 @@ class Loading(Admitting):
         return result
 
     def prefetch(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
-        """Start reading the blocks of the stored prefix of `hashes` that only the
-        persistent tier holds into the memory tier, and return without waiting: how many
-        are being read (0: none is cold, or MAX_PREFETCHES are running). A Lookup's, for
-        the load that follows it a step later: its Pin finds them in memory, or joins the
-        reads in flight (TierChain.promote_start). Never asks the fleet; the promotion is
-        finished (its blocks placed) on a prefetch thread."""
+        """Have the blocks of the stored prefix of `hashes` that only the persistent tier
+        holds read into the memory tier, and return at once: how many are to be read (0:
+        none is cold, or MAX_PREFETCHES are under way). A Lookup's, for the load that
+        follows it a step later: its Pin finds them in memory, or joins their reads in
+        flight. The promotion starts and is finished (its blocks placed) on a prefetch
+        thread: a lookup never waits for a read, nor for finding where the blocks lie.
+        Never asks the fleet."""
         memory = self._tier()
         if not self._prefetch_slots.acquire(blocking=False):
             return 0
         handed_on = False
         try:
-            now = time.time()
             with self._lock:
                 if self._closed:
                     return 0
                 n = self._index.prefix_len(namespace, hashes)
                 keys = [(namespace, h) for h in hashes[:n]]
-                if all(k in memory.resident for k in keys):
+                cold = [k for k in keys if k not in memory.resident]
+            with self._prefetch_lock:
+                cold = [k for k in cold if k not in self._prefetch_starting]
+                if not cold:
                     return 0
-            started = self._started(self.tiers.promote_start(keys, now))
-            promotion = started.promotion
-            if promotion is None or started.joined:  # nothing to read, or read by another load already
-                self.tiers.let_go(started)
-                return 0
-            self._prefetcher.submit(self._prefetched, promotion)
+                starting = threading.Event()
+                for key in cold:
+                    self._prefetch_starting[key] = starting
+            self._prefetcher.submit(self._prefetched, keys, cold, starting)
             handed_on = True
-            with self._lock:
-                memory.counters.prefetched_blocks += len(promotion.placed)
-            return len(promotion.placed)
+            return len(cold)
         finally:
             if not handed_on:
                 self._prefetch_slots.release()
 
-    def _prefetched(self, promotion: Promotion) -> None:
-        """A prefetch's promotion, finished (its blocks placed) on a prefetch thread."""
+    def _prefetched(self, keys: list[BlockKey], cold: list[BlockKey], starting: threading.Event) -> None:
+        """A prefetch, on a prefetch thread: its promotion started (then the loads that
+        waited for that join it), and finished."""
         try:
+            try:
+                started = self._started(self.tiers.promote_start(keys, time.time()))
+            finally:
+                with self._prefetch_lock:
+                    for key in cold:
+                        if self._prefetch_starting.get(key) is starting:
+                            del self._prefetch_starting[key]
+                starting.set()
+            promotion = started.promotion
+            if promotion is None or started.joined:  # nothing to read, or a load reads them already
+                self.tiers.let_go(started)
+                return
+            with self._lock:
+                self._tier().counters.prefetched_blocks += len(promotion.placed)
             left_out = promotion.finish()
             if left_out is not None:
                 log.debug("a prefetch stopped at block %s: %s", left_out[0][1].hex(), left_out[1])
         except (StoreError, StorageError, OSError) as exc:
             log.warning("a prefetch into the memory tier failed: %s", exc)
         finally:
-            self._drop_evicted()
             self._prefetch_slots.release()
+
+    def _after_prefetch_starts(self, cold: Sequence[BlockKey]) -> None:
+        """Wait while prefetches are starting the reads of some of `cold` (finding where
+        they lie): once their promotion is under way a Pin joins it, where it would
+        otherwise read the same blocks a second time. Bounded: a start that hangs delays
+        a load by _PREFETCH_START_WAIT_S at most."""
+        with self._prefetch_lock:
+            events = {id(e): e for key in cold if (e := self._prefetch_starting.get(key)) is not None}
+        for event in events.values():
+            if not event.wait(_PREFETCH_START_WAIT_S):
+                log.warning("a prefetch's promotion took over %.0f s to start", _PREFETCH_START_WAIT_S)
 
     def pin_stream(
         self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes]
@@ -374,6 +403,8 @@ class Loading(Admitting):
         finished (its blocks placed) when the iteration ends or is closed."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
+        if cold:
+            self._after_prefetch_starts(cold)
         started = self._started(self.tiers.promote_start(keys, now)) if cold else Started()
         promotion = started.promotion
         placing: Placing | None = None

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
+from kvstore_client.arena.load import Pinned
 from kvstore_server.auth import tenant_prefix
 
 from .helpers import NS, assert_same, both_backends, chain, make_layers, rows
@@ -899,3 +901,50 @@ def test_a_daemon_that_reads_no_layout_bytes_gets_layers(
         assert save(kv, hashes, layers) == 3
         assert_same(kv.select(NS, hashes), layers)
     assert given == [False]
+
+
+def test_a_pin_that_comes_while_a_prefetch_starts_waits_for_it_and_joins_its_reads(
+    server: InProcServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Pin of blocks whose prefetch is still finding where they lie waits until its
+    reads are under way, then joins them: the blocks are read once, by the prefetch. (The
+    prefetch is held at its start here: the window is milliseconds.)"""
+    from kvstore_server.loads import Loading
+    from kvstore_server.tiers.chain import TierChain
+
+    hashes, layers = chain("join", 3), make_layers(3)
+    with KVStoreClient(server.address, arena=False) as grpc_kv:
+        grpc_kv.put(NS, hashes, layers)  # a Put: in the persistent tier only
+    held, go, pin_waits = threading.Event(), threading.Event(), threading.Event()
+    start, wait = TierChain.promote_start, Loading._after_prefetch_starts
+
+    def held_start(self, keys, now):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name.startswith("kvstore-prefetch"):
+            held.set()
+            assert go.wait(20)
+        return start(self, keys, now)
+
+    def waiting(self, cold):  # type: ignore[no-untyped-def]
+        pin_waits.set()
+        return wait(self, cold)
+
+    monkeypatch.setattr(TierChain, "promote_start", held_start)
+    monkeypatch.setattr(Loading, "_after_prefetch_starts", waiting)
+    with KVStoreClient(server.address, timeout=20.0, arena=True) as kv:
+        assert kv.where(NS, hashes, prefetch=True).prefetching == 3
+        assert held.wait(20)
+        got: dict[str, object] = {}
+        loader = threading.Thread(target=lambda: got.update(pinned=kv.pin(NS, hashes, stream=True)))
+        loader.start()
+        assert pin_waits.wait(20)  # the pin found the prefetch starting
+        go.set()
+        loader.join(20)
+        pinned = got["pinned"]
+        assert isinstance(pinned, Pinned) and pinned.num_blocks == 3
+        pinned.wait_layers(len(layers))
+        assert_same(
+            {name: torch.cat([v for _, v in pinned.pieces(i)]) for i, name in enumerate(layers)}, layers
+        )
+        assert pinned.release()
+        stats = kv.stats()
+        assert (stats["promotions"], stats["promoted_blocks"], stats["prefetched_blocks"]) == (1, 3, 3)
