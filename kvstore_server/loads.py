@@ -377,6 +377,8 @@ class Loading(Admitting):
                 log.debug("a prefetch stopped at block %s: %s", left_out[0][1].hex(), left_out[1])
         except (StoreError, StorageError, OSError) as exc:
             log.warning("a prefetch into the memory tier failed: %s", exc)
+        except Exception:  # noqa: BLE001 - on a pool thread nobody waits on: said here, or never
+            log.exception("a prefetch into the memory tier failed")
         finally:
             self._prefetch_slots.release()
 
