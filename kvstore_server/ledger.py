@@ -89,8 +89,6 @@ class Ledger:
     _placing: dict[int, Placing]
     _prefetch_slots: threading.BoundedSemaphore
     _prefetcher: ThreadPoolExecutor
-    _prefetch_lock: threading.Lock
-    _prefetch_starting: dict[BlockKey, threading.Event]
 
     def _tier(self) -> MemoryTier:
         if self.memory is None:

@@ -43,9 +43,6 @@ log = logging.getLogger(__name__)
 # Prefetches (Lookup's) whose reads may run at once: past it a lookup starts none, so a
 # burst of lookups never queues reads ahead of the pins that need them now.
 MAX_PREFETCHES = 4
-# How long a Pin waits for a prefetch that is starting the reads of its blocks (finding
-# where they lie: milliseconds) before it reads them itself.
-_PREFETCH_START_WAIT_S = 5.0
 
 # Blocks fetched from the fleet per round trip: a few first (their size is not known
 # yet), then about this many bytes' worth.
@@ -293,8 +290,6 @@ class Loading(Admitting):
         (pin_id 0)."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
-        if cold:
-            self._after_prefetch_starts(cold)
         started = self._started(self.tiers.promote(keys, now)) if cold else Started()
         pending: dict[BlockKey, Placed] = {}
         left_out = started.left_out
@@ -339,33 +334,22 @@ class Loading(Admitting):
                     return 0
                 n = self._index.prefix_len(namespace, hashes)
                 keys = [(namespace, h) for h in hashes[:n]]
-                cold = [k for k in keys if k not in memory.resident]
-            with self._prefetch_lock:
-                cold = [k for k in cold if k not in self._prefetch_starting]
-                if not cold:
-                    return 0
-                starting = threading.Event()
-                for key in cold:
-                    self._prefetch_starting[key] = starting
-            self._prefetcher.submit(self._prefetched, keys, cold, starting)
+                cold = sum(k not in memory.resident for k in keys)
+            if not cold:
+                return 0
+            self._prefetcher.submit(self._prefetched, keys)
             handed_on = True
-            return len(cold)
+            return cold
         finally:
             if not handed_on:
                 self._prefetch_slots.release()
 
-    def _prefetched(self, keys: list[BlockKey], cold: list[BlockKey], starting: threading.Event) -> None:
-        """A prefetch, on a prefetch thread: its promotion started (then the loads that
-        waited for that join it), and finished."""
+    def _prefetched(self, keys: list[BlockKey]) -> None:
+        """A prefetch, on a prefetch thread: its promotion started (a load of the same
+        blocks meanwhile waits for that, then joins it: TierChain.promote_start), and
+        finished."""
         try:
-            try:
-                started = self._started(self.tiers.promote_start(keys, time.time()))
-            finally:
-                with self._prefetch_lock:
-                    for key in cold:
-                        if self._prefetch_starting.get(key) is starting:
-                            del self._prefetch_starting[key]
-                starting.set()
+            started = self._started(self.tiers.promote_start(keys, time.time()))
             promotion = started.promotion
             if promotion is None or started.joined:  # nothing to read, or a load reads them already
                 self.tiers.let_go(started)
@@ -382,17 +366,6 @@ class Loading(Admitting):
         finally:
             self._prefetch_slots.release()
 
-    def _after_prefetch_starts(self, cold: Sequence[BlockKey]) -> None:
-        """Wait while prefetches are starting the reads of some of `cold` (finding where
-        they lie): once their promotion is under way a Pin joins it, where it would
-        otherwise read the same blocks a second time. Bounded: a start that hangs delays
-        a load by _PREFETCH_START_WAIT_S at most."""
-        with self._prefetch_lock:
-            events = {id(e): e for key in cold if (e := self._prefetch_starting.get(key)) is not None}
-        for event in events.values():
-            if not event.wait(_PREFETCH_START_WAIT_S):
-                log.warning("a prefetch's promotion took over %.0f s to start", _PREFETCH_START_WAIT_S)
-
     def pin_stream(
         self, tenant: bytes, namespace: bytes, hashes: Sequence[bytes]
     ) -> Generator[PinResult | Ready | str, None, None]:
@@ -405,8 +378,6 @@ class Loading(Admitting):
         finished (its blocks placed) when the iteration ends or is closed."""
         memory = self._tier()
         keys, cold, now, stop = self._pin_prefix(memory, namespace, hashes)
-        if cold:
-            self._after_prefetch_starts(cold)
         started = self._started(self.tiers.promote_start(keys, now)) if cold else Started()
         promotion = started.promotion
         placing: Placing | None = None

@@ -113,8 +113,6 @@ class Store(Loading):
         # Lookups' prefetches: their promotions finished (placed) here, a few at a time
         self._prefetch_slots = threading.BoundedSemaphore(MAX_PREFETCHES)
         self._prefetcher = ThreadPoolExecutor(2, thread_name_prefix="kvstore-prefetch")
-        self._prefetch_lock = threading.Lock()
-        self._prefetch_starting: dict[BlockKey, threading.Event] = {}  # until its promotion is under way
         # fetches the next batch from the fleet while a read stores the one before
         self._fleet_fetcher = (
             ThreadPoolExecutor(4, thread_name_prefix="kvstore-fleet-fetch") if fleet is not None else None

@@ -137,6 +137,9 @@ _READ_TASK_BYTES = 4 << 20
 _TASKS_PER_THREAD = 8
 _READY_STEP_BYTES = 8 << 20
 _READY_REPORTS = 16
+# How long a load waits for another's promotion of its blocks to start (to find where they
+# lie: milliseconds) before it reads them itself.
+_START_WAIT_S = 5.0
 
 
 def layer_groups(sizes: Sequence[int]) -> list[range]:
@@ -409,6 +412,9 @@ class TierChain:
         self._writing: set[BlockKey] = set()  # blocks a write-behind batch is writing now
         # blocks being promoted, by promotion: a load of the same blocks joins it
         self._promoting: dict[BlockKey, Promotion] = {}
+        # blocks whose promotion is starting (finding where they lie), until it is under
+        # way or did not start: a load of them waits, then joins it (promote_start)
+        self._starting: dict[BlockKey, threading.Event] = {}
         self._last_written = 0.0  # perf_counter when the last batch ended
 
     # ---- reads
@@ -510,16 +516,36 @@ class TierChain:
         a Get), and a block that fails is removed then. A second check here would
         serialise a cold load behind xxh3 on one core."""
         memory = self._memory()
-        with self._lock:
-            hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
-            memory.pin_extents(hot, now)
-            cold = [k for k in keys if k not in memory.resident and self.index.get(*k) is not None]
-            # every cold block being read already by one promotion (two TP ranks loading
-            # one prompt): joined, not read twice; its extents held until this load pins
-            running = {id(p): p for p in (self._promoting.get(k) for k in cold)}
-            joined = running.popitem()[1] if len(running) == 1 and None not in running.values() else None
-            if joined is not None:
-                memory.pin_extents(joined.extents, now)
+        waited = 0.0
+        while True:
+            with self._lock:
+                hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
+                cold = [k for k in keys if k not in memory.resident and self.index.get(*k) is not None]
+                # another load is finding where some of these lie (ms): once its reads are
+                # under way this one joins them, where it would otherwise read them twice
+                # (two TP ranks' pins of one prompt come together; a Lookup's prefetch)
+                starting = {id(e): e for e in (self._starting.get(k) for k in cold) if e is not None}
+                if not starting or waited >= _START_WAIT_S:
+                    memory.pin_extents(hot, now)
+                    # every cold block being read already by one promotion: joined, not read
+                    # twice; its extents held until this load pins
+                    running = {id(p): p for p in (self._promoting.get(k) for k in cold)}
+                    one = len(running) == 1 and None not in running.values()
+                    joined = running.popitem()[1] if one else None
+                    if joined is not None:
+                        memory.pin_extents(joined.extents, now)
+                    mine = threading.Event() if joined is None and cold else None
+                    if mine is not None:
+                        for key in cold:
+                            self._starting[key] = mine
+                    break
+            began = time.monotonic()
+            for event in starting.values():
+                event.wait(max(0.0, _START_WAIT_S - waited))
+            waited += time.monotonic() - began
+            if waited >= _START_WAIT_S:
+                log.warning("a promotion of the same blocks took over %.0f s to start; reading them again",
+                            _START_WAIT_S)  # fmt: skip
         try:
             if joined is not None:
                 return Started(joined, joined._stopped, joined=True)
@@ -527,6 +553,12 @@ class TierChain:
         finally:
             with self._lock:
                 memory.unpin_extents(hot)
+                if mine is not None:
+                    for key in cold:
+                        if self._starting.get(key) is mine:
+                            del self._starting[key]
+            if mine is not None:
+                mine.set()
 
     def _start(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> Started:
         started = time.perf_counter()

@@ -216,6 +216,7 @@ def test_a_client_beyond_the_connection_limit_uses_grpc_then_tries_again(
     hashes, layers = chain("many", 2), make_layers(2)
     with KVStoreClient(server.address, arena=True) as first:
         first.put(NS, hashes, layers)
+    eventually(lambda: ctl.connections() == 0)  # the daemon saw the first client's go
     held = []
     try:
         for _ in range(2):

@@ -21,7 +21,6 @@ from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
-from kvstore_client.arena.load import Pinned
 from kvstore_server.auth import tenant_prefix
 
 from .helpers import NS, assert_same, both_backends, chain, make_layers, rows
@@ -903,48 +902,75 @@ def test_a_daemon_that_reads_no_layout_bytes_gets_layers(
     assert given == [False]
 
 
-def test_a_pin_that_comes_while_a_prefetch_starts_waits_for_it_and_joins_its_reads(
-    server: InProcServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A Pin of blocks whose prefetch is still finding where they lie waits until its
-    reads are under way, then joins them: the blocks are read once, by the prefetch. (The
-    prefetch is held at its start here: the window is milliseconds.)"""
-    from kvstore_server.loads import Loading
+def _held_at_the_first_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event, threading.Event]:
+    """Hold the first promotion's start (finding where its blocks lie: milliseconds for
+    real) until `go`; `held` once it is held, `entered` once a later load enters
+    promote_start meanwhile."""
     from kvstore_server.tiers.chain import TierChain
 
+    held, go, entered = threading.Event(), threading.Event(), threading.Event()
+    start, begin = TierChain._start, TierChain.promote_start
+
+    def held_start(self, memory, cold, now):  # type: ignore[no-untyped-def]
+        if not held.is_set():
+            held.set()
+            assert go.wait(20)
+        return start(self, memory, cold, now)
+
+    def entering(self, keys, now):  # type: ignore[no-untyped-def]
+        if held.is_set() and not go.is_set():
+            entered.set()
+        return begin(self, keys, now)
+
+    monkeypatch.setattr(TierChain, "_start", held_start)
+    monkeypatch.setattr(TierChain, "promote_start", entering)
+    return held, go, entered
+
+
+def _pin_all(kv: KVStoreClient, hashes: list[bytes], layers: dict[str, torch.Tensor]) -> None:
+    pinned = kv.pin(NS, hashes, stream=True)
+    assert pinned is not None and pinned.num_blocks == len(hashes)
+    pinned.wait_layers(len(layers))
+    assert_same({name: torch.cat([v for _, v in pinned.pieces(i)]) for i, name in enumerate(layers)}, layers)
+    assert pinned.release()
+
+
+@pytest.mark.parametrize("first", ["prefetch", "pin"])
+def test_a_load_that_comes_while_a_promotion_of_its_blocks_starts_joins_its_reads(
+    server: InProcServer, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """Two loads of the same cold blocks at once (two TP ranks' pins of one prompt, or a
+    Lookup's prefetch and the pin after it): the second waits until the first's reads are
+    under way, then joins them: the blocks are read once."""
     hashes, layers = chain("join", 3), make_layers(3)
     with KVStoreClient(server.address, arena=False) as grpc_kv:
         grpc_kv.put(NS, hashes, layers)  # a Put: in the persistent tier only
-    held, go, pin_waits = threading.Event(), threading.Event(), threading.Event()
-    start, wait = TierChain.promote_start, Loading._after_prefetch_starts
+    held, go, entered = _held_at_the_first_start(monkeypatch)
+    failed: list[BaseException] = []
 
-    def held_start(self, keys, now):  # type: ignore[no-untyped-def]
-        if threading.current_thread().name.startswith("kvstore-prefetch"):
-            held.set()
-            assert go.wait(20)
-        return start(self, keys, now)
+    def load(kv: KVStoreClient) -> None:
+        try:
+            _pin_all(kv, hashes, layers)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            failed.append(exc)
 
-    def waiting(self, cold):  # type: ignore[no-untyped-def]
-        pin_waits.set()
-        return wait(self, cold)
-
-    monkeypatch.setattr(TierChain, "promote_start", held_start)
-    monkeypatch.setattr(Loading, "_after_prefetch_starts", waiting)
     with KVStoreClient(server.address, timeout=20.0, arena=True) as kv:
-        assert kv.where(NS, hashes, prefetch=True).prefetching == 3
+        loaders = []
+        if first == "prefetch":
+            assert kv.where(NS, hashes, prefetch=True).prefetching == 3
+        else:
+            loaders.append(threading.Thread(target=load, args=(kv,)))
+            loaders[-1].start()
         assert held.wait(20)
-        got: dict[str, object] = {}
-        loader = threading.Thread(target=lambda: got.update(pinned=kv.pin(NS, hashes, stream=True)))
-        loader.start()
-        assert pin_waits.wait(20)  # the pin found the prefetch starting
+        loaders.append(threading.Thread(target=load, args=(kv,)))
+        loaders[-1].start()
+        assert entered.wait(20)  # the second load is in promote_start while the first starts
         go.set()
-        loader.join(20)
-        pinned = got["pinned"]
-        assert isinstance(pinned, Pinned) and pinned.num_blocks == 3
-        pinned.wait_layers(len(layers))
-        assert_same(
-            {name: torch.cat([v for _, v in pinned.pieces(i)]) for i, name in enumerate(layers)}, layers
-        )
-        assert pinned.release()
+        for loader in loaders:
+            loader.join(20)
+        assert not failed and not any(loader.is_alive() for loader in loaders)
         stats = kv.stats()
-        assert (stats["promotions"], stats["promoted_blocks"], stats["prefetched_blocks"]) == (1, 3, 3)
+        assert (stats["promotions"], stats["promoted_blocks"]) == (1, 3)
+        assert stats["prefetched_blocks"] == (3 if first == "prefetch" else 0)
