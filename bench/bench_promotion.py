@@ -21,7 +21,10 @@ measures the whole of it on a GPU host). Per case, medians of `--repeat`:
 
 Each case runs under CPython switch intervals (`--switch-intervals`, ms): an I/O thread
 returning from its preadv waits for the GIL while another thread runs Python, up to one
-interval. Figures only, never pass/fail.
+interval. With `--ranks N` (N > 1) each case also runs N pin_streams of the same blocks
+started together from N threads, as the N tensor-parallel ranks of one engine load one
+prompt: the time until every rank's last report, and how many promotions read the
+blocks (1: the ranks shared one, the others joined it). Figures only, never pass/fail.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -143,6 +147,49 @@ def promote(
     ]
 
 
+def promote_ranks(
+    backend: object, pool: TimedPool, hashes: list[bytes], shm: Path, root: Path, rep: int, ranks: int
+) -> list[float]:
+    """`ranks` cold pin_streams of `hashes` into a fresh memory tier, started together from
+    as many threads: ms until every one's last report, the promotions made, the I/O tasks."""
+    block_bytes = LAYER_BYTES * LAYERS
+    memory = open_memory_tier(shm, root / "arena", (ranks + 1) * len(hashes) * block_bytes + (64 << 20),
+                              f"ranks{rep}", lease_seconds=30.0, write_behind_bytes=1 << 30)  # fmt: skip
+    store = Store(backend, 1 << 40, memory=memory)  # type: ignore[arg-type]
+    together = threading.Barrier(ranks + 1)
+    done: list[float] = []
+    failed: list[BaseException] = []
+
+    def rank() -> None:
+        try:
+            together.wait()
+            stream = store.pin_stream(b"", NS, hashes)
+            first = next(stream)
+            for _ready in stream:
+                pass
+            done.append(time.perf_counter() - pool.start)
+            store.release(b"", first.pin_id)  # type: ignore[union-attr]
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=rank) for _ in range(ranks)]
+    try:
+        for thread in threads:
+            thread.start()
+        pool.ended = []
+        pool.start = time.perf_counter()
+        together.wait()
+        for thread in threads:
+            thread.join()
+        if failed:
+            raise failed[0]
+        return [max(done) * 1e3, float(memory.counters.promotions), float(len(pool.ended))]
+    finally:
+        memory.close()
+        shutil.rmtree(shm, ignore_errors=True)
+        shm.mkdir()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--blocks", default="128,512", help="comma-separated promotion sizes, in 2 MiB blocks")
@@ -151,6 +198,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--data-root", default=None, help="where the data dir goes (default: $TMPDIR)")
     p.add_argument("--memory-dir", default="/dev/shm", help="where the memory tiers' files go")
+    p.add_argument("--ranks", type=int, default=1, help="also N loads of the same blocks at once (TP ranks)")
     args = p.parse_args()
     sizes = [int(x) for x in args.blocks.split(",")]
     block_bytes = LAYER_BYTES * LAYERS
@@ -187,6 +235,14 @@ def main() -> None:
                           f"first {med[1]:5.1f}, last {med[2]:5.1f}, end {med[3]:5.1f} ms (tasks: first "
                           f"{med[4]:5.1f}, 1/8 {med[5]:5.1f}) -> {nbytes / med[2] / 1e6:5.1f} GB/s; the last report "
                           f"added {med[6]:.0f} blocks, {med[7]:.1f} ms after the one before")  # fmt: skip
+                    if args.ranks > 1:
+                        rows = [promote_ranks(backend, pool, hashes[:n], shm, root, rep, args.ranks)
+                                for rep in range(args.repeat)]  # fmt: skip
+                        med = [statistics.median(r[k] for r in rows) for k in range(3)]
+                        print(f"  {'':4} {args.ranks} ranks at once: every rank's last report after {med[0]:5.1f} ms "
+                              f"-> {nbytes / med[0] / 1e6:5.1f} GB/s of the prompt; promotions {med[1]:.0f} "
+                              f"({med[2]:.0f} I/O tasks; promotions per run: "
+                              f"{', '.join(f'{r[1]:.0f}' for r in rows)})")  # fmt: skip
         sys.setswitchinterval(0.005)
         backend.close()  # type: ignore[attr-defined]
     finally:
