@@ -318,12 +318,12 @@ class Loading(Admitting):
 
     def prefetch(self, namespace: bytes, hashes: Sequence[bytes]) -> int:
         """Have the blocks of the stored prefix of `hashes` that only the persistent tier
-        holds read into the memory tier, and return at once: how many are to be read (0:
-        none is cold, or MAX_PREFETCHES are under way). A Lookup's, for the load that
-        follows it a step later: its Pin finds them in memory, or joins their reads in
-        flight. The promotion starts and is finished (its blocks placed) on a prefetch
-        thread: a lookup never waits for a read, nor for finding where the blocks lie.
-        Never asks the fleet."""
+        holds read into the memory tier, and return at once: how many are to be read, not
+        counting those a promotion reads already (0: none, or MAX_PREFETCHES are under
+        way). A Lookup's, for the load that follows it a step later: its Pin finds them in
+        memory, or joins their reads in flight. The promotion starts and is finished (its
+        blocks placed) on a prefetch thread: a lookup never waits for a read, nor for
+        finding where the blocks lie. Never asks the fleet."""
         memory = self._tier()
         if not self._prefetch_slots.acquire(blocking=False):
             return 0
@@ -334,12 +334,13 @@ class Loading(Admitting):
                     return 0
                 n = self._index.prefix_len(namespace, hashes)
                 keys = [(namespace, h) for h in hashes[:n]]
-                cold = sum(k not in memory.resident for k in keys)
-            if not cold:
+                cold = [k for k in keys if k not in memory.resident]
+            reading = self.tiers.reading(cold) if cold else set()
+            if len(reading) == len(cold):  # none, or all being read already (asked again)
                 return 0
             self._prefetcher.submit(self._prefetched, keys)
             handed_on = True
-            return cold
+            return len(cold) - len(reading)
         finally:
             if not handed_on:
                 self._prefetch_slots.release()

@@ -487,6 +487,11 @@ class TierChain:
             return started
         return Started(None, started.promotion.finish())
 
+    def reading(self, keys: Sequence[BlockKey]) -> set[BlockKey]:
+        """Those of `keys` that a promotion reads, or is starting to read."""
+        with self._lock:
+            return {k for k in keys if k in self._promoting or k in self._starting}
+
     def let_go(self, started: Started) -> None:
         """A joined promotion's hold for this load, ended (it has pinned what it uses)."""
         if started.joined and started.promotion is not None and self.memory is not None:

@@ -964,6 +964,8 @@ def test_a_load_that_comes_while_a_promotion_of_its_blocks_starts_joins_its_read
             loaders.append(threading.Thread(target=load, args=(kv,)))
             loaders[-1].start()
         assert held.wait(20)
+        # asked again while the first promotion starts: none to read that it does not
+        assert kv.where(NS, hashes, prefetch=True).prefetching == 0
         loaders.append(threading.Thread(target=load, args=(kv,)))
         loaders[-1].start()
         assert entered.wait(20)  # the second load is in promote_start while the first starts
