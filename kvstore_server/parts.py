@@ -30,7 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore import arena_format as fmt
-from kvstore.blocks import CHECKSUMS, XXH3, BlockKey, LayerSpec, PackedSums, checksum, subset_indices
+from kvstore.blocks import (
+    CHECKSUMS,
+    XXH3,
+    BlockKey,
+    LayerSpec,
+    PackedSums,
+    checksum,
+    per_layout,
+    subset_indices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +210,11 @@ def layer_major(checksums: Sequence[Sequence[int]]) -> Any:
     return np.asarray(checksums, dtype=np.uint64).T
 
 
+def _make_shape(layers: tuple[LayerSpec, ...]) -> _Shape:
+    sizes = [layer.nbytes for layer in layers]
+    return _Shape(sizes, fmt.layer_starts(sizes), sum(sizes))
+
+
 def _indices(subset: Sequence[int]) -> Any:
     import numpy as np  # NOTE: not at import: numpy's BLAS threads would miss the daemon's signal mask
 
@@ -226,7 +240,7 @@ class PartAssembler:
         self.expired = 0
         self.layers_in_place = 0  # block-layers a rank wrote where the block lies
         self.layers_copied = 0  # block-layers copied here from where a put brought them
-        self._shapes: dict[tuple[LayerSpec, ...], _Shape] = {}
+        self._shapes: dict[int, tuple[tuple[LayerSpec, ...], _Shape]] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -320,7 +334,7 @@ class PartAssembler:
             held = self._blocks.get((namespace, hashes[i]))
             if held is None:
                 new_bytes += shape.block_bytes
-            elif held.layers != layers:
+            elif held.layers is not layers and held.layers != layers:  # (interned: one identity test)
                 raise PartError(
                     f"block {hashes[i].hex()}: another layer layout than the parts of it already put"
                 )
@@ -394,13 +408,9 @@ class PartAssembler:
         return done
 
     def _shape(self, layers: tuple[LayerSpec, ...]) -> _Shape:
-        shape = self._shapes.get(layers)
-        if shape is None:
-            if len(self._shapes) >= 64:  # layouts come and go with the models served
-                self._shapes.clear()
-            sizes = [layer.nbytes for layer in layers]
-            shape = self._shapes[layers] = _Shape(sizes, fmt.layer_starts(sizes), sum(sizes))
-        return shape
+        """The layout's sizes and starts, made once per (interned) layout: found by the
+        tuple's identity, not by hashing its 256 specs on every put."""
+        return per_layout(self._shapes, layers, _make_shape)
 
     def _new_blocks(
         self,
