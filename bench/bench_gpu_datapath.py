@@ -282,6 +282,22 @@ def block_ids_for(pool: int, n: int, seed: int) -> list[int]:
     return torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
+def handler_seconds(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """Each method's (calls, seconds) in a daemon's handlers so far, from its metrics
+    (kvstore_rpc_duration_seconds): without the transport or the client's time."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+        text = answer.read().decode()
+    out: dict[str, list[float]] = {}
+    for found in re.finditer(
+        r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M
+    ):
+        what, method, value = found.groups()
+        out.setdefault(method, [0.0, 0.0])[0 if what == "count" else 1] = float(value)
+    return {method: (calls, seconds) for method, (calls, seconds) in out.items()}
+
+
 class Daemonside:
     """The parent's view of the daemon (stats over gRPC, no arena)."""
 
@@ -294,19 +310,7 @@ class Daemonside:
     def server_time(self) -> dict[str, tuple[float, float]]:
         """Each method's (calls, seconds) in the daemon so far: its handlers' own time
         (kvstore_rpc_duration_seconds), without the transport or the client's."""
-        if not self.metrics_url:
-            return {}
-        import urllib.request
-
-        with urllib.request.urlopen(self.metrics_url, timeout=10) as answer:
-            text = answer.read().decode()
-        out: dict[str, list[float]] = {}
-        for found in re.finditer(
-            r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M
-        ):
-            what, method, value = found.groups()
-            out.setdefault(method, [0.0, 0.0])[0 if what == "count" else 1] = float(value)
-        return {method: (calls, seconds) for method, (calls, seconds) in out.items()}
+        return handler_seconds(self.metrics_url) if self.metrics_url else {}
 
     def quiesce(self, limit: float = 120.0) -> float:
         """Wait until nothing waits for write-behind; the seconds it took."""

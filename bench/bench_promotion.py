@@ -30,6 +30,7 @@ blocks (1: the ranks shared one, the others joined it). Figures only, never pass
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import mmap
 import os
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -112,16 +113,28 @@ def raw_ceiling(path: Path, nbytes: int, request: int, threads: int) -> float:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def fresh_store(backend: object, shm: Path, root: Path, name: str, blocks: int) -> Iterator[Store]:
+    """A Store over `backend` with a fresh memory tier of room for `blocks` blocks (and
+    some), closed and its file removed afterwards (the backend serves the next case)."""
+    nbytes = blocks * LAYER_BYTES * LAYERS + (64 << 20)
+    memory = open_memory_tier(
+        shm, root / "arena", nbytes, name, lease_seconds=30.0, write_behind_bytes=1 << 30
+    )
+    try:
+        yield Store(backend, 1 << 40, memory=memory)  # type: ignore[arg-type]
+    finally:
+        memory.close()  # (not store.close(): the backend serves the next case)
+        shutil.rmtree(shm, ignore_errors=True)
+        shm.mkdir()
+
+
 def promote(
     backend: object, pool: TimedPool, hashes: list[bytes], shm: Path, root: Path, rep: int
 ) -> list[float]:
     """One cold pin_stream of `hashes` into a fresh memory tier: ms to its answer, first
     and last report, the end, the first task and an eighth of the tasks done."""
-    block_bytes = LAYER_BYTES * LAYERS
-    memory = open_memory_tier(shm, root / "arena", 2 * len(hashes) * block_bytes + (64 << 20), f"run{rep}",
-                              lease_seconds=30.0, write_behind_bytes=1 << 30)  # fmt: skip
-    store = Store(backend, 1 << 40, memory=memory)  # type: ignore[arg-type]
-    try:
+    with fresh_store(backend, shm, root, f"run{rep}", 2 * len(hashes)) as store:
         pool.ended = []
         pool.start = start = time.perf_counter()
         stream = store.pin_stream(b"", NS, hashes)
@@ -133,10 +146,6 @@ def promote(
             blocks.append(getattr(ready, "blocks", blocks[-1]))
         end = time.perf_counter() - start
         store.release(b"", first.pin_id)  # type: ignore[union-attr]
-    finally:
-        memory.close()  # (not store.close(): the backend serves the next case)
-        shutil.rmtree(shm, ignore_errors=True)
-        shm.mkdir()
     ended = sorted(pool.ended)
     times = [x * 1e3 for x in (answer, reports[0], reports[-1], end, ended[0], ended[len(ended) // 8])]
     # the last report's blocks: what a loader copies once the last read ended
@@ -152,15 +161,11 @@ def promote_ranks(
 ) -> list[float]:
     """`ranks` cold pin_streams of `hashes` into a fresh memory tier, started together from
     as many threads: ms until every one's last report, the promotions made, the I/O tasks."""
-    block_bytes = LAYER_BYTES * LAYERS
-    memory = open_memory_tier(shm, root / "arena", (ranks + 1) * len(hashes) * block_bytes + (64 << 20),
-                              f"ranks{rep}", lease_seconds=30.0, write_behind_bytes=1 << 30)  # fmt: skip
-    store = Store(backend, 1 << 40, memory=memory)  # type: ignore[arg-type]
     together = threading.Barrier(ranks + 1)
     done: list[float] = []
     failed: list[BaseException] = []
 
-    def rank() -> None:
+    def rank(store: Store) -> None:
         try:
             together.wait()
             stream = store.pin_stream(b"", NS, hashes)
@@ -172,8 +177,8 @@ def promote_ranks(
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             failed.append(exc)
 
-    threads = [threading.Thread(target=rank) for _ in range(ranks)]
-    try:
+    with fresh_store(backend, shm, root, f"ranks{rep}", (ranks + 1) * len(hashes)) as store:
+        threads = [threading.Thread(target=rank, args=(store,)) for _ in range(ranks)]
         for thread in threads:
             thread.start()
         pool.ended = []
@@ -183,11 +188,8 @@ def promote_ranks(
             thread.join()
         if failed:
             raise failed[0]
-        return [max(done) * 1e3, float(memory.counters.promotions), float(len(pool.ended))]
-    finally:
-        memory.close()
-        shutil.rmtree(shm, ignore_errors=True)
-        shm.mkdir()
+        promotions = store.memory.counters.promotions  # type: ignore[union-attr]
+    return [max(done) * 1e3, float(promotions), float(len(pool.ended))]
 
 
 def main() -> None:

@@ -19,33 +19,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import _paths  # noqa: F401  (sys.path: bench/_paths.py)
+from bench_gpu_datapath import handler_seconds  # the daemon's handler times, from its metrics
 from support.daemon import Daemon  # the same start-up as the tests use
 
 NS = "bench-rpc"
 METHODS = ("Reserve", "Commit", "Pin", "Lookup")
-
-
-def handler_seconds(metrics_url: str) -> dict[str, tuple[float, float]]:
-    """Each method's (calls, seconds) in the daemon's handlers so far."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
-        text = answer.read().decode()
-    out: dict[str, list[float]] = {}
-    for found in re.finditer(
-        r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M
-    ):
-        what, method, value = found.groups()
-        out.setdefault(method, [0.0, 0.0])[0 if what == "count" else 1] = float(value)
-    return {method: (calls, seconds) for method, (calls, seconds) in out.items()}
 
 
 def main() -> int:

@@ -6,7 +6,8 @@ store; the limits are kvstore.wire's, shared with the client.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -68,12 +69,20 @@ def check_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:
     if len(specs) > wire.MAX_LAYERS:
         raise InvalidRequest(f"{len(specs)} layers; the limit is {wire.MAX_LAYERS}")
     key = tuple([(spec.name, spec.dtype, tuple(spec.shape)) for spec in specs])
-    found = _CHECKED.get(key)
+    return _kept(_CHECKED, key, lambda: _checked_layers(specs))
+
+
+def _kept(
+    cache: dict[Any, tuple[LayerSpec, ...]], key: Any, check: Callable[[], tuple[LayerSpec, ...]]
+) -> tuple[LayerSpec, ...]:
+    """A layout checked already, found by `key`; else `check()`, kept (at most
+    _MAX_CHECKED layouts: models come and go)."""
+    found = cache.get(key)
     if found is None:
-        found = _checked_layers(specs)
-        if len(_CHECKED) >= _MAX_CHECKED:
-            _CHECKED.clear()
-        _CHECKED[key] = found
+        found = check()
+        if len(cache) >= _MAX_CHECKED:
+            cache.clear()
+        cache[key] = found
     return found
 
 
@@ -88,17 +97,14 @@ def check_layout(specs: Sequence[pb.LayerSpec], layout: bytes) -> tuple[LayerSpe
         return check_layers(specs)
     if specs:
         raise InvalidRequest("give layers or layout, not both")
-    found = _CHECKED_LAYOUTS.get(layout)
-    if found is None:
-        try:
-            parsed = pb.Layout.FromString(layout)
-        except DecodeError as exc:
-            raise InvalidRequest(f"layout is not a serialized Layout message: {exc}") from exc
-        found = check_layers(parsed.layers)
-        if len(_CHECKED_LAYOUTS) >= _MAX_CHECKED:
-            _CHECKED_LAYOUTS.clear()
-        _CHECKED_LAYOUTS[layout] = found
-    return found
+    return _kept(_CHECKED_LAYOUTS, layout, lambda: check_layers(_parsed_layout(layout).layers))
+
+
+def _parsed_layout(layout: bytes) -> pb.Layout:
+    try:
+        return pb.Layout.FromString(layout)
+    except DecodeError as exc:
+        raise InvalidRequest(f"layout is not a serialized Layout message: {exc}") from exc
 
 
 def _checked_layers(specs: Sequence[pb.LayerSpec]) -> tuple[LayerSpec, ...]:

@@ -78,6 +78,15 @@ class Started:
     joined: bool = False
 
 
+class _Claim(NamedTuple):
+    """What TierChain.promote_start found and took under the lock (see _claim)."""
+
+    hot: list[int]  # extents of the blocks in memory, pinned meanwhile
+    cold: list[BlockKey]
+    joined: Promotion | None  # the promotion reading every cold block already
+    mine: threading.Event | None  # set once this load's promotion is under way, or did not start
+
+
 @dataclass(frozen=True, slots=True)
 class ReadResult:
     """A stored prefix being read: `blocks` are valid inside the context only."""
@@ -521,36 +530,17 @@ class TierChain:
         a Get), and a block that fails is removed then. A second check here would
         serialise a cold load behind xxh3 on one core."""
         memory = self._memory()
-        waited = 0.0
-        while True:
-            with self._lock:
-                hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
-                cold = [k for k in keys if k not in memory.resident and self.index.get(*k) is not None]
-                # another load is finding where some of these lie (ms): once its reads are
-                # under way this one joins them, where it would otherwise read them twice
-                # (two TP ranks' pins of one prompt come together; a Lookup's prefetch)
-                starting = {id(e): e for e in (self._starting.get(k) for k in cold) if e is not None}
-                if not starting or waited >= _START_WAIT_S:
-                    memory.pin_extents(hot, now)
-                    # every cold block being read already by one promotion: joined, not read
-                    # twice; its extents held until this load pins
-                    running = {id(p): p for p in (self._promoting.get(k) for k in cold)}
-                    one = len(running) == 1 and None not in running.values()
-                    joined = running.popitem()[1] if one else None
-                    if joined is not None:
-                        memory.pin_extents(joined.extents, now)
-                    mine = threading.Event() if joined is None and cold else None
-                    if mine is not None:
-                        for key in cold:
-                            self._starting[key] = mine
-                    break
-            began = time.monotonic()
-            for event in starting.values():
-                event.wait(max(0.0, _START_WAIT_S - waited))
-            waited += time.monotonic() - began
-            if waited >= _START_WAIT_S:
+        deadline = time.monotonic() + _START_WAIT_S
+        while not isinstance(claim := self._claim(memory, keys, now, time.monotonic() < deadline), _Claim):
+            # another load is finding where some of these lie (ms): once its reads are under
+            # way this one joins them, where it would otherwise read them twice (two TP
+            # ranks' pins of one prompt come together; a Lookup's prefetch)
+            for event in claim:
+                event.wait(max(0.0, deadline - time.monotonic()))
+            if time.monotonic() >= deadline:
                 log.warning("a promotion of the same blocks took over %.0f s to start; reading them again",
                             _START_WAIT_S)  # fmt: skip
+        hot, cold, joined, mine = claim
         try:
             if joined is not None:
                 return Started(joined, joined._stopped, joined=True)
@@ -564,6 +554,29 @@ class TierChain:
                             del self._starting[key]
             if mine is not None:
                 mine.set()
+
+    def _claim(
+        self, memory: MemoryTier, keys: list[BlockKey], now: float, wait: bool
+    ) -> _Claim | list[threading.Event]:
+        """Under the lock: where another load is starting a promotion of some of the cold
+        blocks, its events to wait for (when `wait`); else the blocks in memory (their
+        extents pinned), the cold ones, the promotion reading all of those already (joined:
+        its extents held until this load pins), or this load's event, its start announced."""
+        with self._lock:
+            cold = [k for k in keys if k not in memory.resident and self.index.get(*k) is not None]
+            starting = {id(e): e for e in (self._starting.get(k) for k in cold) if e is not None}
+            if starting and wait:
+                return list(starting.values())
+            hot = list(dict.fromkeys(memory.resident[k].extent for k in keys if k in memory.resident))
+            memory.pin_extents(hot, now)
+            running = {id(p): p for p in (self._promoting.get(k) for k in cold)}
+            joined = running.popitem()[1] if len(running) == 1 and None not in running.values() else None
+            if joined is not None:
+                memory.pin_extents(joined.extents, now)
+            mine = threading.Event() if joined is None and cold else None
+            if mine is not None:
+                self._starting.update(dict.fromkeys(cold, mine))
+            return _Claim(hot, cold, joined, mine)
 
     def _start(self, memory: MemoryTier, cold: list[BlockKey], now: float) -> Started:
         started = time.perf_counter()

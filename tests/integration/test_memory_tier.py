@@ -21,6 +21,7 @@ from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
+from kvstore_client.arena.load import Pinned
 from kvstore_server.auth import tenant_prefix
 
 from .helpers import NS, assert_same, both_backends, chain, make_layers, rows
@@ -41,6 +42,11 @@ def save(kv: KVStoreClient, hashes: list[bytes], layers: dict[str, torch.Tensor]
         res.layer(i).copy_(tensor[res.blocks])
         assert res.layer(name).shape == (len(res.blocks), *tensor.shape[1:])
     return int(res.commit().blocks_written)
+
+
+def read_out(pinned: Pinned, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A pin's bytes of each of `layers`, every block, as one tensor a layer."""
+    return {name: torch.cat([view for _, view in pinned.pieces(i)]) for i, name in enumerate(layers)}
 
 
 @pytest.fixture
@@ -278,8 +284,7 @@ def test_a_cold_pin_answers_before_its_blocks_are_read_and_reports_layers_as_the
             seen.append(pinned.ready_layers)
             assert pinned.verify([layer]) is None  # a ready layer is whole in every block
         assert sorted(set(seen)) == [4, 8, 12, 16]  # group by group, first layers first
-        got = {name: torch.cat([view for _, view in pinned.pieces(i)]) for i, name in enumerate(layers)}
-        assert_same(got, layers)
+        assert_same(read_out(pinned, layers), layers)
         pinned.release()
         again = kv.pin(NS, hashes, stream=True)  # now in memory: all there at once
         assert again is not None and again.ready_layers == 16
@@ -310,9 +315,7 @@ def test_a_lookup_that_prefetches_reads_the_cold_prefix_into_memory_before_any_p
         eventually(lambda: kv.stats()["memory_blocks"] == 4)
         pinned = kv.pin(NS, hashes, stream=True)
         assert pinned is not None and pinned.num_blocks == 4 and pinned.ready_layers == 4  # all in memory
-        assert_same(
-            {name: torch.cat([v for _, v in pinned.pieces(i)]) for i, name in enumerate(layers)}, layers
-        )
+        assert_same(read_out(pinned, layers), layers)
         assert pinned.release()
         stats = kv.stats()
         assert (stats["promoted_blocks"], stats["prefetched_blocks"], stats["memory_hit_blocks"]) == (4, 4, 4)
@@ -933,7 +936,7 @@ def _pin_all(kv: KVStoreClient, hashes: list[bytes], layers: dict[str, torch.Ten
     pinned = kv.pin(NS, hashes, stream=True)
     assert pinned is not None and pinned.num_blocks == len(hashes)
     pinned.wait_layers(len(layers))
-    assert_same({name: torch.cat([v for _, v in pinned.pieces(i)]) for i, name in enumerate(layers)}, layers)
+    assert_same(read_out(pinned, layers), layers)
     assert pinned.release()
 
 
