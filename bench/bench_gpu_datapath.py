@@ -670,6 +670,12 @@ def arena_part(
     res["save_ahead"] = ahead
     row("save, reserved ahead as the connector does: open .. Commit", ahead,
         f"{res['gather_ceiling'] / ahead * 100:3.0f}% of the gather ceiling")  # fmt: skip
+    # what of that the connector's step waits for: the Commit goes to its sender thread
+    # (finish_step_saves); the blocks are visible to other engines once it returns
+    copied = med([r["open_other"] + r["issue"] + r["copies"] for r in saves])
+    res["save_copied"] = copied
+    row("  of which its copies: open .. done (then the Commit)", copied,
+        f"{res['gather_ceiling'] / copied * 100:3.0f}% of the gather ceiling")  # fmt: skip
     print_split(row, "load, hot (memory tier): pin .. release returned", ml, LOAD_PARTS,
                 res["scatter_ceiling"], "scatter ceiling")  # fmt: skip
     print_split(row, "load, hot, from the lookup's lease: no pin RPC .. release", mll, LOAD_PARTS,
@@ -1145,6 +1151,12 @@ def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float], 
             lines.append(f"  {res['tokens']} tokens, block {res['bs']}: save reserved ahead (the connector's "
                          f"step) {ms(ahead).strip()} ms, {rate(ahead).strip()} GB/s, "
                          f"{pct(res['gather_ceiling'], ahead).strip()}% of the gather ceiling")  # fmt: skip
+        copied = res.get("save_copied")
+        if copied and ahead:
+            lines.append(f"  {res['tokens']} tokens, block {res['bs']}: of which its copies (open .. done) "
+                         f"{ms(copied).strip()} ms, {pct(res['gather_ceiling'], copied).strip()}% of the gather "
+                         f"ceiling; the Commit after them (the connector's sender thread) "
+                         f"{ms(ahead - copied).strip()} ms")  # fmt: skip
         if rec:
             got = [f"hot {rec / hot:.1f}x" if hot else "", f"cold, LMDB in the page cache {rec / cold:.1f}x" if cold
                    else "", f"cold, LMDB from disk {rec / disk:.1f}x" if disk else ""]  # fmt: skip
