@@ -13,20 +13,22 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
+import msgspec
+
 from kvstore_server.tiers import BlockKey
 
 
-class Entry:
-    __slots__ = ("parent", "size", "num_layers", "created_at", "last_access")
+class Entry(msgspec.Struct, gc=False):  # type: ignore[call-arg]
+    """A stored block in the index. A msgspec Struct outside the cyclic collector's reach
+    (it refers to no container): a commit makes one per block, and as tracked objects they
+    set off collections that walked the index's young objects (a commit of 4 chains of 14
+    blocks spent a third of its time indexing them)."""
 
-    def __init__(
-        self, parent: bytes, size: int, num_layers: int, created_at: float, last_access: float
-    ) -> None:
-        self.parent = parent
-        self.size = size
-        self.num_layers = num_layers
-        self.created_at = created_at
-        self.last_access = last_access
+    parent: bytes
+    size: int
+    num_layers: int
+    created_at: float
+    last_access: float
 
 
 class PrefixIndex:
@@ -133,7 +135,11 @@ class PrefixIndex:
             blocks[block_hash] = Entry(parent, size, num_layers, created_at, created_at)
             added += 1
             if parent:
-                children.setdefault((namespace, parent), set()).add(block_hash)
+                siblings = children.get((namespace, parent))
+                if siblings is None:
+                    children[(namespace, parent)] = {block_hash}
+                else:
+                    siblings.add(block_hash)
                 leaves.pop((namespace, parent), None)
             key = (namespace, block_hash)
             if key not in children or not children[key]:
