@@ -21,14 +21,17 @@ it can (the timestamps are not waited for: the figures are the store's cost per 
 a queue's), each as a same-host vLLM worker would:
 
     lookup(ns, hashes)                      -> n, the stored prefix
-    select(ns, hashes[:n])                  pin in the arena (promoting what only the persistent
-                                            tier holds), verify, copy out, release
+    get_stream(ns, hashes[:n])              pin in the arena (promoting what only the persistent
+                                            tier holds), verify, copy out (into buffers made once,
+                                            as a connector's KV cache is), release
     put(ns, hashes[n:], parent=hashes[n-1]) reserve in the arena, copy in, checksum, commit
                                             (written behind to the persistent tier)
 
 With --step N, N requests at a time as one engine step, the way the connector batches a
 step: a leasing lookup per request (where), then the step's loads (the leases; one
-pin_many for prefixes to promote), then its saves (one reserve_many, one commit_many).
+pin_many for prefixes to promote), then its saves (one reserve_many, one commit_many): the
+reserve_many sent as the loads start and the commit_many on a sender thread, as the
+connector's worker does (--no-overlap: each waited for in turn).
 
 Then prints figures (never pass/fail):
   - prefix-hit ratio, blocks loaded / blocks requested, next to an infinite cache and an LRU
@@ -185,7 +188,10 @@ class Cpu:
 
 
 class Source:
-    """Random bf16 KV per layer, [max_blocks, *shape]; a put sends the first k blocks."""
+    """Random bf16 KV per layer, [max_blocks, *shape]; a put sends the first k blocks. A
+    load copies into `dest`, the same shape, allocated (and touched) once, as a connector
+    copies into its KV cache: a fresh tensor per load cost page faults that swung the large
+    select between 0.3 and 3.9 GB/s from one repeat to the next."""
 
     def __init__(self, layers: int, block_bytes: int, max_blocks: int) -> None:
         import torch
@@ -199,8 +205,14 @@ class Source:
             for i in range(layers)
         }
 
+        self.dest = {name: torch.zeros_like(t) for name, t in self.layers.items()}
+
     def first(self, k: int) -> dict[str, Any]:
         return {name: t[:k] for name, t in self.layers.items()}
+
+    def into(self, spec: Any, blocks: int) -> Any:
+        """A LayerStream's `allocate`: a load's destination of one layer, in `dest`."""
+        return self.dest[spec.name][:blocks]
 
 
 def replay(
@@ -221,7 +233,8 @@ def replay(
         t1 = time.perf_counter()
         row.lookup_n, row.lookup_s = n, t1 - t0
         if n:
-            got = client.select(NAMESPACE, hashes[:n])
+            got = client.get_stream(NAMESPACE, hashes[:n], allocate=source.into)
+            got.read_all()
             row.load_s = time.perf_counter() - t1
             row.loaded = got.num_blocks
             stats = client.stats()  # untimed: which tier served the blocks
@@ -347,7 +360,7 @@ def replay_steps(
                 continue
             # copied out and verified as select does it (the client's ArenaSource), the pin
             # then ended; one that fails its checksum or outlives its lease loads nothing
-            stream = LayerStream(ArenaSource(pinned, req.hashes), via="arena")
+            stream = LayerStream(ArenaSource(pinned, req.hashes), source.into, via="arena")
             try:
                 stream.read_all()
             except (LocalDataCorrupt, StoreTimeout) as exc:
@@ -448,7 +461,8 @@ def large_requests(
         wait_written_behind(client)
         before = client.stats()["persistent_hit_blocks"]
         t0 = time.perf_counter()
-        got = client.select(ns, hashes)
+        got = client.get_stream(ns, hashes, allocate=source.into)
+        got.read_all()
         get_s = time.perf_counter() - t0
         if got.num_blocks != blocks:
             raise RuntimeError(f"the large select returned {got.num_blocks}/{blocks} blocks")
