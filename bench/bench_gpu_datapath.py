@@ -63,7 +63,7 @@ for sub in ("", "connector"):
 
 from kvstore_connector.host_memory import prepare_arena  # noqa: E402
 from kvstore_connector.transfer import BlockMover  # noqa: E402
-from store_harness import drop_page_cache, fs_of  # noqa: E402  (bench/, this script's directory)
+from store_harness import drop_page_cache, fs_of, handler_seconds  # noqa: E402  (bench/, this script's directory)
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -280,22 +280,6 @@ def make_caches(d: Device, bs: int, pool_tokens: int) -> dict[str, torch.Tensor]
 
 def block_ids_for(pool: int, n: int, seed: int) -> list[int]:
     return torch.randperm(pool, generator=torch.Generator().manual_seed(seed))[:n].tolist()
-
-
-def handler_seconds(metrics_url: str) -> dict[str, tuple[float, float]]:
-    """Each method's (calls, seconds) in a daemon's handlers so far, from its metrics
-    (kvstore_rpc_duration_seconds): without the transport or the client's time."""
-    import urllib.request
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
-        text = answer.read().decode()
-    out: dict[str, list[float]] = {}
-    for found in re.finditer(
-        r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M
-    ):
-        what, method, value = found.groups()
-        out.setdefault(method, [0.0, 0.0])[0 if what == "count" else 1] = float(value)
-    return {method: (calls, seconds) for method, (calls, seconds) in out.items()}
 
 
 class Daemonside:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import _paths  # noqa: F401  (sys.path: bench/_paths.py)
-from bench_gpu_datapath import handler_seconds  # the daemon's handler times, from its metrics
+from store_harness import handler_seconds  # the daemon's handler times, from its metrics
 from support.daemon import Daemon  # the same start-up as the tests use
 
 NS = "bench-rpc"

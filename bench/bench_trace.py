@@ -71,8 +71,7 @@ from typing import Any
 
 import _paths  # noqa: F401  (sys.path: bench/_paths.py)
 import numpy as np
-from bench_gpu_datapath import handler_seconds  # the daemon's handler times, from its metrics
-from store_harness import _machine_busy, _proc_cpu, layer_shape
+from store_harness import _machine_busy, _proc_cpu, handler_seconds, layer_shape
 from support.daemon import Daemon  # the same start-up as the tests use
 
 from kvstore.sizes import format_size, parse_size

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,7 +294,6 @@ _IDLE_LEAVES = (
 def summarize_py_spy(profile_dir: str, top: int = 12) -> None:
     """Print each recorded phase's hottest non-waiting leaf frames and kvstore functions (inclusive)."""
     import collections
-    import re
 
     for path in sorted(Path(profile_dir).glob("daemon-*.txt")):
         rows = []
@@ -501,3 +502,17 @@ def report(
         "fresh store; 'load 1st' = first read pass; 'others' = most cores other processes used during that "
         "path's passes (> ~0.3: disturbed, rerun)."
     )
+
+
+def handler_seconds(metrics_url: str) -> dict[str, tuple[float, float]]:
+    """Each method's (calls, seconds) in a daemon's handlers so far, from its metrics
+    (kvstore_rpc_duration_seconds): without the transport or the client's time."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+        text = answer.read().decode()
+    out: dict[str, list[float]] = {}
+    for found in re.finditer(
+        r'^kvstore_rpc_duration_seconds_(sum|count)\{method="(\w+)"\} (\S+)$', text, re.M
+    ):
+        what, method, value = found.groups()
+        out.setdefault(method, [0.0, 0.0])[0 if what == "count" else 1] = float(value)
+    return {method: (calls, seconds) for method, (calls, seconds) in out.items()}
