@@ -21,8 +21,8 @@ from kvstore_server.tiers import BlockKey
 class Entry(msgspec.Struct, gc=False):  # type: ignore[call-arg]
     """A stored block in the index. A msgspec Struct outside the cyclic collector's reach
     (it refers to no container): a commit makes one per block, and as tracked objects they
-    set off collections that walked the index's young objects (a commit of 4 chains of 14
-    blocks spent a third of its time indexing them)."""
+    set off the collections that add_chain then paid for (indexing chains of 14 blocks into
+    a growing index: 35-40 us a chain on average on the 2-core VM, 28-32 as Structs)."""
 
     parent: bytes
     size: int
