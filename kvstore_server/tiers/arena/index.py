@@ -224,7 +224,8 @@ class ArenaIndex:
         """Index `blocks` (a block indexed already gets its new record)."""
         if not blocks:
             return
-        blocks = list({p.meta.key: p for p in blocks}.values())  # a block twice: its last stays
+        by_key = {p.meta.key: p for p in blocks}  # a block twice: its last stays
+        blocks = list(by_key.values())
         runs, layouts = [], {}
         for run in _runs(blocks):
             layout = layout_of(run[0].meta.layers)
@@ -234,7 +235,8 @@ class ArenaIndex:
         with self._lock:
             seqs = [_SEQ.pack(self._next + i) for i in range(len(runs))]
             # a block indexed already: its old slot dies
-            old = [at for p in blocks if (at := self._at.get(p.meta.key)) is not None]
+            found = self._at.get
+            old = [at for key in by_key if (at := found(key)) is not None]
             try:
                 with self._env.begin(write=True) as txn:
                     for digest, record in layouts.items():
@@ -249,10 +251,10 @@ class ArenaIndex:
             self._apply(killed)
             self._next += len(runs)
             self._stored_layouts.update(layouts)
+            slots = self._at
             for seq, (run, _) in zip(seqs, runs, strict=True):
                 self._runs[seq] = _no_dead(len(run)), len(run)
-                for slot, p in enumerate(run):
-                    self._at[p.meta.key] = (seq, slot)
+                slots.update((p.meta.key, (seq, slot)) for slot, p in enumerate(run))
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         """Drop the records of `keys` (those not indexed are skipped)."""

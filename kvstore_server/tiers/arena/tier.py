@@ -380,9 +380,12 @@ class MemoryTier:
         extents side by side)."""
         extent: Extent | None = None
         later = 0  # each extent a little older than the one before it: the chain's tail goes first
+        layers: tuple[LayerSpec, ...] | None = None
+        size = 0
         for placed in blocks:
             meta = placed.meta
-            size = meta.size  # (once: it is looked up per layout)
+            if meta.layers is not layers:  # the size looked up once a layout (they are interned)
+                layers, size = meta.layers, meta.size
             if extent is None or extent.offset != placed.extent:
                 extent = self.extents.get(placed.extent)
                 if extent is None:
