@@ -158,6 +158,11 @@ class Backend(ABC):
     def write(self, puts: Sequence[BlockWrite], deletes: Sequence[BlockKey] = ()) -> None:
         """Delete `deletes`, then store `puts`. Raises StorageFullError when out of room."""
 
+    def room_returning(self) -> bool:
+        """Whether room freed here waits for reads that may still see it (and comes back
+        when they end): a write refused for room now may fit soon. This default: never."""
+        return False
+
     @abstractmethod
     def read(self, keys: Sequence[BlockKey]) -> AbstractContextManager[list[StoredBlock | None]]:
         """Blocks in `keys` order, None for a missing or unreadable one."""

@@ -634,7 +634,8 @@ class TierChain:
     # ---- write-behind: memory -> persistent
     def write_behind_once(self, batch_bytes: int) -> bool:
         """Write the oldest committed blocks the persistent tier lacks (up to `batch_bytes`);
-        False when nothing was waiting.
+        False when nothing was waiting, or the tier has no room for them until reads end
+        (they wait, queued, for the next wake: a commit, or the writers' tick).
 
         NOTE: the backend write runs outside the commit lock (a batch takes tens of ms,
         and a save's commit would wait behind it); the batch's extents are pinned
@@ -668,20 +669,21 @@ class TierChain:
             taken = [placed.meta.key for placed in batch]
             writing.update(taken)
         try:
-            self._write_behind(memory, batch, extents)
+            return self._write_behind(memory, batch, extents)
         finally:
             with self._lock:
                 writing.difference_update(taken)
-        return True
 
-    def _write_behind(self, memory: MemoryTier, batch: list[Placed], extents: list[int]) -> None:
+    def _write_behind(self, memory: MemoryTier, batch: list[Placed], extents: list[int]) -> bool:
+        """Write `batch`; False when none of it was written or refused (it waits, queued:
+        see _write_all_it_can)."""
         started = time.perf_counter()
         try:
             writes = [
                 BlockWrite(placed.meta, (), pieces=pieces)
                 for placed, pieces in zip(batch, memory.blocks_pieces(batch), strict=True)
             ]
-            written, refused = self._write_all_it_can(writes)
+            written, refused = self._write_all_it_can(writes, wait=True)
             if refused and len(refused) < len(writes):
                 log.warning("write-behind: the persistent tier is full for %d of %d blocks; they stay "
                             "in memory only", len(refused), len(writes))  # fmt: skip
@@ -712,16 +714,27 @@ class TierChain:
                 self._last_written = max(self._last_written, ended)
             if stale:
                 self.delete(stale)
+        return bool(written or refused)
 
-    def _write_all_it_can(self, writes: list[BlockWrite]) -> tuple[list[BlockWrite], list[BlockWrite]]:
+    def _write_all_it_can(
+        self, writes: list[BlockWrite], *, wait: bool = False
+    ) -> tuple[list[BlockWrite], list[BlockWrite]]:
         """Write `writes` to the persistent tier; when it refuses them all, the halves on
         their own, down to single blocks: a full tier (room held by reads, or too scattered
         for a large block) refuses the blocks that do not fit, not the whole batch.
-        Returns (written, refused); the refused stay in memory only (logged)."""
+        Returns (written, refused); the refused stay in memory only (logged), the rest
+        of `writes` was neither: `wait`, and the tier had no room for them until reads
+        end (Backend.room_returning). They wait, queued: the room of blocks deleted while
+        reads saw them comes back as the reads end (tried down the halves instead, a try
+        per half of thousands of blocks while the reads ran on, and then dropped, in a
+        trace replay of small blocks)."""
         try:
             self.persistent.write(writes)
             return writes, []
         except StorageFullError:
+            if wait and self.persistent.room_returning():
+                log.debug("write-behind: %d blocks wait for room that reads hold", len(writes))
+                return [], []
             if len(writes) == 1:
                 return [], writes
         except StorageError as exc:

@@ -404,6 +404,12 @@ class LmdbBackend(Backend):
             self._seq += 1
             self._release_freed()
 
+    def room_returning(self) -> bool:
+        """Extents freed while reads were open wait for those reads to end (_release_freed)."""
+        with self._reads_lock:
+            self._release_freed()
+            return bool(self._freed)
+
     def _release_freed(self) -> None:
         """Hand to the segments the extents no open read can see (caller holds _reads_lock)."""
         oldest = min(self._open_reads.values(), default=self._seq + 1)

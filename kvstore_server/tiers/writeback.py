@@ -9,7 +9,8 @@ expired reservations and pins. The queue is bounded by
 visible, but stays in memory only, counted as `write_behind_dropped`, and
 leaves the store when the arena evicts it. A persistent tier that refuses a
 batch (full, failing) does the same to that batch: saves are never delayed by
-the tier behind.
+the tier behind. A batch refused for room that open reads hold until they end
+(Backend.room_returning) waits, queued, instead (TierChain._write_all_it_can).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ write_behind_once over a real memory tier and a real LMDB persistent tier."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,8 +12,10 @@ import pytest
 from kvunit import BLOCK_BYTES, LAYERS, NS, chain, layer_bytes, new_backend
 
 from kvstore.blocks import checksum
+from kvstore_server import eviction
 from kvstore_server.store import Store
 from kvstore_server.tiers.arena import open_memory_tier
+from kvstore_server.tiers.segments import aligned
 
 
 @pytest.fixture
@@ -136,3 +139,34 @@ def test_a_commit_wakes_write_behind_once_its_answer_is_out_when_the_call_can(st
     assert woken == ["wake"]
     commit(chain("at-once", 2), call_takes_it=False)
     assert woken == ["wake", "wake"] and not callbacks
+
+
+def test_blocks_wait_for_room_that_reads_hold_and_are_written_when_they_end(tmp_path: Path) -> None:
+    """A tier kept at its budget: blocks deleted while a read sees them free their room only
+    when the read ends. Write-behind meanwhile keeps the blocks that need that room queued
+    (not dropped to memory only) and writes them once the read is over."""
+    backend = new_backend("lmdb", tmp_path, capacity_bytes=4096)
+    room = backend.payload_capacity // aligned(BLOCK_BYTES)
+    assert room >= 2
+    memory = open_memory_tier(tmp_path / "shm", tmp_path / "arena", 64 << 20, "run", lease_seconds=30.0,
+                              write_behind_bytes=32 << 20)  # fmt: skip
+    store = Store(backend, 4096, memory=memory)
+    store._writer.close()  # this test drives write_behind_once itself
+    try:
+        first, second = chain("first", room), chain("second", 2)
+        save(store, first)
+        while store.tiers.write_behind_once(1 << 30):
+            pass
+        assert in_backend(store, first) == [True] * room
+        with backend.locate([(NS, x) for x in first]):  # a read that sees the first chain's extents
+            store.evict(functools.partial(eviction.subtree, namespace=NS, block_hash=first[0]))
+            save(store, second)  # the store's budget has room again; the tier's room waits for the read
+            assert not store.tiers.write_behind_once(1 << 30)  # nothing written, nothing dropped
+            stats = store.stats()
+            assert (stats["write_behind_blocks"], stats["write_behind_dropped"]) == (2, 0)
+        assert store.tiers.write_behind_once(1 << 30)
+        assert in_backend(store, second) == [True, True]
+        stats = store.stats()
+        assert (stats["write_behind_blocks"], stats["write_behind_dropped"]) == (0, 0)
+    finally:
+        store.close()
