@@ -722,12 +722,13 @@ class TierChain:
         """Write `writes` to the persistent tier; when it refuses them all, the halves on
         their own, down to single blocks: a full tier (room held by reads, or too scattered
         for a large block) refuses the blocks that do not fit, not the whole batch.
-        Returns (written, refused); the refused stay in memory only (logged), the rest
-        of `writes` was neither: `wait`, and the tier had no room for them until reads
-        end (Backend.room_returning). They wait, queued: the room of blocks deleted while
-        reads saw them comes back as the reads end (tried down the halves instead, a try
-        per half of thousands of blocks while the reads ran on, and then dropped, in a
-        trace replay of small blocks)."""
+        Returns (written, refused): the refused stay in memory only (logged).
+
+        With `wait`, a batch the tier has no room for until reads end
+        (Backend.room_returning) is neither: it stays queued, as the room of blocks
+        deleted while reads saw them comes back when the reads end. Tried down the halves
+        instead, such a batch of thousands of small blocks cost a try per half while the
+        reads ran on, and was then dropped (a trace replay)."""
         try:
             self.persistent.write(writes)
             return writes, []
