@@ -301,8 +301,7 @@ def replay_steps(
     sender = ThreadPoolExecutor(1, thread_name_prefix="trace-sender") if overlap else None
     committing: tuple[Future[Any], list[tuple[Row, Any]]] | None = None
 
-    def committed(results: Any, commits: list[tuple[Row, Any]]) -> None:
-        results = results.result() if isinstance(results, Future) else results
+    def committed(results: list[Any], commits: list[tuple[Row, Any]]) -> None:
         for (row, _), result in zip(commits, results, strict=True):
             if isinstance(result, Exception):
                 failed[f"CommitMany: {type(result).__name__}"] += 1
@@ -381,7 +380,7 @@ def replay_steps(
                 answer.layer(layer).copy_(tensor[: len(lacked)] if whole else tensor[lacked])
             commits.append((step_rows[i], answer))
         if committing is not None:  # one CommitMany in flight, as the connector's one sender thread
-            committed(*committing)
+            committed(committing[0].result(), committing[1])
             committing = None
         if commits:
             commit_many = client.commit_many
@@ -404,7 +403,7 @@ def replay_steps(
             print(f"    {len(rows)}/{len(requests)} requests in {now - started:.0f} s, prefix hits "
                   f"{100 * hit:.1f}%", flush=True)  # fmt: skip
     if committing is not None:
-        committed(*committing)
+        committed(committing[0].result(), committing[1])
     for pool in (opener, sender):
         if pool is not None:
             pool.shutdown()

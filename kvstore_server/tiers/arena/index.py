@@ -235,8 +235,7 @@ class ArenaIndex:
         with self._lock:
             seqs = [_SEQ.pack(self._next + i) for i in range(len(runs))]
             # a block indexed already: its old slot dies
-            found = self._at.get
-            old = [at for key in by_key if (at := found(key)) is not None]
+            old = [at for key in by_key if (at := self._at.get(key)) is not None]
             try:
                 with self._env.begin(write=True) as txn:
                     for digest, record in layouts.items():
@@ -251,10 +250,9 @@ class ArenaIndex:
             self._apply(killed)
             self._next += len(runs)
             self._stored_layouts.update(layouts)
-            slots = self._at
             for seq, (run, _) in zip(seqs, runs, strict=True):
                 self._runs[seq] = _no_dead(len(run)), len(run)
-                slots.update((p.meta.key, (seq, slot)) for slot, p in enumerate(run))
+                self._at.update((p.meta.key, (seq, slot)) for slot, p in enumerate(run))
 
     def delete(self, keys: Sequence[BlockKey]) -> None:
         """Drop the records of `keys` (those not indexed are skipped)."""
