@@ -52,6 +52,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -319,14 +320,21 @@ class LmdbBackend(Backend):
                         for i, p in zip(range(start, stop), batch, strict=True)
                     ]
                 )
+            issued = time.perf_counter()
             futures = self.io.submit_many(
                 [(nbytes, functools.partial(self._write, segment, offset, bufs))
                  for segment, offset, nbytes, bufs in writes]
             )  # fmt: skip
             _wait(futures)
+            wrote = time.perf_counter()
             if self.segments.sync:
                 self.segments.flush()
+            synced = time.perf_counter()
             replaced = self._commit(placed)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%d blocks: %d writes in %.1f ms, fdatasync %.1f ms, records %.1f ms",
+                          len(puts), len(writes), (wrote - issued) * 1e3, (synced - wrote) * 1e3,
+                          (time.perf_counter() - synced) * 1e3)  # fmt: skip
         except (StorageError, lmdb.Error, OSError) as exc:
             for done in placed:
                 self.segments.free(done.segment, done.offset, done.size)
