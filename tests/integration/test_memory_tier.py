@@ -20,9 +20,10 @@ from support.ports import free_port
 from kvstore import arena_format as fmt
 from kvstore.blocks import WSUM32, wsum32
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore_client import Chain, KVStoreClient, LayerSpec, errors
+from kvstore_client import Chain, KVStoreClient, LayerSpec, _control, errors
 from kvstore_client.arena.load import Pinned
 from kvstore_server.auth import tenant_prefix
+from kvstore_server.tiers.chain import Promotion
 
 from .helpers import NS, assert_same, both_backends, chain, make_layers, rows
 from .test_metrics import calls, scrape
@@ -358,6 +359,44 @@ def test_a_cold_pin_reports_blocks_read_whole_as_they_land(make_daemon) -> None:
         assert any(2 < b < 6 for b in blocks) and seen[-1] == (16, 6)
         assert all(layer == (16 if b == 6 else 0) for layer, b in seen)
         pinned.release()
+
+
+def test_a_loader_has_a_cold_pins_last_blocks_before_the_daemon_places_them(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon places the blocks a streamed Pin read (Promotion.finish) after its last
+    report and before it ends the stream: the loader copies the last blocks meanwhile,
+    and reads the stream's end only when it is done with them (finish). Placement held
+    here: the loader still has every block, bit-exact, before it is placed."""
+    s = make_server()
+    hashes, layers = chain("tail", 4), make_layers(4, num_layers=4, shape=(256, 128), dtype=torch.float16)
+    with KVStoreClient(s.address, arena=True) as kv:
+        assert save(kv, hashes, layers) == 4
+        eventually(lambda: kv.stats()["written_behind"] == 4)
+    s.restart()  # every block written behind: the arena went with the clean stop
+    order: list[str] = []
+    placing = threading.Event()
+    plain_finish = Promotion.finish
+
+    def held(promotion: Promotion) -> object:
+        placing.wait(5)
+        order.append("placed")
+        return plain_finish(promotion)
+
+    monkeypatch.setattr(Promotion, "finish", held)
+    monkeypatch.setattr(_control, "_FINISH_WAIT", 10.0)  # a loader that waited for the end: it shows
+    with KVStoreClient(s.address, arena=True) as kv:
+        assert kv.stats()["memory_blocks"] == 0  # only the persistent tier holds them
+        pinned = kv.pin(NS, hashes, stream=True)
+        assert pinned is not None and (pinned.num_blocks, pinned.ready_blocks) == (4, 0)
+        pinned.wait_blocks(4)
+        order.append("loader has every block")
+        assert_same(read_out(pinned, layers), layers)
+        placing.set()
+        assert pinned.finish()
+        eventually(lambda: kv.stats()["pinned_bytes"] == 0)
+        assert kv.stats()["memory_blocks"] == 4
+    assert order == ["loader has every block", "placed"]
 
 
 def test_a_cold_pin_whose_read_fails_ends_incomplete_and_never_serves_the_bytes(make_daemon) -> None:
