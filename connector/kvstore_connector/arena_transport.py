@@ -79,6 +79,10 @@ class ArenaSave:
     unsaved: list[int] = field(default_factory=list)  # per group: its layers not saved yet
     sums: dict[int, torch.Tensor] = field(default_factory=dict)  # group -> [len(group), n] wsum32
     packed: list[int] = field(default_factory=list)  # per layer: its blocks' start in staging
+    # every group summed: the sums on their way to the host, block-major, and the event
+    # after which they are there (None on CPU: there already)
+    host_sums: torch.Tensor | None = None
+    host_sums_landed: Any = None
 
     def wait(self) -> None:
         for _index, copy in self.copies:
@@ -297,6 +301,19 @@ class ArenaTransport:
                     got = wsum32_blocks(save.staging[start : start + size].view(len(members) * n, -1))
                 if got is not None:
                     save.sums[group] = got.view(len(members), n)
+                    if len(save.sums) == len(save.groups):
+                        self._sums_to_host(save)
+
+    def _sums_to_host(self, save: ArenaSave) -> None:
+        """Every group summed: the sums to the host now, behind the last sum on the check
+        stream, so that the commit finds them there (a synchronous copy at the commit
+        cost 0.34 ms of a 2048-token save on an H200 host)."""
+        with self.mover.on_check_stream():
+            parts = [save.sums[group] for group in range(len(save.groups))]
+            sums = torch.cat(parts).t().contiguous()  # [n, layers]: block-major
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=self.mover.cuda)
+            host.copy_(sums, non_blocking=True)
+        save.host_sums, save.host_sums_landed = host, self.mover.record(on_check=True)
 
     def commit(self, save: Save) -> Committed | None:
         """Wait for the save's copies, then checksum and commit (the sender thread); a
@@ -361,12 +378,12 @@ class ArenaTransport:
         if save.ids is None:  # every block was stored already: nothing reserved
             save.wait()
             return None
-        if save.staging is not None and len(save.sums) == len(save.groups):
+        if save.staging is not None and save.host_sums is not None:
             save.wait()  # every layer copied (the host waited for the copy stream)
-            with self.mover.on_check_stream():  # not the default stream: it waits for the forward pass
-                parts = [save.sums[group] for group in range(len(save.groups))]
-                sums = torch.cat(parts).t().contiguous().cpu()  # [n, layers]: block-major
-            save.staging, save.sums = None, {}
+            if save.host_sums_landed is not None:
+                save.host_sums_landed.synchronize()
+            sums = save.host_sums
+            save.staging, save.sums, save.host_sums, save.host_sums_landed = None, {}, None, None
             return sums.numpy().tobytes(), WSUM32
         save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
