@@ -1062,11 +1062,12 @@ def parent(args: argparse.Namespace) -> None:
 
 def print_daemon_log(path: Path) -> None:
     """What the daemon logged at WARNING and above, and (at --daemon-log-level DEBUG) its
-    promotions' timings."""
+    promotions' and write-behind batches' timings."""
     if not path.exists():
         return
+    timings = ("promoted", "wrote behind", " writes in ")
     lines = [line for line in path.read_text().splitlines()
-             if " WARNING " in line or " ERROR " in line or "promoted" in line]  # fmt: skip
+             if " WARNING " in line or " ERROR " in line or any(t in line for t in timings)]  # fmt: skip
     if lines:
         print(f"\n--- the daemon's log ({len(lines)} lines)")
         for line in lines[-200:]:
@@ -1208,7 +1209,7 @@ def main() -> None:
     p.add_argument(
         "--daemon-log-level",
         default="WARNING",
-        help="the daemon's; DEBUG prints each promotion's timings (found, issued, read, placed)",
+        help="the daemon's; DEBUG prints each promotion's and write-behind batch's timings",
     )
     p.add_argument(
         "--profile",

@@ -383,8 +383,6 @@ class Loading(Admitting):
         promotion = started.promotion
         placing: Placing | None = None
         try:
-            if promotion is not None:  # a read per I/O thread while the answer is made
-                promotion.issue_first()
             pending = {p.meta.key: p for p in promotion.placed} if promotion is not None else {}
             try:
                 result = self._pinned(memory, tenant, namespace, hashes, keys, cold, now, stop,

@@ -152,8 +152,10 @@ class Pinned:
         if self.ready_layers >= len(self.layers):
             # NOTE: the stream's end is read later (finish, release), not now: the daemon
             # places the blocks it read before it ends the stream, and a loader that read
-            # the end here issued its last copies only after that placement (1-2.4 ms at
-            # 2048 tokens on an H200 host: bench/results/persistent_h200_run10.txt)
+            # the end here issued its last copies only after that placement. On an H200
+            # host its last range was copied 1.95 / 7.65 ms after the last report at 2048 /
+            # 8192 tokens; 0.65 ms where it had joined another load's promotion, whose
+            # owner places it (bench/results/persistent_h200_run10.txt)
             self.ready_blocks = self.num_blocks
 
     def _end_progress(self, *, finished: bool = False) -> None:

@@ -212,13 +212,11 @@ class Promotion:
     blocks under 8 MiB), all blocks' first group first.
 
     The reads are issued by `issue` (by the first of progress, read_prefix and finish, or
-    earlier), not when it is made: a streamed Pin issues a read per I/O thread
-    (issue_first), answers (the extents and sums are known), then issues the rest.
-    Answering after all of them, the answer's Python waited for the GIL behind 16 I/O
-    threads: on the H200 host the client had it 6.5 ms after sending the Pin at 2048
-    tokens and 31 ms at 8192, though every read was issued after 1.3-2.3 and 4-7 ms
-    (bench/results/cold_timeline_h200_run1.txt); issuing them all after the answer left
-    the disk idle until the client had it (3.6 ms at 2048 tokens)."""
+    earlier), not when it is made: a streamed Pin answers first (the extents and sums are
+    known), then issues them. Answering after them, the answer's Python waited for the GIL
+    behind 16 I/O threads: on the H200 host the client had it 6.5 ms after sending the Pin
+    at 2048 tokens and 31 ms at 8192, though every read was issued after 1.3-2.3 and
+    4-7 ms (bench/results/cold_timeline_h200_run1.txt)."""
 
     def __init__(
         self,
@@ -258,9 +256,6 @@ class Promotion:
         size = max(-(-n // (_TASKS_PER_THREAD * threads)), _READ_TASK_BYTES // max(1, self.block_bytes), 1)
         self._chunks = [range(first, min(n, first + size)) for first in range(0, n, size)]
         self._futures: list[list[Future[None]]] = []
-        self._threads = threads
-        self._sent = 0  # reads issued, in the order of _issue
-        self._rows: Any = None
         self._issue_lock = threading.Lock()
         self.issued = 0.0  # when the last read was issued (perf_counter); 0: not yet
         self._failed_at = n  # the first block a read failed for
@@ -268,51 +263,27 @@ class Promotion:
         self.placed = [Placed(h.meta, at, 1, 0) for at, h in zip(extents, located, strict=True)]
         self._found_ms = (found - started) * 1e3
 
-    def issue_first(self) -> None:
-        """Issue the first reads, one per I/O thread: a streamed Pin issues them before it
-        answers, and the rest once it has (issue). A read keeps its thread off the GIL for
-        a whole task (4 MiB: ms), so they do not hold the answer up, and the disk works
-        while the answer is made instead of after it."""
-        with self._issue_lock:
-            self._issue(min(self._threads, len(self._chunks)))
-
     def issue(self) -> None:
         """Issue every read (once; later calls return at once): each group's planned before
         its first is issued (read_batches). A read that cannot be issued fails the
         promotion from its first block (`failed`), after the reads already issued end."""
         with self._issue_lock:
-            self._issue(len(self.groups) * len(self._chunks))
-
-    def _issue(self, upto: int) -> None:
-        """Issue the reads not issued yet, in order (each group's chunks, group by group), up
-        to the `upto`th; `issued` is set with the last. Caller holds _issue_lock."""
-        total, chunks = len(self.groups) * len(self._chunks), len(self._chunks)
-        if self.issued or self._sent >= upto:
-            return
-        memory = self._memory
-        try:
-            if self._rows is None:  # [layer, (address, length)] of a block at the arena's start
-                self._rows = memory.extent_rows(self._located[0].specs, 0, 1)[0]
-            while self._sent < upto:
-                g, first = divmod(self._sent, chunks)
-                stop = min(chunks, first + upto - self._sent)
-                group = self.groups[g]
-                spans = _group_rows(self._rows, group, self.extents)
-                batches = [[(self._located[p], Pieces(spans[p], memory.file)) for p in chunk]
-                           for chunk in self._chunks[first:stop]]  # fmt: skip
-                futures = self._chain.persistent.read_batches(batches, group)
-                if first:
-                    self._futures[g].extend(futures)
-                else:
-                    self._futures.append(futures)
-                self._sent += stop - first
-        except (StorageError, OSError, ValueError, TypeError, RuntimeError) as exc:
-            for futures in self._futures:  # no read may still write into the extents
-                for future in futures:
-                    future.exception()
-            log.error("reading blocks from %s for a load failed: %s", self._cold[0][1].hex(), exc)
-            self._futures, self._failed_at, self._sent = [], 0, total
-        if self._sent >= total:
+            if self.issued:
+                return
+            memory = self._memory
+            one = memory.extent_rows(self._located[0].specs, 0, 1)[0]  # [layer, (address, length)], at 0
+            try:
+                for group in self.groups:
+                    spans = _group_rows(one, group, self.extents)
+                    batches = [[(self._located[p], Pieces(spans[p], memory.file)) for p in chunk]
+                               for chunk in self._chunks]  # fmt: skip
+                    self._futures.append(self._chain.persistent.read_batches(batches, group))
+            except (StorageError, OSError, ValueError, TypeError, RuntimeError) as exc:
+                for futures in self._futures:  # no read may still write into the extents
+                    for future in futures:
+                        future.exception()
+                log.error("reading blocks from %s for a load failed: %s", self._cold[0][1].hex(), exc)
+                self._futures, self._failed_at = [], 0
             self.issued = time.perf_counter()
             self._located = []  # (the records are not needed any more)
 

@@ -14,7 +14,6 @@ from kvunit import BLOCK_BYTES, LAYERS, NS, backend_file_with, chain, layer_byte
 
 from kvstore.blocks import STOP_EVICTED
 from kvstore_server.store import Store
-from kvstore_server.tiers import chain as chain_module
 from kvstore_server.tiers.arena import open_memory_tier
 from kvstore_server.tiers.chain import Ready
 from kvstore_server.tiers.iopool import IOPool
@@ -166,50 +165,21 @@ def test_a_streamed_pin_places_its_blocks_after_the_last_report_and_its_release_
         assert {(NS, x) for x in hashes[:3]} <= set(memory.resident)
 
 
-def test_a_streamed_pin_issues_a_read_per_io_thread_before_it_answers_and_the_rest_after(
-    cold: tuple[Store, list[bytes]], monkeypatch: pytest.MonkeyPatch
+def test_a_streamed_pin_answers_before_its_reads_and_a_read_it_cannot_issue_ends_the_stream(
+    cold: tuple[Store, list[bytes]],
 ) -> None:
-    """The disk works while the answer is made: a read per I/O thread goes out before the
-    streamed Pin answers, the rest when the stream goes on, and every block lands."""
+    """The answer goes out before any read is issued (they are issued when the stream goes
+    on): an I/O pool that refuses them then (closed) fails the load like a failed read,
+    and nothing stays pinned or held."""
     store, hashes = cold
     backend = store.tiers.persistent
-    monkeypatch.setattr(chain_module, "_READ_TASK_BYTES", 1)  # a read per block: 6
-    submitted: list[int] = []
-
-    class Counting(IOPool):
-        def submit_many(self, tasks):  # type: ignore[no-untyped-def]
-            submitted.append(len(tasks))
-            return super().submit_many(tasks)
-
-    working, backend.io = backend.io, Counting(2)  # type: ignore[attr-defined]
-    monkeypatch.setattr(backend, "io_threads", 2)
-    try:
-        progress = store.pin_stream(b"", NS, hashes)
-        answer = next(progress)
-        assert not isinstance(answer, (Ready, str)) and answer.num_blocks == 6 and answer.ready_layers == 0
-        assert submitted == [2]
-        assert list(progress)[-1] == Ready(len(LAYERS), 6)
-        assert submitted == [2, 4]
-    finally:
-        backend.io.close()  # type: ignore[attr-defined]
-        backend.io = working  # type: ignore[attr-defined]
-    assert store.release(b"", answer.pin_id)
-    with store.read(NS, hashes) as got:
-        assert [bytes(view) for view in got.blocks[5].layers] == [layer_bytes(hashes[5], s) for s in LAYERS]
-
-
-def test_a_read_a_streamed_pin_cannot_issue_ends_its_stream(cold: tuple[Store, list[bytes]]) -> None:
-    """An I/O pool that refuses the reads (closed) fails the load like a failed read: the
-    answer still comes, then the stream's stop, and nothing stays pinned or held."""
-    store, hashes = cold
-    backend = store.tiers.persistent
+    progress = store.pin_stream(b"", NS, hashes)
+    answer = next(progress)
+    assert not isinstance(answer, (Ready, str)) and answer.num_blocks == 6 and answer.ready_layers == 0
     refusing = IOPool(1)
     refusing.close()
     working, backend.io = backend.io, refusing  # type: ignore[attr-defined]
     try:
-        progress = store.pin_stream(b"", NS, hashes)
-        answer = next(progress)
-        assert not isinstance(answer, (Ready, str)) and answer.num_blocks == 6 and answer.ready_layers == 0
         assert list(progress) == [STOP_EVICTED]
     finally:
         backend.io = working  # type: ignore[attr-defined]
