@@ -150,21 +150,24 @@ class Pinned:
             self.ready_layers = max(self.ready_layers, message.ready_layers)
             self.ready_blocks = max(self.ready_blocks, message.ready_blocks)
         if self.ready_layers >= len(self.layers):
-            # NOTE: the stream's end is read later (finish, release), not now: the daemon
-            # places the blocks it read before it ends the stream, and a loader that read
-            # the end here issued its last copies only after that placement. On an H200
-            # host its last range was copied 1.95 / 7.65 ms after the last report at 2048 /
-            # 8192 tokens; 0.65 ms where it had joined another load's promotion, whose
-            # owner places it (bench/results/persistent_h200_run10.txt)
+            # NOTE: the stream's end is not read now, but at finish or release, and only if
+            # it has come by then: the daemon places the blocks it read before it ends the
+            # stream, and a loader that waited for the end here issued its last copies only
+            # after that placement. On an H200 host its last range was copied 1.95 / 7.65 ms
+            # after the last report at 2048 / 8192 tokens; 0.65 ms where it had joined
+            # another load's promotion, whose owner places it
+            # (bench/results/persistent_h200_run10.txt). An end that has not come when the
+            # load is over costs the connection (closed, not pooled), not a wait.
             self.ready_blocks = self.num_blocks
 
     def _end_progress(self, *, finished: bool = False) -> None:
-        """Stop reading progress: `finished` (every layer in place: the daemon is ending
-        the stream, so its end is read and the connection serves another call) or
-        cancelled."""
+        """Stop reading progress: `finished` (the answer said every layer was in place: the
+        daemon is ending the stream, so its end is read, briefly, and the connection
+        serves another call) or cancelled (what of the end has come is read; without it,
+        the connection closes)."""
         call, self._progress = self._progress, None
         if call is not None:
-            if finished or self.ready_layers >= len(self.layers):
+            if finished:
                 call.finish()
             else:
                 call.cancel()

@@ -365,14 +365,16 @@ def test_a_loader_has_a_cold_pins_last_blocks_before_the_daemon_places_them(
     make_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The daemon places the blocks a streamed Pin read (Promotion.finish) after its last
-    report and before it ends the stream: the loader copies the last blocks meanwhile,
-    and reads the stream's end only when it is done with them (finish). Placement held
-    here: the loader still has every block, bit-exact, before it is placed."""
+    report and before it ends the stream: the loader copies the last blocks meanwhile.
+    Placement held here: the loader still has every block, bit-exact, before it is
+    placed, and its finish does not wait for the stream's end (the connection closes
+    instead). Where the end has come by then, the connection goes back to the pool."""
     s = make_server()
-    hashes, layers = chain("tail", 4), make_layers(4, num_layers=4, shape=(256, 128), dtype=torch.float16)
+    first, second = chain("tail", 4), chain("tail-2", 4)
+    layers = make_layers(4, num_layers=4, shape=(256, 128), dtype=torch.float16)
     with KVStoreClient(s.address, arena=True) as kv:
-        assert save(kv, hashes, layers) == 4
-        eventually(lambda: kv.stats()["written_behind"] == 4)
+        assert save(kv, first, layers) == 4 and save(kv, second, layers) == 4
+        eventually(lambda: kv.stats()["written_behind"] == 8)
     s.restart()  # every block written behind: the arena went with the clean stop
     order: list[str] = []
     placing = threading.Event()
@@ -387,16 +389,29 @@ def test_a_loader_has_a_cold_pins_last_blocks_before_the_daemon_places_them(
     monkeypatch.setattr(_control, "_FINISH_WAIT", 10.0)  # a loader that waited for the end: it shows
     with KVStoreClient(s.address, arena=True) as kv:
         assert kv.stats()["memory_blocks"] == 0  # only the persistent tier holds them
-        pinned = kv.pin(NS, hashes, stream=True)
+        pinned = kv.pin(NS, first, stream=True)
         assert pinned is not None and (pinned.num_blocks, pinned.ready_blocks) == (4, 0)
         pinned.wait_blocks(4)
         order.append("loader has every block")
         assert_same(read_out(pinned, layers), layers)
+        pool = kv._rpc.control
+        assert pool is not None
+        stream = pinned._progress._conn  # type: ignore[union-attr]
+        assert pinned.finish()  # the placement still held: the end has not come
+        order.append("loader done")
+        assert stream not in pool._idle
         placing.set()
-        assert pinned.finish()
         eventually(lambda: kv.stats()["pinned_bytes"] == 0)
         assert kv.stats()["memory_blocks"] == 4
-    assert order == ["loader has every block", "placed"]
+
+        pinned = kv.pin(NS, second, stream=True)  # placed at once (the event is set)
+        assert pinned is not None
+        pinned.wait_blocks(4)
+        eventually(lambda: kv.stats()["memory_blocks"] == 8)  # placed: the end has come
+        stream = pinned._progress._conn  # type: ignore[union-attr]
+        assert pinned.release()
+        assert stream in pool._idle  # read to its end: pooled (and the Release's, since)
+    assert order == ["loader has every block", "loader done", "placed", "placed"]
 
 
 def test_a_cold_pin_whose_read_fails_ends_incomplete_and_never_serves_the_bytes(make_daemon) -> None:
