@@ -4,6 +4,7 @@ promotion, recovery after SIGKILL, corruption, tenancy. Clients map the real are
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -407,10 +408,11 @@ def test_a_loader_has_a_cold_pins_last_blocks_before_the_daemon_places_them(
         pinned = kv.pin(NS, second, stream=True)  # placed at once (the event is set)
         assert pinned is not None
         pinned.wait_blocks(4)
-        eventually(lambda: kv.stats()["memory_blocks"] == 8)  # placed: the end has come
         stream = pinned._progress._conn  # type: ignore[union-attr]
+        assert select.select([stream.sock], [], [], 10)[0]  # the end has come (after the placement)
         assert pinned.release()
         assert stream in pool._idle  # read to its end: pooled (and the Release's, since)
+        assert kv.stats()["memory_blocks"] == 8
     assert order == ["loader has every block", "loader done", "placed", "placed"]
 
 
