@@ -310,9 +310,8 @@ class ArenaTransport:
         cost 0.34 ms of a 2048-token save on an H200 host)."""
         with self.mover.on_check_stream():
             parts = [save.sums[group] for group in range(len(save.groups))]
-            sums = torch.cat(parts).t().contiguous()  # [n, layers]: block-major
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=self.mover.cuda)
-            host.copy_(sums, non_blocking=True)
+            # [n, layers]: block-major; from a GPU into pinned memory, valid once the event fired
+            host = torch.cat(parts).t().contiguous().to("cpu", non_blocking=True)
         save.host_sums, save.host_sums_landed = host, self.mover.record(on_check=True)
 
     def commit(self, save: Save) -> Committed | None:

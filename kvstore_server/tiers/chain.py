@@ -698,6 +698,7 @@ class TierChain:
         ended = time.perf_counter()
         keys = [w.meta.key for w in written]
         wrote = {p.meta.key: p for p in batch}
+        nbytes = sum(w.meta.size for w in written)
         with self._commit_lock:
             with self._lock:
                 stale = [key for key in keys if self.index.get(*key) is None]
@@ -712,12 +713,12 @@ class TierChain:
                 if written:
                     # batches overlap: time since the last one ended counts, not twice
                     elapsed = ended - max(started, self._last_written)
-                    self.write_rate.add(sum(w.meta.size for w in written), elapsed)
+                    self.write_rate.add(nbytes, elapsed)
                 self._last_written = max(self._last_written, ended)
             if stale:
                 self.delete(stale)
         if log.isEnabledFor(logging.DEBUG) and written:
-            nbytes, writing = sum(w.meta.size for w in written), max(ended - planned, 1e-9)
+            writing = max(ended - planned, 1e-9)
             log.debug("wrote behind %d blocks (%.0f MB) in %.1f ms, the oldest committed %.1f ms before: "
                       "planned %.1f ms, the tier's write %.1f ms (%.2f GB/s), then %.1f ms",
                       len(written), nbytes / 1e6, (time.perf_counter() - started) * 1e3, waited * 1e3,
