@@ -370,9 +370,11 @@ def arena_load(
         # on the forward thread (wait_for_layer), not on the loader thread
         issued.append(now())
         events.append(event)
+        GPU_MARKS.mark("scattered", transport.mover._scatter_stream)
 
     d.sync()
     probe.reset()
+    GPU_MARKS.reset(transport.mover.cuda)
     t0 = now()
     pinned = transport.leased(spec) if leased else None
     if leased and pinned is None:
@@ -401,6 +403,10 @@ def arena_load(
             "t_last_done": issued[-1] - t0,
             "t_end": t1 - t0,
         }
+        for what in ("landed", "checked", "scattered"):  # on the GPU (None on CPU)
+            at = GPU_MARKS.last(what)
+            if at is not None:
+                timeline[f"gpu_{what}"] = at
     return {
         **timeline,
         "total": t1 - t0,
@@ -419,11 +425,59 @@ def arena_load(
     }  # fmt: skip
 
 
+class GpuMarks:
+    """When the GPU got there, for the cold loads' timeline: a timing event on the copy
+    stream after each range's copy (landed), on the check stream after a run's checks, and
+    on the scatter stream after each group's scatters; read as ms from `start` once the
+    device is synchronised. Nothing on CPU."""
+
+    def __init__(self) -> None:
+        self.start: Any = None
+        self.marks: list[tuple[str, Any]] = []
+
+    def reset(self, cuda: bool) -> None:
+        self.marks = []
+        self.start = None
+        if cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def mark(self, what: str, stream: Any) -> None:
+        if self.start is not None and stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            self.marks.append((what, event))
+
+    def last(self, what: str) -> float | None:
+        """Seconds from the start to the last `what` (after the device synchronised)."""
+        got = [event for w, event in self.marks if w == what]
+        return self.start.elapsed_time(got[-1]) / 1e3 if got else None
+
+
+GPU_MARKS = GpuMarks()
+
+
 def instrument_transport(transport: Any, probe: Probe) -> None:
     """Time each copy of a promotion's range of blocks to the device ("Stage": issued, not
-    landed) and the end of a run's staging ("Staged"), for the cold loads' timeline."""
-    transport.mover.stage_into = timed(probe, "Stage", transport.mover.stage_into)
-    transport._stage_blocks = timed(probe, "Staged", transport._stage_blocks)
+    landed) and the end of a run's staging ("Staged"), for the cold loads' timeline; and
+    when the GPU ran them (GPU_MARKS)."""
+    mover = transport.mover
+    stage_into, stage_blocks = mover.stage_into, transport._stage_blocks
+
+    def staged_into(*args: Any, **kw: Any) -> Any:
+        try:
+            return stage_into(*args, **kw)
+        finally:
+            GPU_MARKS.mark("landed", mover._stream)
+
+    def staged_blocks(*args: Any, **kw: Any) -> Any:
+        try:
+            return stage_blocks(*args, **kw)
+        finally:
+            GPU_MARKS.mark("checked", mover._check_stream)
+
+    mover.stage_into = timed(probe, "Stage", staged_into)
+    transport._stage_blocks = timed(probe, "Staged", staged_blocks)
 
 
 LAYOUTS: dict[int, Any] = {}
@@ -1095,6 +1149,10 @@ def print_cold(results: dict) -> None:
                       f"copied {m['t_staged'] * 1e3:.2f} ({m['t_ranges']:.0f} ranges), checks done and the first "
                       f"group scattered {m['t_first_done'] * 1e3:.2f}, the last {m['t_last_done'] * 1e3:.2f}, "
                       f"landed {m['t_end'] * 1e3:.2f}")  # fmt: skip
+            if m.get("gpu_landed"):
+                print(f"      on the GPU (ms from the pin sent): the last range landed {m['gpu_landed'] * 1e3:.2f}, "
+                      f"its checks done {m['gpu_checked'] * 1e3:.2f}, the last group scattered "
+                      f"{m['gpu_scattered'] * 1e3:.2f}")  # fmt: skip
 
 
 def summary(args: argparse.Namespace, results: dict, prefill: dict[int, float], io: dict) -> None:

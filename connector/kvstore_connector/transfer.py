@@ -299,14 +299,17 @@ def wsum32_blocks(blocks: torch.Tensor) -> torch.Tensor | None:
     raw = blocks.contiguous().view(torch.uint8).reshape(n, -1)
     if raw.shape[1] % 4:
         return None
-    words = raw.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    # zero-extended from uint32 (no masking pass), multiplied in place: 0.21 ms for 64 MiB
+    # on an H100 against 0.32 (int32, masked, then a product; bench/results/check_h100_micro.txt)
+    words = raw.view(torch.uint32).to(torch.int64)
     key = (words.shape[1], str(blocks.device))
     weights = _WEIGHTS.get(key)
     if weights is None:
         if len(_WEIGHTS) > 16:
             _WEIGHTS.clear()
         weights = _WEIGHTS[key] = torch.arange(1, words.shape[1] + 1, dtype=torch.int64, device=blocks.device)
-    return (words * weights).sum(dim=1)  # int64 arithmetic wraps: the sum mod 2**64
+    words *= weights
+    return words.sum(dim=1)  # int64 arithmetic wraps: the sum mod 2**64
 
 
 def unsigned(value: int) -> int:
