@@ -368,9 +368,10 @@ def arena_load(
     def done(name: str, event: Any) -> None:
         # as the worker's layer gates do: note the event; the compute stream waits on it
         # on the forward thread (wait_for_layer), not on the loader thread
+        if not events or event is not events[-1]:  # a group's layers share its event: marked once
+            GPU_MARKS.mark("scattered", transport.mover._scatter_stream)
         issued.append(now())
         events.append(event)
-        GPU_MARKS.mark("scattered", transport.mover._scatter_stream)
 
     d.sync()
     probe.reset()
