@@ -430,16 +430,18 @@ class GpuMarks:
     """When the GPU got there, for the cold loads' timeline: a timing event on the copy
     stream after each range's copy (landed), on the check stream after a run's checks, and
     on the scatter stream after each group's scatters; read as ms from `start` once the
-    device is synchronised. Nothing on CPU."""
+    device is synchronised. Nothing on CPU, nor in the hot part (no timing events in the
+    loads it times): on once instrument_transport ran (the cold child)."""
 
     def __init__(self) -> None:
+        self.on = False
         self.start: Any = None
         self.marks: list[tuple[str, Any]] = []
 
     def reset(self, cuda: bool) -> None:
         self.marks = []
         self.start = None
-        if cuda:
+        if cuda and self.on:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
 
@@ -464,6 +466,7 @@ def instrument_transport(transport: Any, probe: Probe) -> None:
     when the GPU ran them (GPU_MARKS)."""
     mover = transport.mover
     stage_into, stage_blocks = mover.stage_into, transport._stage_blocks
+    GPU_MARKS.on = True
 
     def staged_into(*args: Any, **kw: Any) -> Any:
         try:
