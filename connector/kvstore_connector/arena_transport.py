@@ -313,6 +313,7 @@ class ArenaTransport:
             # [n, layers]: block-major; from a GPU into pinned memory, valid once the event fired
             host = torch.cat(parts).t().contiguous().to("cpu", non_blocking=True)
         save.host_sums, save.host_sums_landed = host, self.mover.record(on_check=True)
+        save.sums = {}  # (queued behind the copy on the check stream: freed after it)
 
     def commit(self, save: Save) -> Committed | None:
         """Wait for the save's copies, then checksum and commit (the sender thread); a
@@ -382,7 +383,7 @@ class ArenaTransport:
             if save.host_sums_landed is not None:
                 save.host_sums_landed.synchronize()
             sums = save.host_sums
-            save.staging, save.sums, save.host_sums, save.host_sums_landed = None, {}, None, None
+            save.staging, save.host_sums, save.host_sums_landed = None, None, None
             return sums.numpy().tobytes(), WSUM32
         save.staging = None
         # hash each layer as soon as its copy has landed, while later layers' copies run
